@@ -1,0 +1,82 @@
+"""Frozen, validated configuration of the scheduler and the KV cache.
+
+Each config is a small frozen dataclass checked in `__post_init__`; a bad value raises
+ValueError naming the field and the allowed range. Configs never read the environment or
+write files, and derived runtime values (e.g. how many blocks fit on a GPU) live
+elsewhere, never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from servelab._validate import check_choice, check_float, check_int
+
+PREEMPTION_MODES = ("recompute", "swap")
+STEP_COMPOSITIONS = ("decode_first", "prefill_first")
+BATCHING_MODES = ("continuous", "static")
+BLOCK_MANAGERS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most sequences in one step (vLLM v1 default 128)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: prefill chunk tokens + one per decoding sequence."""
+    chunked_prefill: int | None = 512
+    """Largest prefill chunk one sequence may compute in a step; None turns chunking off
+    (then a prompt larger than the token budget can never run and is rejected)."""
+    step_composition: str = "decode_first"
+    """decode_first: running decodes first, then prefill chunks fill the budget (Sarathi
+    stall-free); prefill_first: waiting prefills first, decodes only in steps without one."""
+    preemption: str = "recompute"
+    max_model_len: int = 8192
+    waiting_queue_limit: int | None = None
+    """Reject arrivals when this many requests already wait (the HTTP 429 analogue)."""
+    batching: str = "continuous"
+    """continuous (iteration-level) or static (a batch runs until all members finish)."""
+
+    def __post_init__(self) -> None:
+        o = "SchedulerConfig"
+        check_int(o, "max_num_seqs", self.max_num_seqs, 1)
+        check_int(o, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.chunked_prefill is not None:
+            check_int(o, "chunked_prefill", self.chunked_prefill, 1)
+        check_choice(o, "step_composition", self.step_composition, STEP_COMPOSITIONS)
+        check_choice(o, "preemption", self.preemption, PREEMPTION_MODES)
+        check_int(o, "max_model_len", self.max_model_len, 2)
+        if self.waiting_queue_limit is not None:
+            check_int(o, "waiting_queue_limit", self.waiting_queue_limit, 0)
+        check_choice(o, "batching", self.batching, BATCHING_MODES)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    num_cpu_blocks: int = 0
+    """Swap space in blocks; 0 means swap preemption always falls back to recompute."""
+    watermark: float = 0.01
+    """Fraction of GPU blocks kept free when admitting new sequences (vLLM v0: 1%)."""
+    enable_prefix_caching: bool = False
+    block_manager: str = "paged"
+
+    def __post_init__(self) -> None:
+        o = "CacheConfig"
+        check_int(o, "block_size", self.block_size, 1, 1 << 16)
+        check_int(o, "num_gpu_blocks", self.num_gpu_blocks, 1)
+        check_int(o, "num_cpu_blocks", self.num_cpu_blocks, 0)
+        check_float(o, "watermark", self.watermark, 0.0, 0.5)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"{o}.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        check_choice(o, "block_manager", self.block_manager, BLOCK_MANAGERS)
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_gpu_blocks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,84 @@
+"""Plain per-request and per-step records: what executors emit and reports consume.
+
+Both are flat so that they map one-to-one onto the rows of requests.csv and steps.csv.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    """Output tokens actually produced (per sample; the trace target in replay)."""
+    status: str
+    """'finished' or 'rejected'."""
+    scheduled_s: float | None = None
+    """First time the request was scheduled."""
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    """Time of the last token (finished) or of the rejection (rejected)."""
+    num_preemptions: int = 0
+    tenant: str = "default"
+    priority: int = 0
+    reject_reason: str = ""
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    n: int = 1
+    token_times: list[float] | None = None
+    """Time of every output token of sample 0, when the executor kept them (for ITL)."""
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return (self.first_token_s - self.arrival_s) * 1e3
+
+    @property
+    def e2el_ms(self) -> float | None:
+        if self.status != "finished" or self.finish_s is None:
+            return None
+        return (self.finish_s - self.arrival_s) * 1e3
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT); None for one token."""
+        if self.status != "finished" or self.output_tokens < 2 or self.first_token_s is None:
+            return None
+        return (self.finish_s - self.first_token_s) * 1e3 / (self.output_tokens - 1)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    start_s: float
+    duration_s: float
+    """Duration of one step; for a fast-forwarded run, of all `num_steps` together."""
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_seqs: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preempted: int = 0
+    num_steps: int = 1
+    """>1 when the simulator advanced a run of identical decode steps in closed form."""
+    prefill_context_sum: int = 0
+    prefill_q_context_sum: int = 0
+    prefill_q_sq_sum: int = 0
+    decode_context_sum: int = 0
+    """For a fast-forwarded run: the value at the run's first step."""
+    num_swap_blocks: int = 0
+    num_copy_blocks: int = 0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

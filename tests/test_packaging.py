@@ -1,0 +1,68 @@
+"""The distribution installs every component under the one `servelab` namespace."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMPONENTS = ("memory", "policies", "simulator", "backends", "traces", "reports")
+
+
+def _source_packages() -> set[str]:
+    """Every folder with an __init__.py, as the module path it must install to."""
+    pkgs = {"servelab"}
+    for comp in COMPONENTS:
+        for init in (REPO / comp).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO).parts
+            pkgs.add(".".join(("servelab",) + rel))
+    return pkgs
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out), str(REPO)], check=True, capture_output=True)
+    (whl,) = out.glob("servelab-*.whl")
+    return whl
+
+
+def test_wheel_holds_every_component_under_servelab(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"servelab", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    for pkg in _source_packages():
+        assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
+    # nothing generic at the top level of site-packages
+    for comp in COMPONENTS:
+        assert not any(n.startswith(comp + "/") for n in names)
+    assert any(n.startswith("servelab/data/models/") and n.endswith(".json") for n in names)
+
+
+def test_wheel_declares_console_script_and_light_core_dependencies(wheel):
+    zf = zipfile.ZipFile(wheel)
+    meta_dir = next(n.split("/")[0] for n in zf.namelist() if n.endswith("METADATA"))
+    entry = zf.read(f"{meta_dir}/entry_points.txt").decode()
+    assert "servelab = servelab.cli:main" in entry
+    meta = zf.read(f"{meta_dir}/METADATA").decode()
+    core = [line for line in meta.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert not any(heavy in line for line in core for heavy in ("torch", "triton", "transformers", "ray"))
+    assert any("extra == \"backend\"" in line and "torch" in line for line in meta.splitlines())
+
+
+def test_every_source_package_is_installed_in_this_environment():
+    import importlib
+
+    for pkg in sorted(_source_packages()):
+        importlib.import_module(pkg)
+
+
+def test_cli_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "servelab", "--help"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "usage: servelab" in out
