@@ -1,0 +1,179 @@
+"""A model's footprint on one GPU under tensor parallelism: shapes, weights, KV capacity.
+
+The cost model and the KV-capacity calculation both need "how big is this on one GPU":
+the weights each GEMM streams, the activations it reads and writes per token, the KV a
+token occupies, the bytes a collective moves. Megatron-style TP splits attention heads,
+the MLP's intermediate dimension and the vocabulary tp ways; KV heads are split too, or
+replicated when tp exceeds them (each GPU then keeps one), as engines do. Hidden-size
+activations and norms stay whole on every GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.models import ModelSpec, load_model_spec
+from servelab.simulator.gpus import DTYPE_BYTES, GIB, GPUSpec, get_gpu
+
+ACT_BYTES = 2
+"""Activations, norms, biases, embeddings and the LM head are BF16 whatever the weight
+dtype (FP8 checkpoints quantise the linear layers of the blocks only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One GEMM of the stack on one GPU (`repeat` times: once per layer, or once)."""
+
+    name: str
+    weight_elems: int
+    """Multiply-accumulate weights: FLOPs per token = 2 · weight_elems."""
+    weight_bytes: int
+    """Bytes streamed from HBM per call (weights in their dtype, plus any BF16 bias)."""
+    act_elems_per_token: int
+    """Activation elements read plus written per token."""
+    repeat: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedShapes:
+    tp: int
+    num_layers: int
+    hidden: int
+    q_dim: int
+    """Query width on one GPU: heads/tp · head_dim."""
+    kv_dim: int
+    """K (or V) width on one GPU: kv heads per GPU · head_dim."""
+    intermediate: int
+    vocab: int
+    kv_bytes_per_token: int
+    """K and V of one token across all layers on one GPU, in the KV dtype."""
+    gemms: tuple[Gemm, ...]
+    """qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this order."""
+    elementwise_bytes_per_token: int
+    attn_flops_per_pair: int
+    """FLOPs of one (query, key) pair across all layers: QKᵀ and PV, 2 FLOPs per MAC."""
+    allreduce_bytes_per_token: float
+    """Link bytes per token of the two ring all-reduces per layer: 2(tp−1)/tp of the
+    hidden state each time (zero at tp=1)."""
+    gather_bytes_per_seq: int
+    """Link bytes per sampled row of the vocab-parallel logits all-gather."""
+    num_collectives: int
+
+    @classmethod
+    def of(cls, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16",
+           kv_dtype: str = "bf16") -> "ShardedShapes":
+        for name, dtype in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
+            if dtype not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+        if model.num_heads % tp or model.intermediate_size % tp:
+            raise ValueError(f"tp={tp} must divide {model.name}'s attention heads "
+                             f"({model.num_heads}) and intermediate size ({model.intermediate_size})")
+        if model.num_kv_heads % tp and tp % model.num_kv_heads:
+            raise ValueError(f"tp={tp} must divide, or be a multiple of, {model.name}'s "
+                             f"{model.num_kv_heads} KV heads")
+        wb, kvb = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+        L, h, hd = model.num_layers, model.hidden_size, model.head_dim
+        q = model.num_heads // tp * hd
+        kv = max(1, model.num_kv_heads // tp) * hd
+        inter = model.intermediate_size // tp
+        vocab = -(-model.vocab_size // tp)          # engines pad the vocabulary to a multiple
+        qkv_out = q + 2 * kv
+        bias = qkv_out * ACT_BYTES if model.attention_bias else 0
+        gemms = (
+            Gemm("qkv_proj", h * qkv_out, h * qkv_out * wb + bias, h + qkv_out, L),
+            Gemm("o_proj", q * h, q * h * wb, q + h, L),
+            Gemm("mlp_gate_up", h * 2 * inter, h * 2 * inter * wb, h + 2 * inter, L),
+            Gemm("mlp_down", inter * h, inter * h * wb, inter + h, L),
+            Gemm("lm_head", h * vocab, h * vocab * ACT_BYTES, h + vocab, 1),
+        )
+        # Per layer: two fused residual-add + RMSNorm (read x and residual, write both),
+        # SiLU·mul (read gate and up, write one), rotary on Q and K (read and write);
+        # once: embedding gather (write h) and the final norm (read and write h).
+        per_layer = 8 * h + 3 * inter + 2 * (q + kv)
+        elementwise = (L * per_layer + 3 * h) * ACT_BYTES
+        ring = 2 * (tp - 1) / tp
+        return cls(
+            tp=tp, num_layers=L, hidden=h, q_dim=q, kv_dim=kv, intermediate=inter, vocab=vocab,
+            kv_bytes_per_token=2 * L * kv * kvb, gemms=gemms,
+            elementwise_bytes_per_token=elementwise,
+            attn_flops_per_pair=4 * q * L,
+            allreduce_bytes_per_token=2 * L * ring * h * ACT_BYTES,
+            gather_bytes_per_seq=(tp - 1) * vocab * ACT_BYTES,
+            num_collectives=2 * L + 1 if tp > 1 else 0,
+        )
+
+
+def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16") -> int:
+    """Bytes of weights one GPU holds: its GEMM shards, the embedding shard (shared with
+    the LM head when tied) and the replicated norms. At tp=1 in BF16 this is exactly
+    2 · `ModelSpec.num_params`."""
+    s = ShardedShapes.of(model, tp, weight_dtype)
+    gemms = sum(g.weight_bytes * g.repeat for g in s.gemms)
+    embedding = 0 if model.tie_word_embeddings else s.vocab * s.hidden * ACT_BYTES
+    norms = (2 * s.num_layers + 1) * s.hidden * ACT_BYTES
+    return gemms + embedding + norms
+
+
+# --- KV capacity, derived as an engine derives it ------------------------------------------
+
+NON_TORCH_RESERVE_BYTES = GIB
+"""Memory an engine holds outside weights, activations and KV: CUDA-graph pools, NCCL and
+cuBLAS workspaces, allocator slack. 1 GiB is an assumption (vLLM measures it at start-up);
+pass `activation_reserve_gb` to use a measured figure instead."""
+
+
+def activation_reserve_bytes(model: ModelSpec, tp: int = 1, max_num_batched_tokens: int = 2048,
+                             max_num_seqs: int = 128) -> int:
+    """Peak activation memory of a full-budget step plus the non-torch reserve.
+
+    An engine profiles one forward pass of `max_num_batched_tokens` tokens: the MLP holds
+    the residual, its input, the gate/up output and the activation (2·hidden + 3·I/tp BF16
+    values per token), and sampling holds FP32 logits for `max_num_seqs` rows.
+    """
+    s = ShardedShapes.of(model, tp)
+    per_token = (2 * s.hidden + 3 * s.intermediate) * ACT_BYTES
+    logits = max_num_seqs * s.vocab * 4
+    return NON_TORCH_RESERVE_BYTES + max_num_batched_tokens * per_token + logits
+
+
+def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
+                       block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                       kv_dtype: str = "bf16", weight_dtype: str = "bf16",
+                       activation_reserve_gb: float | None = None,
+                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 128) -> int:
+    """KV blocks that fit on each GPU:
+    (memory × utilization − weights/tp − activation reserve) // bytes per block per GPU.
+
+    `activation_reserve_gb` (GiB, as the catalog reads GB) replaces the modelled reserve
+    (`activation_reserve_bytes`). Raises ValueError when the weights or the reserve leave
+    no room for one block.
+    """
+    model = load_model_spec(model) if isinstance(model, str) else model
+    gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    shapes = ShardedShapes.of(model, tp, weight_dtype, kv_dtype)
+    budget = gpu.memory_bytes * gpu_memory_utilization
+    weights = weight_bytes_per_gpu(model, tp, weight_dtype)
+    if activation_reserve_gb is None:
+        reserve = activation_reserve_bytes(model, tp, max_num_batched_tokens, max_num_seqs)
+    elif activation_reserve_gb < 0:
+        raise ValueError(f"activation_reserve_gb must be >= 0, got {activation_reserve_gb!r}")
+    else:
+        reserve = activation_reserve_gb * GIB
+    if weights >= budget:
+        raise ValueError(
+            f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at tp={tp} "
+            f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
+            f"gpu_memory_utilization={gpu_memory_utilization}: raise tp or use fp8 weights")
+    block_bytes = block_size * shapes.kv_bytes_per_token
+    blocks = int((budget - weights - reserve) // block_bytes)
+    if blocks < 1:
+        raise ValueError(
+            f"no room for a KV block of {model.name} on {gpu.name}: {budget / GIB:.2f} GiB "
+            f"budget − {weights / GIB:.2f} GiB weights − {reserve / GIB:.2f} GiB activation "
+            f"reserve leaves less than one {block_bytes}-byte block")
+    return blocks
