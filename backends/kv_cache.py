@@ -1,0 +1,114 @@
+"""The paged KV cache as tensors: a device pool, a CPU swap pool, and block moves between them.
+
+Both pools hold all layers in one tensor per K and V, shaped
+`[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, so `layer(i)` is a view and
+a block move touches every layer with one gather and one scatter per pool (no Python loop
+over layers x blocks). The block ids are the ones the block manager hands out; this class
+only executes the moves the scheduler asked for.
+
+Memory: 2 x num_layers x num_blocks x block_size x num_kv_heads x head_dim x dtype bytes per
+pool. The CPU pool is pinned when the device is CUDA, so swaps run at full PCIe speed.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Per-layer K/V cache tensors on `device` plus an optional CPU swap pool.
+
+    With `poison=True` every slot (device and CPU) starts as NaN: a kernel or model that
+    reads a slot nobody wrote then produces NaN, which tests can see. Poisoning needs a
+    floating dtype and costs one fill per pool at creation.
+    """
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 num_cpu_blocks: int = 0, poison: bool = False) -> None:
+        for name, value, low in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 1),
+                                 ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("num_cpu_blocks", num_cpu_blocks, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"KVCache.{name} must be an int >= {low}, got {value!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"KVCache dtype must be floating point, got {dtype}")
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        cpu_shape = (num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = self.device.type == "cuda"
+        fill = float("nan") if poison else 0.0
+        self.k = torch.full(shape, fill, dtype=dtype, device=self.device)
+        self.v = torch.full(shape, fill, dtype=dtype, device=self.device)
+        self.cpu_k = torch.full(cpu_shape, fill, dtype=dtype, pin_memory=pin)
+        self.cpu_v = torch.full(cpu_shape, fill, dtype=dtype, pin_memory=pin)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (k_cache, v_cache) of one layer, each
+        [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.k[index], self.v[index]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block takes across all layers, K and V."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def _indices(self, pairs: list[tuple[int, int]], what: str, src_pool: int,
+                 dst_pool: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked (src, dst) index vectors; every destination distinct."""
+        src = [int(p[0]) for p in pairs]
+        dst = [int(p[1]) for p in pairs]
+        for name, ids, bound in (("source", src, src_pool), ("destination", dst, dst_pool)):
+            bad = [b for b in ids if not 0 <= b < bound]
+            if bad:
+                raise ValueError(f"{what}: {name} block(s) {bad[:5]} outside [0, {bound})")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"{what}: a destination block appears twice in {pairs}")
+        return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+
+    def _host_buffer(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """Staging memory for one transfer: pinned when the device is CUDA (DMA at PCIe speed)."""
+        return torch.empty(shape, dtype=self.k.dtype, pin_memory=self.device.type == "cuda")
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies device blocks to CPU blocks, given (gpu_block, cpu_block) pairs."""
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, "swap_out", self.num_blocks, self.num_cpu_blocks)
+        src = src.to(self.device)
+        for pool, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
+            gathered = pool.index_select(1, src)
+            staged = self._host_buffer(gathered.shape)
+            staged.copy_(gathered)
+            cpu.index_copy_(1, dst, staged)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies CPU blocks back to device blocks, given (cpu_block, gpu_block) pairs."""
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, "swap_in", self.num_cpu_blocks, self.num_blocks)
+        dst = dst.to(self.device)
+        for pool, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
+            staged = self._host_buffer((cpu.shape[0], len(pairs), *cpu.shape[2:]))
+            torch.index_select(cpu, 1, src, out=staged)
+            pool.index_copy_(1, dst, staged.to(self.device))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copies device block src to device block dst, given (src, dst) pairs.
+
+        All sources are read before any destination is written, so a block may be both a
+        source and (in another pair) a destination."""
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, "copy_blocks", self.num_blocks, self.num_blocks)
+        src, dst = src.to(self.device), dst.to(self.device)
+        for pool in (self.k, self.v):
+            pool.index_copy_(1, dst, pool.index_select(1, src))
