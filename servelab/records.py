@@ -46,7 +46,8 @@ class RequestRecord:
     @property
     def tpot_ms(self) -> float | None:
         """Mean time per output token after the first (vLLM's TPOT); None for one token."""
-        if self.status != "finished" or self.output_tokens < 2 or self.first_token_s is None:
+        if self.status != "finished" or self.output_tokens < 2 or self.first_token_s is None \
+                or self.finish_s is None:
             return None
         return (self.finish_s - self.first_token_s) * 1e3 / (self.output_tokens - 1)
 

@@ -1,0 +1,259 @@
+"""Run-directory files: exact round trips, deterministic bytes, atomic writes, clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servelab.records import RequestRecord, StepRecord
+from servelab.reports import (
+    REQUEST_COLUMNS,
+    REQUEST_EXTRA_COLUMNS,
+    STEP_COLUMNS,
+    read_json,
+    read_requests_csv,
+    read_steps_csv,
+    write_json,
+    write_requests_csv,
+    write_steps_csv,
+)
+
+REQUESTS = [
+    RequestRecord(0, 0.1 + 0.2, 10, 5, "finished", scheduled_s=0.3, first_token_s=1 / 3,
+                  finish_s=1e3 + 1e-9, num_preemptions=2, tenant="team, \"quoted\"", priority=-1),
+    RequestRecord(7, 1e-300, 2**40, 1, "finished", scheduled_s=1.0, first_token_s=1.5,
+                  finish_s=1.5),
+    RequestRecord(9, 2.0, 5000, 0, "rejected", finish_s=2.0,
+                  reject_reason="prompt longer than\nthe whole KV cache"),
+    RequestRecord(11, 3.0, 1, 0, "rejected"),  # every optional time is None
+]
+STEPS = [
+    StepRecord(0.0, 0.012345678901234567, 512, 3, 2, 5, 1, 0, 40, 1000),
+    StepRecord(0.1, 1.5, 0, 7, 0, 7, 0, 2, 60, 1000, num_preempted=1, num_steps=100,
+               prefill_context_sum=1, prefill_q_context_sum=2, prefill_q_sq_sum=3,
+               decode_context_sum=4, num_swap_blocks=5, num_copy_blocks=6),
+]
+
+
+def test_requests_round_trip_with_none_cells(tmp_path):
+    path = tmp_path / "requests.csv"
+    write_requests_csv(path, REQUESTS)
+    assert read_requests_csv(path) == REQUESTS
+    lines = path.read_text().split("\n")
+    assert lines[0] == ",".join(REQUEST_COLUMNS)  # no SLO and n == 1: no extra columns
+    assert lines[-1] == "" and "\r" not in path.read_text()
+    # None is an empty cell: the last request has no times, ttft/tpot/e2el.
+    assert lines[-2] == "11,3.0,1,0,,,,,,,0,default,0,rejected,"
+
+
+def test_requests_extra_columns_round_trip(tmp_path):
+    records = REQUESTS + [RequestRecord(12, 4.0, 3, 2, "finished", 4.0, 4.5, 5.0, n=3,
+                                        slo_ttft_ms=250.0, slo_tpot_ms=None)]
+    path = tmp_path / "requests.csv"
+    write_requests_csv(path, records)
+    assert path.read_text().split("\n")[0] == ",".join(REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS)
+    assert read_requests_csv(path) == records
+
+
+def test_carriage_returns_in_text_round_trip(tmp_path):
+    records = [RequestRecord(0, 0.0, 1, 0, "rejected", tenant="a\rb", reject_reason="\r"),
+               RequestRecord(1, 0.0, 1, 0, "rejected", reject_reason="\r\n,\"")]
+    write_requests_csv(tmp_path / "r.csv", records)
+    assert read_requests_csv(tmp_path / "r.csv") == records
+
+
+def test_token_times_are_not_stored(tmp_path):
+    record = RequestRecord(0, 0.0, 1, 2, "finished", 0.0, 0.5, 1.0, token_times=[0.5, 1.0])
+    write_requests_csv(tmp_path / "r.csv", [record])
+    (back,) = read_requests_csv(tmp_path / "r.csv")
+    assert back.token_times is None and back.finish_s == 1.0
+
+
+def test_derived_columns_and_floats_are_exact(tmp_path):
+    path = tmp_path / "requests.csv"
+    write_requests_csv(path, REQUESTS[:1])
+    row = path.read_text().split("\n")[1]
+    r = REQUESTS[0]
+    assert row.startswith(f"0,{r.arrival_s!r},10,5,{r.scheduled_s!r},{r.first_token_s!r},"
+                          f"{r.finish_s!r},{r.ttft_ms!r},{r.tpot_ms!r},{r.e2el_ms!r},2,")
+    assert row.endswith(',"team, ""quoted""",-1,finished,')
+
+
+def test_steps_round_trip(tmp_path):
+    path = tmp_path / "steps.csv"
+    write_steps_csv(path, STEPS)
+    assert path.read_text().split("\n")[0] == ",".join(STEP_COLUMNS)
+    assert read_steps_csv(path) == STEPS
+
+
+def test_empty_files_round_trip(tmp_path):
+    write_requests_csv(tmp_path / "r.csv", [])
+    write_steps_csv(tmp_path / "s.csv", [])
+    assert read_requests_csv(tmp_path / "r.csv") == []
+    assert read_steps_csv(tmp_path / "s.csv") == []
+
+
+def test_writes_are_deterministic_and_leave_no_temporary_files(tmp_path):
+    write_requests_csv(tmp_path / "a.csv", REQUESTS)
+    write_requests_csv(tmp_path / "b.csv", list(REQUESTS))
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "b.csv"]
+
+
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+_optional = st.none() | _finite
+_text = st.text(alphabet=st.characters(blacklist_categories=["Cs"]))
+
+
+def _writable(record: RequestRecord) -> bool:
+    """Whether the derived columns exist and are finite (huge finite times overflow in ms)."""
+    try:
+        derived = (record.ttft_ms, record.tpot_ms, record.e2el_ms)
+    except TypeError:  # finished, first_token_s set, finish_s None: no tpot_ms
+        return False
+    return all(v is None or math.isfinite(v) for v in derived)
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.builds(
+    RequestRecord, request_id=st.integers(-2**63, 2**63 - 1), arrival_s=_finite,
+    prompt_tokens=st.integers(0, 2**62), output_tokens=st.integers(0, 10**6),
+    status=st.sampled_from(["finished", "rejected"]), scheduled_s=_optional,
+    first_token_s=_optional, finish_s=_optional, num_preemptions=st.integers(0, 100),
+    tenant=_text, priority=st.integers(-100, 100), reject_reason=_text, slo_ttft_ms=_optional,
+    slo_tpot_ms=_optional, n=st.integers(1, 8), token_times=st.none()), max_size=5))
+def test_requests_round_trip_property(tmp_path, records):
+    path = tmp_path / "requests.csv"  # each example overwrites it
+    if not all(map(_writable, records)):
+        with pytest.raises(ValueError, match=r"^request -?[0-9]+: (ttft|tpot|e2el)_ms "):
+            write_requests_csv(path, records)
+        return
+    write_requests_csv(path, records)
+    assert read_requests_csv(path) == records
+
+
+def test_json_keeps_order_indent_and_trailing_newline(tmp_path):
+    obj = {"z": 1, "a": [1.5, 0.1 + 0.2], "m": {"b": None, "a": "x"}}
+    path = tmp_path / "summary.json"
+    write_json(path, obj)
+    text = path.read_text()
+    assert text == json.dumps(obj, indent=2) + "\n"
+    assert list(read_json(path)) == ["z", "a", "m"]
+    assert read_json(path) == obj
+
+
+@pytest.mark.parametrize("bad, error", [({"x": math.nan}, ValueError),
+                                        ({"x": np.int64(1)}, TypeError)])
+def test_json_refuses_nan_and_numpy_and_keeps_the_old_file(tmp_path, bad, error):
+    path = tmp_path / "summary.json"
+    write_json(path, {"ok": 1})
+    with pytest.raises(error):
+        write_json(path, bad)
+    assert read_json(path) == {"ok": 1}
+    assert os.listdir(tmp_path) == ["summary.json"]
+
+
+def test_csv_write_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "requests.csv"
+    write_requests_csv(path, REQUESTS)
+    before = path.read_bytes()
+    broken = RequestRecord(5, math.inf, 1, 1, "rejected")
+    with pytest.raises(ValueError, match="request 5: arrival_s must be a finite number"):
+        write_requests_csv(path, REQUESTS + [broken])
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["requests.csv"]
+
+
+def test_bad_step_value_is_named_on_write(tmp_path):
+    with pytest.raises(ValueError, match="step record 1: num_steps must be an integer"):
+        write_steps_csv(tmp_path / "s.csv", [STEPS[0], StepRecord(0.0, 1.0, 0, 1, 0, 1, 0, 0, 1, 4,
+                                                                  num_steps=2.0)])
+
+
+def test_read_json_names_file_and_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "a": 1,\n  "b": \n}\n')
+    with pytest.raises(ValueError, match=r"config\.json:4:1: invalid JSON"):
+        read_json(path)
+
+
+def _good_row() -> list[str]:
+    return ["1", "0.5", "10", "2", "0.5", "0.75", "1.0", "250.0", "250.0", "500.0", "0",
+            "a", "0", "finished", ""]
+
+
+@pytest.mark.parametrize("column, cell, message", [
+    ("request_id", "1.0", "column 'request_id': expected an integer, got '1.0'"),
+    ("arrival_s", "soon", "column 'arrival_s': expected a number, got 'soon'"),
+    ("arrival_s", "", "column 'arrival_s': expected a number, got ''"),
+    ("finish_s", "nan", "column 'finish_s': expected a finite number, got 'nan'"),
+    ("status", "running", "column 'status': expected one of finished, rejected, got 'running'"),
+    ("ttft_ms", "999.0", "column 'ttft_ms' is 999.0 but the timestamps give 250.0"),
+    ("tpot_ms", "", "column 'tpot_ms' is None but the timestamps give 250.0"),
+])
+def test_malformed_request_cell_names_file_line_and_column(tmp_path, column, cell, message):
+    row = _good_row()
+    path = tmp_path / "requests.csv"
+    path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(row) + "\n")
+    assert len(read_requests_csv(path)) == 1  # the good row is good
+    row[REQUEST_COLUMNS.index(column)] = cell
+    path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(_good_row()) + "\n\n"
+                    + ",".join(row) + "\n")
+    with pytest.raises(ValueError) as info:
+        read_requests_csv(path)
+    assert str(info.value) == f"{path}:4: {message}"
+
+
+def test_wrong_cell_count_and_header_are_named(tmp_path):
+    path = tmp_path / "requests.csv"
+    path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(_good_row()[:-1]) + "\n")
+    with pytest.raises(ValueError, match=r"requests\.csv:2: expected 15 cells, got 14"):
+        read_requests_csv(path)
+    path.write_text(",".join(reversed(REQUEST_COLUMNS)) + "\n")
+    with pytest.raises(ValueError, match=r"requests\.csv:1: unexpected columns reject_reason,"):
+        read_requests_csv(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"requests\.csv: empty file"):
+        read_requests_csv(path)
+    steps = tmp_path / "steps.csv"
+    write_steps_csv(steps, STEPS)
+    with pytest.raises(ValueError, match=r"steps\.csv:1: unexpected columns start_s,"):
+        read_requests_csv(steps)
+
+
+def test_malformed_step_cell(tmp_path):
+    path = tmp_path / "steps.csv"
+    write_steps_csv(path, STEPS)
+    text = path.read_text().replace(",1000,1,100,", ",1000,1,lots,")
+    Path(path).write_text(text)
+    with pytest.raises(ValueError,
+                       match=r"steps\.csv:3: column 'num_steps': expected an integer, got 'lots'"):
+        read_steps_csv(path)
+
+
+def test_rows_are_converted_in_chunks(tmp_path, monkeypatch):
+    from servelab.reports import runio
+    monkeypatch.setattr(runio, "_CHUNK_ROWS", 2)
+    records = REQUESTS + [RequestRecord(20, 5.0, 3, 2, "finished", 5.0, 5.5, 6.0, slo_tpot_ms=9.0)]
+    path = tmp_path / "requests.csv"
+    write_requests_csv(path, records)
+    assert read_requests_csv(path) == records
+    write_steps_csv(tmp_path / "steps.csv", STEPS * 3)
+    assert read_steps_csv(tmp_path / "steps.csv") == STEPS * 3
+    # A bad value in the second chunk is still named by its own line: request 9's reason spans
+    # lines 4-5, so request 11 (row 4, chunk 2) sits on line 6.
+    lines = path.read_text().split("\n")
+    assert lines[5].startswith("11,")
+    lines[5] = lines[5].replace(",rejected,", ",lost,")
+    path.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=r"requests\.csv:6: column 'status': .* got 'lost'"):
+        read_requests_csv(path)
+    with pytest.raises(ValueError, match="request 20: arrival_s must be a finite number"):
+        write_requests_csv(path, records[:-1] + [RequestRecord(20, math.nan, 3, 2, "rejected")])
