@@ -115,6 +115,13 @@ class BlockManager(abc.ABC):
         (after a fork) and partially filled, it is first copied: the returned
         (src, dst) GPU block pairs are copies the executor must perform."""
 
+    def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
+        """The largest k <= limit such that every listed sequence can append k slots,
+        one at a time and all together, with no failure and no copy-on-write. May
+        under-estimate (it bounds a simulator fast-forward; a smaller k only shortens
+        the run), must never over-estimate, and should cost O(1) or O(len(seq_ids))."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """The child shares all the parent's blocks (refcounts + 1). Writing into a

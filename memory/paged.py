@@ -1,0 +1,557 @@
+"""vLLM-style paged KV-cache block manager.
+
+The GPU pool is `num_gpu_blocks` fixed-size blocks. A sequence holds a block table (its
+blocks in token order), and only its last block can be partly filled, so the waste per
+sequence is under one block. Blocks carry reference counts: `fork` shares a parent's
+blocks with a child, and the first write into a shared partial block copies it
+(copy-on-write, reported by `append_slots`). With prefix caching, full blocks whose
+contents are known are committed to a `PrefixCache` and reused by later sequences with
+the same prefix; unreferenced committed blocks stay cached until a block is needed and
+the free list is empty, then go least recently used first. Sequences can be swapped as a
+group to a CPU pool with its own capacity and back.
+
+Costs. Free blocks sit on a LIFO stack (a Python list): taking n blocks is one slice and
+giving one back is an append, O(1) per block, and the most recently freed block is reused
+first, which keeps the working set compact. Every operation works per block, never per
+token: appending k tokens costs O(1 + new blocks), `can_append_slots` is O(1).
+Allocation, free and swap are O(blocks of the sequences involved); a prefix-cache lookup
+adds one hash and one content comparison per looked-up block.
+
+Every mutating method checks its preconditions before it changes anything and raises
+`BlockManagerError` on a violation, leaving the manager exactly as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
+from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
+
+_OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
+
+
+@dataclass(slots=True, eq=False)
+class _SeqBlocks:
+    """A sequence's block table and prefix-cache progress."""
+
+    blocks: list[int]
+    """GPU block ids, or CPU block ids while swapped out."""
+    num_tokens: int
+    on_gpu: bool = True
+    contents: tuple[Hashable, ...] = ()
+    """Content keys of its full blocks, as far as known (may run ahead of num_tokens)."""
+    num_committed: int = 0
+    """Leading blocks whose content is in the cache chain (its own or an equal block)."""
+    last_hash: int | None = None
+    last_entry_id: int = 0
+    chain_broken: bool = False
+    """A collision stopped the chain: no later block of this sequence is committed."""
+
+
+def check_size(owner: str, name: str, value: object, lo: int) -> int:
+    """Constructor argument check: an int >= lo, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{owner}: {name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def check_count(op: str, name: str, value: object, lo: int) -> None:
+    """Method argument check: an int >= lo, else BlockManagerError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise BlockManagerError(f"{op}: {name} must be an integer >= {lo}, got {value!r}")
+
+
+def unique_ids(op: str, seq_ids: Iterable[Hashable]) -> list[Hashable]:
+    ids = list(seq_ids)
+    if len(set(ids)) != len(ids):
+        raise BlockManagerError(f"{op}: a sequence is listed twice in {ids!r}")
+    return ids
+
+
+class PagedBlockManager(BlockManager):
+    """Paged KV-cache blocks with reference counts, prefix caching, copy-on-write and swap.
+
+    `watermark_blocks` is kept free when admitting new sequences (`allocate`,
+    `swap_in`) so running sequences have room to grow; appends may use it.
+
+    Prefix statistics count at `allocate` only (`can_allocate` merely peeks): queries
+    are the request's full blocks with known contents, hits the blocks reused. A
+    block-aligned prompt that is fully cached still computes its last block, so the
+    hit rate of a repeated prompt stays below 1, as the work done does.
+    """
+
+    __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
+                 "_seqs", "_refcount", "_free", "_cache", "_cpu_refcount", "_cpu_free",
+                 "_slots_used", "_prefix_queries", "_prefix_hits")
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
+                 watermark_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+        owner = type(self).__name__
+        self.block_size = check_size(owner, "block_size", block_size, 1)
+        self.num_gpu_blocks = check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
+        self.num_cpu_blocks = check_size(owner, "num_cpu_blocks", num_cpu_blocks, 0)
+        self.watermark_blocks = check_size(owner, "watermark_blocks", watermark_blocks, 0)
+        if watermark_blocks >= num_gpu_blocks:
+            raise ValueError(f"{owner}: watermark_blocks ({watermark_blocks}) must be below "
+                             f"num_gpu_blocks ({num_gpu_blocks})")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
+                             f"got {enable_prefix_caching!r}")
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self._refcount = [0] * num_gpu_blocks
+        self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
+        self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
+        self._cpu_refcount = [0] * num_cpu_blocks
+        self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
+        self._slots_used = 0
+        """Token slots filled in referenced GPU blocks, each block counted once."""
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ------------------------------------------------------------------ admission
+    def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
+                     max_total_tokens: int | None = None,
+                     expected_total_tokens: int | None = None) -> AllocStatus:
+        """O(blocks hit) with prefix caching, O(1) without; changes nothing (cache
+        lookups here are not counted as queries and do not refresh the LRU order)."""
+        check_count("can_allocate", "num_tokens", num_tokens, 1)
+        return self._admission(-(-num_tokens // self.block_size),
+                               self._match(num_tokens, block_contents))
+
+    def allocate(self, seq_id: Hashable, num_tokens: int,
+                 block_contents: Sequence[Hashable] = (), *,
+                 max_total_tokens: int | None = None,
+                 expected_total_tokens: int | None = None) -> int:
+        if seq_id in self._seqs:
+            raise BlockManagerError(f"allocate: sequence {seq_id!r} already has blocks")
+        check_count("allocate", "num_tokens", num_tokens, 1)
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
+        match = self._match(num_tokens, block_contents)
+        status = self._admission(num_blocks, match)
+        if status is not _OK:
+            raise BlockManagerError(
+                f"allocate: no room for sequence {seq_id!r} ({status.value}): needs "
+                f"{num_blocks - len(match.blocks)} new blocks, {self.num_free_blocks} free, "
+                f"watermark {self.watermark_blocks}")
+        refcount = self._refcount
+        hits = match.blocks
+        cache = self._cache
+        contents: tuple[Hashable, ...] = ()
+        if cache is not None:
+            contents = tuple(block_contents)
+            self._prefix_queries += min(len(contents), num_tokens // bs)
+            self._prefix_hits += len(hits)
+            for b in hits:
+                if not refcount[b]:
+                    cache.touch(b)
+                    self._slots_used += bs
+                refcount[b] += 1
+        new = self._take(num_blocks - len(hits))
+        for b in new:
+            refcount[b] = 1
+        self._slots_used += num_tokens - len(hits) * bs
+        self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
+                                        len(hits), match.last_hash, match.last_entry_id)
+        return len(hits) * bs
+
+    def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        """O(newly committed blocks): one hash and one dict probe each."""
+        seq = self._gpu_seq("mark_computed", seq_id)
+        check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
+        if num_computed_tokens > seq.num_tokens:
+            raise BlockManagerError(f"mark_computed: sequence {seq_id!r} has {seq.num_tokens} "
+                                    f"tokens, not {num_computed_tokens}")
+        cache = self._cache
+        if cache is None or seq.chain_broken:
+            return
+        end = min(num_computed_tokens // self.block_size, len(seq.contents))
+        if end > seq.num_committed:
+            link = cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
+                                seq.last_hash, seq.last_entry_id, self._free)
+            seq.num_committed, seq.last_hash = link.num_committed, link.last_hash
+            seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
+
+    # ------------------------------------------------------------------ growth
+    # can_append_slots and append_slots run for every sequence on every step: their
+    # common case is inlined (no helper calls); the error paths are not.
+    def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """O(1)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not seq.on_gpu or type(num_new_tokens) is not int or num_new_tokens < 0:
+            self._reject_append("can_append_slots", seq_id, num_new_tokens)
+        t = seq.num_tokens
+        bs = self.block_size
+        blocks = seq.blocks
+        need = (t + num_new_tokens + bs - 1) // bs - len(blocks)
+        if num_new_tokens and t % bs and self._refcount[blocks[-1]] > 1:
+            need += 1  # the copy of the shared partial last block
+        if need <= len(self._free):
+            return True
+        return self._cache is not None and need <= len(self._free) + self._cache.num_evictable
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
+        """O(1 + new blocks). Returns [(src, dst)] when a shared partial last block
+        was copied first (copy-on-write), else []."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not seq.on_gpu or type(num_new_tokens) is not int or num_new_tokens < 0:
+            self._reject_append("append_slots", seq_id, num_new_tokens)
+        t = seq.num_tokens
+        bs = self.block_size
+        blocks = seq.blocks
+        need = (t + num_new_tokens + bs - 1) // bs - len(blocks)
+        filled = t % bs
+        cow = num_new_tokens and filled and self._refcount[blocks[-1]] > 1
+        copies: list[tuple[int, int]] = []
+        if need or cow:
+            if need + bool(cow) > self.num_free_blocks:
+                raise BlockManagerError(
+                    f"append_slots: no room for {num_new_tokens} more tokens of sequence "
+                    f"{seq_id!r}: needs {need + bool(cow)} blocks, {self.num_free_blocks} free")
+            refcount = self._refcount
+            if cow:
+                src = blocks[-1]
+                dst, = self._take(1)
+                refcount[src] -= 1
+                refcount[dst] = 1
+                blocks[-1] = dst
+                copies.append((src, dst))
+                self._slots_used += filled
+            if need:
+                new = self._take(need)
+                for b in new:
+                    refcount[b] = 1
+                blocks += new
+        seq.num_tokens = t + num_new_tokens
+        self._slots_used += num_new_tokens
+        return copies
+
+    def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
+        """Exact, in O(n log n) for n sequences: 0 if any has a shared partial last
+        block (its next token is copied first); otherwise, with `room` the free slots in
+        each last block, k = q * block_size + r tokens each take n * q blocks plus one
+        for every sequence whose room is below r, so the free blocks F allow
+        q = F // n and r up to the (F % n + 1)-th smallest room."""
+        check_count("max_uniform_growth", "limit", limit, 0)
+        seqs = [self._gpu_seq("max_uniform_growth", s)
+                for s in unique_ids("max_uniform_growth", seq_ids)]
+        if not seqs:
+            return limit
+        bs = self.block_size
+        refcount = self._refcount
+        rooms = []
+        for seq in seqs:
+            room = len(seq.blocks) * bs - seq.num_tokens
+            if room and refcount[seq.blocks[-1]] > 1:
+                return 0
+            rooms.append(room)
+        rooms.sort()
+        q, spare = divmod(self.num_free_blocks, len(seqs))
+        return min(limit, q * bs + min(bs - 1, rooms[spare]))
+
+    def _reject_append(self, op: str, seq_id: Hashable, num_new_tokens: object) -> None:
+        self._gpu_seq(op, seq_id)
+        check_count(op, "num_new_tokens", num_new_tokens, 0)
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
+        """O(blocks). The child keeps only the parent's contents of full blocks: what
+        comes after the fork point is its own."""
+        parent = self._gpu_seq("fork", parent_seq_id)
+        if child_seq_id in self._seqs:
+            raise BlockManagerError(f"fork: child sequence {child_seq_id!r} already has blocks")
+        refcount = self._refcount
+        for b in parent.blocks:
+            refcount[b] += 1
+        self._seqs[child_seq_id] = _SeqBlocks(
+            list(parent.blocks), parent.num_tokens, True,
+            parent.contents[:parent.num_tokens // self.block_size], parent.num_committed,
+            parent.last_hash, parent.last_entry_id, parent.chain_broken)
+
+    def free(self, seq_id: Hashable) -> None:
+        """O(blocks). Blocks go back last-first, so a cached sequence's tail is
+        evicted before its head (the head is what other prefixes share)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise BlockManagerError(f"free: unknown sequence {seq_id!r} "
+                                    "(never allocated, or already freed)")
+        del self._seqs[seq_id]
+        if seq.on_gpu:
+            self._release(seq.blocks, seq.num_tokens)
+        else:
+            cpu_refcount = self._cpu_refcount
+            cpu_free = self._cpu_free
+            for b in reversed(seq.blocks):
+                cpu_refcount[b] -= 1
+                if not cpu_refcount[b]:
+                    cpu_free.append(b)
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        group = self._group("can_swap_out", seq_ids, on_gpu=True)
+        return len(self._group_blocks(group)) <= len(self._cpu_free)
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """O(blocks of the group). A block shared inside the group moves once and
+        stays shared on the CPU; one also held outside the group stays on the GPU for
+        the others and the group gets a copy."""
+        group = self._group("swap_out", seq_ids, on_gpu=True)
+        moving = self._group_blocks(group)
+        if len(moving) > len(self._cpu_free):
+            raise BlockManagerError(f"swap_out: needs {len(moving)} CPU blocks, "
+                                    f"{len(self._cpu_free)} free")
+        cpu_free = self._cpu_free
+        mapping = {}
+        for gpu_block, (refs, _) in moving.items():
+            cpu_block = cpu_free.pop()
+            self._cpu_refcount[cpu_block] = refs
+            mapping[gpu_block] = cpu_block
+        refcount = self._refcount
+        released = []
+        for gpu_block, (refs, filled) in moving.items():
+            refcount[gpu_block] -= refs
+            if not refcount[gpu_block]:
+                released.append(gpu_block)
+                self._slots_used -= filled
+        if self._cache is None:
+            self._free.extend(reversed(released))
+        else:
+            self._cache.release(reversed(released), self._free)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = False
+            # Its GPU copies may be reused by others: recommit after swap-in.
+            seq.num_committed, seq.last_hash, seq.last_entry_id = 0, None, 0
+            seq.chain_broken = False
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
+        group = self._group("can_swap_in", seq_ids, on_gpu=False)
+        return self._swap_in_status(len(self._group_blocks(group)))
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """O(blocks of the group); sharing inside the group is kept, as in swap_out."""
+        group = self._group("swap_in", seq_ids, on_gpu=False)
+        moving = self._group_blocks(group)
+        status = self._swap_in_status(len(moving))
+        if status is not _OK:
+            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
+                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
+                                    f"watermark {self.watermark_blocks}")
+        gpu_blocks = self._take(len(moving))
+        refcount = self._refcount
+        cpu_refcount = self._cpu_refcount
+        cpu_free = self._cpu_free
+        mapping = {}
+        for (cpu_block, (refs, filled)), gpu_block in zip(moving.items(), gpu_blocks):
+            refcount[gpu_block] = refs
+            self._slots_used += filled
+            mapping[cpu_block] = gpu_block
+            cpu_refcount[cpu_block] -= refs
+            if not cpu_refcount[cpu_block]:
+                cpu_free.append(cpu_block)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = True
+        return list(mapping.items())
+
+    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
+        """Like admission, the watermark stays free, unless nothing else holds GPU
+        blocks: then waiting could not help, so LATER would never turn into OK."""
+        if num_blocks > self.num_gpu_blocks:
+            return _NEVER
+        free = self.num_free_blocks
+        if free - num_blocks >= self.watermark_blocks:
+            return _OK
+        if num_blocks <= free and self.num_used_blocks == 0:
+            return _OK
+        return _LATER
+
+    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_SeqBlocks]:
+        group = []
+        for seq_id in unique_ids(op, seq_ids):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
+            if seq.on_gpu != on_gpu:
+                where = "swapped out" if on_gpu else "not swapped out"
+                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
+            group.append(seq)
+        return group
+
+    def _group_blocks(self, group: list[_SeqBlocks]) -> dict[int, tuple[int, int]]:
+        """Distinct blocks of the group in first-seen order -> (references inside the
+        group, token slots filled). Sharers of a block agree on its fill."""
+        bs = self.block_size
+        out: dict[int, tuple[int, int]] = {}
+        for seq in group:
+            blocks = seq.blocks
+            last = len(blocks) - 1
+            for i, b in enumerate(blocks):
+                refs = out[b][0] + 1 if b in out else 1
+                out[b] = (refs, bs if i < last else seq.num_tokens - last * bs)
+        return out
+
+    # ------------------------------------------------------------------ queries
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._seq("block_table", seq_id).blocks)
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return not self._seq("is_swapped", seq_id).on_gpu
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Token slots the sequence holds."""
+        return self._seq("num_tokens", seq_id).num_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_gpu_blocks - self.num_free_blocks
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached blocks nobody references, least recently used (next evicted) first."""
+        return self._cache.evictable_blocks() if self._cache is not None else []
+
+    def usage(self) -> BlockUsage:
+        cached = self._cache.num_evictable if self._cache is not None else 0
+        used = self.num_gpu_blocks - len(self._free) - cached
+        return BlockUsage(
+            num_total_blocks=self.num_gpu_blocks, num_used_blocks=used,
+            num_free_blocks=len(self._free), num_cached_blocks=cached,
+            token_slots_used=self._slots_used, token_slots_allocated=used * self.block_size,
+            reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
+            num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
+            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits)
+
+    # ------------------------------------------------------------------ internals
+    def _seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
+        return seq
+
+    def _gpu_seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
+        if not seq.on_gpu:
+            raise BlockManagerError(f"{op}: sequence {seq_id!r} is swapped out")
+        return seq
+
+    def _match(self, num_tokens: int, block_contents: Sequence[Hashable]) -> PrefixMatch:
+        """Cached leading blocks, never all of the tokens: at least the last token is
+        computed, since the next token is sampled from its output."""
+        if self._cache is None or not block_contents:
+            return NO_MATCH
+        return self._cache.match(block_contents, (num_tokens - 1) // self.block_size)
+
+    def _admission(self, num_blocks: int, match: PrefixMatch) -> AllocStatus:
+        if num_blocks > self.num_gpu_blocks - self.watermark_blocks:
+            return _NEVER
+        need = num_blocks - len(match.blocks)
+        if match.blocks:  # reviving an evictable hit takes it out of the free count
+            refcount = self._refcount
+            need += sum(1 for b in match.blocks if not refcount[b])
+        return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks off the free stack, then least recently used cached ones. The
+        caller has checked that they exist."""
+        free = self._free
+        if n <= len(free):
+            if not n:
+                return []
+            taken = free[:-n - 1:-1]  # top of the stack first
+            del free[-n:]
+            return taken
+        taken = free[::-1]
+        free.clear()
+        taken += self._cache.evict(n - len(taken))
+        return taken
+
+    def _release(self, blocks: list[int], num_tokens: int) -> None:
+        """Drop one reference to each of a sequence's GPU blocks, last block first."""
+        refcount = self._refcount
+        bs = self.block_size
+        released = 0
+        if self._cache is None:
+            free = self._free
+            for b in reversed(blocks):
+                r = refcount[b] - 1
+                refcount[b] = r
+                if not r:
+                    free.append(b)
+                    released += bs
+        else:
+            unreferenced = []
+            for b in reversed(blocks):
+                r = refcount[b] - 1
+                refcount[b] = r
+                if not r:
+                    unreferenced.append(b)
+            released = len(unreferenced) * bs
+            self._cache.release(unreferenced, self._free)
+        if not refcount[blocks[-1]]:  # the last block was only partly filled
+            released -= len(blocks) * bs - num_tokens
+        self._slots_used -= released
+
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        bs = self.block_size
+        refs = [0] * self.num_gpu_blocks
+        cpu_refs = [0] * self.num_cpu_blocks
+        fill: dict[int, int] = {}
+        for seq_id, seq in self._seqs.items():
+            blocks = seq.blocks
+            _require(seq.num_tokens >= 1 and len(blocks) == -(-seq.num_tokens // bs),
+                     f"sequence {seq_id!r}: {len(blocks)} blocks for {seq.num_tokens} tokens")
+            _require(len(set(blocks)) == len(blocks), f"sequence {seq_id!r} holds a block twice")
+            counts = refs if seq.on_gpu else cpu_refs
+            for i, b in enumerate(blocks):
+                counts[b] += 1
+                if seq.on_gpu:
+                    f = bs if i < len(blocks) - 1 else seq.num_tokens - i * bs
+                    _require(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
+            _require(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
+                     f"sequence {seq_id!r} committed {seq.num_committed} blocks")
+            if seq.on_gpu and seq.num_tokens % bs and self._cache is not None:
+                _require(not self._cache.is_cached(blocks[-1]),
+                         f"sequence {seq_id!r}: partial block {blocks[-1]} is cached")
+        _require(refs == self._refcount, "GPU reference counts differ from the block tables")
+        _require(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
+        _check_pool("GPU", self._free, refs)
+        _check_pool("CPU", self._cpu_free, cpu_refs)
+        used = sum(1 for r in refs if r)
+        cached = 0
+        if self._cache is not None:
+            self._cache.check_invariants(refs)
+            cached = self._cache.num_evictable
+            _require(not set(self._free) & set(self._cache.evictable_blocks()),
+                     "a block is both free and evictable")
+            _require(not any(self._cache.is_cached(b) for b in self._free), "a free block is cached")
+        _require(used + len(self._free) + cached == self.num_gpu_blocks,
+                 f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
+        cpu_used = sum(1 for r in cpu_refs if r)
+        _require(cpu_used + len(self._cpu_free) == self.num_cpu_blocks,
+                 f"CPU used {cpu_used} + free {len(self._cpu_free)} != {self.num_cpu_blocks}")
+        _require(sum(fill.values()) == self._slots_used,
+                 f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
+        _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
+
+
+def _check_pool(name: str, free: list[int], refs: list[int]) -> None:
+    _require(len(set(free)) == len(free), f"{name} free list holds a block twice")
+    for b in free:
+        _require(refs[b] == 0, f"{name} block {b} is both free and referenced")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

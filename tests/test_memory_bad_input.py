@@ -1,0 +1,170 @@
+"""Bad input: every protocol violation raises a clear error naming what was wrong, and
+leaves the manager exactly as it was (same tables, same usage, invariants intact)."""
+from __future__ import annotations
+
+import pytest
+
+from servelab.memory import BlockManagerError, ContiguousBlockManager, PagedBlockManager
+
+MANAGERS = {
+    "paged": lambda: PagedBlockManager(4, 8, 4, enable_prefix_caching=True),
+    "contiguous": lambda: ContiguousBlockManager(4, 8, 4, mode="oracle", max_model_len=64),
+}
+
+
+def alloc(m, seq_id, num_tokens, contents=()):
+    return m.allocate(seq_id, num_tokens, contents, max_total_tokens=num_tokens,
+                      expected_total_tokens=num_tokens)
+
+
+@pytest.fixture(params=sorted(MANAGERS))
+def m(request):
+    """A manager holding a running sequence 'a' (6 tokens, 2 blocks) and a swapped
+    sequence 's' (4 tokens, 1 block on the CPU); 6 GPU blocks free, 3 CPU blocks."""
+    m = MANAGERS[request.param]()
+    alloc(m, "a", 6, [(1, 2, 3, 4)])
+    m.mark_computed("a", 6)
+    alloc(m, "s", 4)
+    m.swap_out(["s"])
+    return m
+
+
+def snapshot(m):
+    seqs = {sid: (m.block_table(sid), m.is_swapped(sid), m.num_tokens(sid))
+            for sid in ("a", "s", "big", "c") if m.has_seq(sid)}
+    return m.usage(), seqs, m.num_free_blocks, m.num_used_blocks
+
+
+def assert_rejected(m, call, match):
+    before = snapshot(m)
+    with pytest.raises(BlockManagerError, match=match):
+        call()
+    m.check_invariants()
+    assert snapshot(m) == before
+
+
+# --------------------------------------------------------------------------- sequences
+def test_free_unknown_sequence(m):
+    assert_rejected(m, lambda: m.free("zz"), "free: unknown sequence 'zz'")
+
+
+def test_double_free(m):
+    m.free("a")
+    assert_rejected(m, lambda: m.free("a"), "free: unknown sequence 'a' .*already freed")
+    m.free("s")
+    assert_rejected(m, lambda: m.free("s"), "free: unknown sequence 's'")
+
+
+@pytest.mark.parametrize("seq_id", ["a", "s"])
+def test_allocate_existing_seq_id(m, seq_id):
+    assert_rejected(m, lambda: alloc(m, seq_id, 4), f"allocate: sequence '{seq_id}' already has blocks")
+
+
+@pytest.mark.parametrize("n", [0, -3, 1.5, "4", None])
+def test_allocate_bad_token_count(m, n):
+    assert_rejected(m, lambda: m.allocate("c", n, max_total_tokens=8, expected_total_tokens=8),
+                    "allocate: num_tokens must be an integer >= 1")
+    assert_rejected(m, lambda: m.can_allocate(n, max_total_tokens=8, expected_total_tokens=8),
+                    "can_allocate: num_tokens must be an integer >= 1")
+
+
+def test_allocate_without_room(m):
+    assert_rejected(m, lambda: alloc(m, "c", 28), "allocate: no room for sequence 'c' \\(later\\)")
+    assert_rejected(m, lambda: alloc(m, "c", 33), "allocate: no room for sequence 'c' \\(never\\)")
+
+
+def test_append_to_unknown_or_swapped_sequence(m):
+    assert_rejected(m, lambda: m.append_slots("zz", 1), "append_slots: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.can_append_slots("zz", 1), "can_append_slots: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.append_slots("s", 1), "append_slots: sequence 's' is swapped out")
+
+
+@pytest.mark.parametrize("k", [-1, 0.5])
+def test_append_bad_count(m, k):
+    assert_rejected(m, lambda: m.append_slots("a", k),
+                    "append_slots: num_new_tokens must be an integer >= 0")
+
+
+def test_append_without_room(m):
+    assert_rejected(m, lambda: m.append_slots("a", 64),
+                    "append_slots: no room for 64 more tokens of sequence 'a'")
+
+
+def test_mark_computed_bad_input(m):
+    assert_rejected(m, lambda: m.mark_computed("a", 7),
+                    "mark_computed: sequence 'a' has 6 tokens, not 7")
+    assert_rejected(m, lambda: m.mark_computed("a", -1), "num_computed_tokens must be an integer >= 0")
+    assert_rejected(m, lambda: m.mark_computed("zz", 1), "mark_computed: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.mark_computed("s", 1), "mark_computed: sequence 's' is swapped out")
+
+
+def test_fork_bad_input(m):
+    assert_rejected(m, lambda: m.fork("zz", "c"), "fork: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.fork("a", "s"), "fork: child sequence 's' already has blocks")
+    assert_rejected(m, lambda: m.fork("s", "c"), "fork: sequence 's' is swapped out")
+
+
+def test_queries_on_unknown_sequence(m):
+    assert_rejected(m, lambda: m.block_table("zz"), "block_table: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.is_swapped("zz"), "is_swapped: unknown sequence 'zz'")
+    assert not m.has_seq("zz")
+
+
+# --------------------------------------------------------------------------- swapping
+def test_swap_in_without_gpu_capacity(m):
+    alloc(m, "big", 24)                                       # the last 6 GPU blocks
+    assert_rejected(m, lambda: m.swap_in(["s"]), "swap_in: no GPU room \\(later\\)")
+
+
+def test_swap_out_without_cpu_capacity(m):
+    alloc(m, "big", 24)                                       # 6 blocks; the CPU has 3 free
+    assert not m.can_swap_out(["big"])
+    assert_rejected(m, lambda: m.swap_out(["big"]), "swap_out: .*CPU")
+
+
+def test_swap_in_of_a_sequence_not_swapped(m):
+    assert_rejected(m, lambda: m.swap_in(["a"]), "swap_in: sequence 'a' is not swapped out")
+    assert_rejected(m, lambda: m.swap_in(["s", "a"]), "swap_in: sequence 'a' is not swapped out")
+    assert_rejected(m, lambda: m.can_swap_in(["a"]), "can_swap_in: sequence 'a' is not swapped out")
+
+
+def test_swap_out_of_a_swapped_sequence(m):
+    assert_rejected(m, lambda: m.swap_out(["a", "s"]), "swap_out: sequence 's' is swapped out")
+
+
+def test_swap_unknown_or_repeated_sequence(m):
+    assert_rejected(m, lambda: m.swap_out(["zz"]), "swap_out: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.swap_in(["zz"]), "swap_in: unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.swap_out(["a", "a"]), "swap_out: a sequence is listed twice")
+    assert_rejected(m, lambda: m.can_swap_out(["a", "a"]), "can_swap_out: a sequence is listed twice")
+
+
+# --------------------------------------------------------------------------- constructors
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=0), "block_size must be an integer >= 1, got 0"),
+    (dict(block_size=-4), "block_size must be an integer >= 1, got -4"),
+    (dict(block_size=2.5), "block_size must be an integer >= 1, got 2.5"),
+    (dict(num_gpu_blocks=0), "num_gpu_blocks must be an integer >= 1, got 0"),
+    (dict(num_gpu_blocks=True), "num_gpu_blocks must be an integer >= 1, got True"),
+    (dict(num_cpu_blocks=-1), "num_cpu_blocks must be an integer >= 0, got -1"),
+    (dict(watermark_blocks=-1), "watermark_blocks must be an integer >= 0, got -1"),
+    (dict(watermark_blocks=8), "watermark_blocks \\(8\\) must be below num_gpu_blocks \\(8\\)"),
+])
+@pytest.mark.parametrize("kind", sorted(MANAGERS))
+def test_constructor_rejects_bad_sizes(kind, kwargs, match):
+    args = dict(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark_blocks=0) | kwargs
+    if kind == "paged":
+        make = lambda: PagedBlockManager(**args)  # noqa: E731
+    else:
+        make = lambda: ContiguousBlockManager(**args, max_model_len=64)  # noqa: E731
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_constructor_rejects_bad_options():
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool, got 'yes'"):
+        PagedBlockManager(4, 8, enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="mode must be one of .* got 'lazy'"):
+        ContiguousBlockManager(4, 8, mode="lazy", max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, got 0"):
+        ContiguousBlockManager(4, 8, max_model_len=0)
