@@ -27,7 +27,6 @@ class SchedulerLike(Protocol):
     num_running: int
     num_waiting: int
     num_swapped: int
-    step_preempted: int
 
     def schedule(self, now: float) -> SchedulerOutput: ...
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestRecord]: ...

@@ -1,0 +1,580 @@
+"""The scheduler core: iteration-level (continuous) batching under a token budget.
+
+Every step, `schedule(now)` decides which sequences compute how many tokens, which
+running requests are preempted, and which waiting requests are admitted; the executor
+runs that; `update(output, result)` advances the requests. The scheduler is pure: it
+never reads a clock or a random source, so the same calls give the same outputs.
+
+Step composition (SchedulerConfig.step_composition):
+
+- decode_first (Sarathi-Serve's stall-free batching): every running request gets its
+  decode token (or its next prefill chunk) first; waiting requests are admitted into
+  the budget that is left.
+- prefill_first (vLLM v0 without chunking): if any prefill work can be scheduled, the
+  step holds only prefills; decodes run in steps with no prefill.
+
+Memory: a request is admitted only if its whole prompt (or, after a recompute
+preemption, prompt + generated tokens) gets blocks; decodes append one slot per step.
+When a running sequence cannot get its slot, the policy's victim is preempted —
+recompute (free the KV, back to the waiting queue) or swap (KV to the CPU pool,
+falling back to recompute when the pool is full). A step that preempted anything
+admits nothing new and swaps nothing in.
+"""
+from __future__ import annotations
+
+from servelab.config import SchedulerConfig
+from servelab.memory.base import AllocStatus, BlockManager
+from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
+from servelab.policies.base import Policy
+from servelab.records import RequestRecord
+from servelab.request import Request, RequestStatus, Sequence
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler was driven against its protocol (e.g. update() with a foreign output)."""
+
+
+class Scheduler:
+    """Continuous batching over a block manager, ordered by a policy.
+
+    `emit_block_tables=True` fills SchedulerOutput.block_tables (the real backend needs
+    them; the simulator does not, and copying tables costs O(blocks) per sequence).
+    `keep_token_times=True` records every token time of sample 0 (for exact ITL).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy, *,
+                 enable_prefix_caching: bool = False, emit_block_tables: bool = False,
+                 keep_token_times: bool = False) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.policy = policy
+        self.prefix_caching = enable_prefix_caching
+        self.emit_block_tables = emit_block_tables
+        self.keep_token_times = keep_token_times
+        self.block_size = block_manager.block_size
+        self._chunk = config.chunked_prefill or (1 << 62)
+        self.requests: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}      # insertion order = admission order
+        self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
+        self._admit_seq: dict[int, int] = {}
+        self._next_admit = 0
+        self._growth_preempted = False
+        self._pending_rejects: list[tuple[int, str]] = []
+        self._finished_records: list[RequestRecord] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ arrivals
+    def add_request(self, req: Request, now: float) -> bool:
+        """Admission control at arrival. Returns False if the request was rejected (it
+        then appears in the next SchedulerOutput.rejected and in the records)."""
+        if req.request_id in self.requests:
+            raise SchedulerError(f"request {req.request_id} was already added")
+        if req.status is not RequestStatus.WAITING:
+            raise SchedulerError(f"request {req.request_id} is {req.status.value}, not new")
+        self.requests[req.request_id] = req
+        reason = self._never_fits(req)
+        if reason is None and self.config.waiting_queue_limit is not None \
+                and len(self.policy) >= self.config.waiting_queue_limit:
+            reason = f"waiting queue full ({self.config.waiting_queue_limit} requests)"
+        if reason is not None:
+            self._reject(req, reason, now)
+            return False
+        self.policy.add(req, now)
+        return True
+
+    def _never_fits(self, req: Request) -> str | None:
+        cfg = self.config
+        if req.prompt_len + 1 > cfg.max_model_len:
+            return f"prompt of {req.prompt_len} tokens + 1 exceeds max_model_len {cfg.max_model_len}"
+        if cfg.chunked_prefill is None and req.prompt_len > cfg.max_num_batched_tokens:
+            return (f"prompt of {req.prompt_len} tokens exceeds the step token budget "
+                    f"{cfg.max_num_batched_tokens} and chunked prefill is off")
+        if req.n > cfg.max_num_seqs:
+            return f"n={req.n} samples exceed max_num_seqs {cfg.max_num_seqs}"
+        status = self.bm.can_allocate(req.prompt_len + 1, (),
+                                      max_total_tokens=req.prompt_len + req.max_tokens,
+                                      expected_total_tokens=req.prompt_len + req.output_len)
+        if status is AllocStatus.NEVER:
+            return f"prompt of {req.prompt_len} tokens + 1 can never fit in the KV cache"
+        return None
+
+    def _reject(self, req: Request, reason: str, now: float,
+                out: SchedulerOutput | None = None) -> None:
+        """Reject for good; reported in `out` (or in the next output) and the records."""
+        req.status = RequestStatus.REJECTED
+        req.reject_reason = reason
+        req.finish_s = now
+        (out.rejected if out is not None else self._pending_rejects).append((req.request_id, reason))
+        self._finished_records.append(self._record(req))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.swapped or len(self.policy))
+
+    def pop_records(self) -> list[RequestRecord]:
+        """Records of requests that finished or were rejected since the last call."""
+        out, self._finished_records = self._finished_records, []
+        return out
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput(now)
+        if self._pending_rejects:
+            out.rejected, self._pending_rejects = self._pending_rejects, []
+        self._growth_preempted = False
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._preempt_for_waiting(now, out)
+        if self.config.step_composition == "prefill_first":
+            self._schedule_running(now, out, step, prefill=True)
+            self._admit(now, out, step)
+            if not step.entries:
+                self._schedule_running(now, out, step, prefill=False)
+                self._swap_in(out, step)
+        else:
+            self._schedule_running(now, out, step, prefill=None)
+            self._swap_in(out, step)
+            self._admit(now, out, step)
+        for entries in step.entries.values():
+            out.scheduled.extend(entries)
+        if self.emit_block_tables:
+            table = self.bm.block_table
+            out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
+        if not (out.scheduled or out.swap_in or out.preempted or out.rejected) \
+                and self.has_unfinished():
+            self._stalled(now)
+        return out
+
+    def _running_order(self) -> list[Request]:
+        """Running requests, most protected first (ascending victim key), so that the
+        victim — taken from the end — is always one not yet scheduled this step."""
+        if type(self.policy).victim_key is Policy.victim_key:
+            return list(self.running.values())  # admission order is the victim order
+        key, adm = self.policy.victim_key, self._admit_seq
+        return sorted(self.running.values(), key=lambda r: key(r, adm[r.request_id]))
+
+    def _schedule_running(self, now, out, step: "_Step", prefill) -> None:
+        """Schedule running requests; `prefill` selects those still prefilling (True),
+        decoding (False) or both (None). A sequence that cannot get its next slot makes
+        the scheduler preempt from the end of the order — possibly the request itself."""
+        order = self._running_order()
+        end = len(order)
+        i = 0
+        while i < end:
+            req = order[i]
+            i += 1
+            if req.request_id in step.entries:
+                continue
+            if prefill is not None and any(s.is_prefilling for s in req.seqs
+                                           if not s.finished) != prefill:
+                continue
+            if step.tokens <= 0 or step.seqs <= 0:
+                break
+            entries = self._plan(req, step, allocated=True)
+            if entries is None:
+                continue
+            end = self._grow(req, entries, order, i, end, now, out)
+            if end is None:
+                break  # the request preempted itself: nothing left to free
+            step.commit(req, entries)
+
+    def _grow(self, req, entries, order, i, end, now, out) -> int | None:
+        """Give each decoding sequence of `req` its next slot, preempting from the end
+        of `order` (positions i..end-1 are not scheduled yet) while memory is short.
+        Returns the new end of the unpreempted part of `order`, or None if `req` itself
+        had to be preempted. A multi-sample request that
+        runs out halfway, with some samples already grown, is preempted by recompute
+        (a swapped copy would keep slots its samples never used)."""
+        bm = self.bm
+        grown = 0
+        for e in entries:
+            if e.is_prefill:
+                continue
+            while not bm.can_append_slots(e.seq_id, 1):
+                self._growth_preempted = True
+                if end > i:
+                    end -= 1
+                    self._preempt(order[end], now, out)
+                elif len(self.running) == 1:
+                    # Alone on the GPU and still no room: it can never grow, so it is
+                    # aborted rather than swapped or recomputed forever.
+                    self._abort(req, now, out)
+                    return None
+                else:
+                    self._preempt(req, now, out, allow_swap=grown == 0)
+                    return None
+            out.copies.extend(bm.append_slots(e.seq_id, 1))
+            grown += 1
+        return end
+
+    def _plan(self, req: Request, step: "_Step", allocated: bool) -> list[ScheduledSeq] | None:
+        """The work for a request this step within what is left of the budget, or None
+        if none fits. The samples of a request may run partly (those that fit), each
+        sample's work being whole (one decode, or one prefill chunk). Before allocation
+        (`allocated=False`) every pending token counts as prefill."""
+        tokens_left, seqs_left = step.tokens, step.seqs
+        entries = []
+        fork = len(req.seqs) < req.n
+        rid = req.request_id
+        for s in req.seqs:
+            if s.finished:
+                continue
+            if tokens_left <= 0 or seqs_left <= 0:
+                break
+            if allocated and not s.is_prefilling:
+                entries.append(ScheduledSeq(rid, s.seq_id, 1, s.num_computed_tokens, 1, False))
+                tokens_left -= 1
+                seqs_left -= 1
+                continue
+            pending = s.num_tokens - s.num_computed_tokens
+            chunk = min(pending, self._chunk, tokens_left)
+            # With chunking off a fresh prompt runs whole; a recompute longer than the
+            # budget is still split, or it could never run again.
+            if chunk < pending and self.config.chunked_prefill is None and s.num_output_tokens == 0:
+                break
+            samples = (req.n if fork else 1) if chunk == pending else 0
+            entries.append(ScheduledSeq(rid, s.seq_id, chunk, s.num_computed_tokens, samples, True))
+            tokens_left -= chunk
+            seqs_left -= 1
+        return entries or None
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
+        """Preempt a running request not scheduled in this step: swap when asked and
+        the CPU pool has room, else recompute (free the KV; back to the waiting queue,
+        where its unchanged key puts it ahead of later arrivals)."""
+        rid = req.request_id
+        del self.running[rid]
+        del self._admit_seq[rid]
+        seq_ids = [s.seq_id for s in req.seqs if not s.finished]
+        if allow_swap and self.config.preemption == "swap" and self.bm.can_swap_out(seq_ids):
+            out.swap_out.extend(self.bm.swap_out(seq_ids))
+            req.status = RequestStatus.SWAPPED
+            self.swapped[rid] = req
+            mode = PreemptionMode.SWAP
+        else:
+            for s in req.seqs:
+                if not s.finished:
+                    self.bm.free(s.seq_id)
+                    s.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.policy.requeue(req, now)
+            mode = PreemptionMode.RECOMPUTE
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append((rid, mode))
+
+    def _abort(self, req: Request, now, out: SchedulerOutput) -> None:
+        """End a running request that outgrew the whole KV cache."""
+        del self.running[req.request_id]
+        del self._admit_seq[req.request_id]
+        for s in req.seqs:
+            if not s.finished:
+                self.bm.free(s.seq_id)
+        tokens = max(s.num_tokens for s in req.seqs)
+        self._reject(req, f"grew to {tokens} tokens, beyond what the whole KV cache holds", now, out)
+
+    def _preempt_for_waiting(self, now, out) -> None:
+        """Preemptive policies: before anything runs, free memory for the waiting head
+        by preempting running requests the policy allows, worst victim first."""
+        head = self.policy.peek(now)
+        if head is None or not self.running:
+            return
+        key, adm = self.policy.victim_key, self._admit_seq
+        while self.running and not self._fits(head):
+            victim = max(self.running.values(), key=lambda r: key(r, adm[r.request_id]))
+            if not self.policy.may_preempt_for(head, victim):
+                return
+            self._preempt(victim, now, out)
+
+    def _fits(self, req: Request) -> bool:
+        need = sum(-(-s.num_tokens // self.block_size) for s in req.seqs if not s.finished)
+        return self.bm.num_free_blocks >= need
+
+    # ------------------------------------------------------------------ swap in
+    def _swap_in(self, out, step: "_Step") -> None:
+        """Bring swapped requests back, oldest swap first, unless running requests ran
+        out of memory this step."""
+        if self._growth_preempted or not self.swapped:
+            return
+        bm = self.bm
+        for rid in list(self.swapped):
+            req = self.swapped[rid]
+            seq_ids = [s.seq_id for s in req.seqs if not s.finished]
+            status = bm.can_swap_in(seq_ids)
+            if status is AllocStatus.NEVER:
+                raise SchedulerError(f"swapped request {rid} can never return to the GPU")
+            if status is not AllocStatus.OK:
+                return
+            if self.running and bm.num_free_blocks < sum(
+                    len(bm.block_table(sid)) + 1 for sid in seq_ids):
+                return  # it would come back unable to grow and be preempted again
+            entries = self._plan(req, step, allocated=True)
+            if entries is None:
+                return
+            out.swap_in.extend(bm.swap_in(seq_ids))
+            del self.swapped[rid]
+            self._set_running(req)
+            ran = []
+            for e in entries:
+                if not e.is_prefill:
+                    if not bm.can_append_slots(e.seq_id, 1):
+                        continue  # back on the GPU but no room to grow: next step
+                    out.copies.extend(bm.append_slots(e.seq_id, 1))
+                ran.append(e)
+            if ran:
+                step.commit(req, ran)
+
+    def _set_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running[req.request_id] = req
+        self._admit_seq[req.request_id] = self._next_admit
+        self._next_admit += 1
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, now, out, step: "_Step") -> None:
+        """Admit waiting requests in policy order while they fit; stop at the first
+        that does not (no skipping ahead: the policy's order is a guarantee). A step in
+        which running requests ran out of memory admits nothing (vLLM's rule); memory
+        freed by a preemptive policy for the waiting head is used at once."""
+        if self._growth_preempted:
+            return
+        if self.config.batching == "static" and (self.running or self.swapped):
+            return
+        policy = self.policy
+        while step.tokens > 0 and step.seqs > 0:
+            req = policy.peek(now)
+            if req is None:
+                return
+            if self._plan(req, step, allocated=False) is None:
+                return
+            status = self._allocate(req)
+            if status is AllocStatus.LATER and (self.running or self.swapped):
+                return
+            if status is not AllocStatus.OK:
+                # NEVER, or LATER with nothing running that could free memory.
+                policy.remove(req)
+                self._reject(req, "needs more KV blocks than the cache holds"
+                             if status is AllocStatus.NEVER else
+                             "does not fit in an empty KV cache", now, out)
+                continue
+            policy.remove(req)
+            self._set_running(req)
+            entries = self._plan(req, step, allocated=True)  # prefix hits cut the work
+            step.commit(req, entries)
+
+    def _allocate(self, req: Request) -> AllocStatus:
+        """Allocate blocks for every live sequence of a request, all or nothing."""
+        bm, bs = self.bm, self.block_size
+        done: list[Sequence] = []
+        reserve = dict(max_total_tokens=req.prompt_len + req.max_tokens,
+                       expected_total_tokens=req.prompt_len + req.output_len)
+        for s in req.seqs:
+            if s.finished:
+                continue
+            contents = req.block_contents(s, bs) if self.prefix_caching else ()
+            status = bm.can_allocate(s.num_tokens, contents, **reserve)
+            if status is not AllocStatus.OK:
+                for d in done:
+                    bm.free(d.seq_id)
+                    d.num_computed_tokens = 0
+                return status
+            s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents, **reserve)
+            s.prefill_len = s.num_tokens
+            done.append(s)
+        return AllocStatus.OK
+
+    def _stalled(self, now: float) -> None:
+        """A step with nothing to run while requests remain would spin forever: with
+        correct admission control it cannot happen, so it is reported as a bug."""
+        head = self.policy.peek(now)
+        raise SchedulerError(
+            f"no progress at t={now}: {len(self.running)} running, {len(self.swapped)} "
+            f"swapped, {len(self.policy)} waiting (head: "
+            f"{head.request_id if head else None}), {self.bm.num_free_blocks} free blocks")
+
+    # ------------------------------------------------------------------ fast-forward
+    def decode_run_bound(self, now: float, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to be plain decode
+        steps — every running sequence decodes one token, and nothing is admitted,
+        swapped, preempted, copied or finished — whatever time they take. Such a run can
+        be advanced in closed form by `advance_decodes`, with exactly the effect of
+        scheduling it step by step. Cost: O(running sequences + waiting candidates)."""
+        if self.swapped or self._pending_rejects or not self.running or limit <= 0:
+            return 0
+        cfg = self.config
+        k = limit
+        seq_ids = []
+        for req in self.running.values():
+            if len(req.seqs) < req.n:
+                return 0
+            fresh_fork = req.n > 1
+            for s in req.seqs:
+                if s.finished:
+                    continue
+                if s.num_computed_tokens != s.num_tokens - 1 or s.num_computed_tokens < s.prefill_len:
+                    return 0  # still prefilling
+                if s.num_output_tokens > 1:
+                    fresh_fork = False
+                # a sample finishes in the step that draws its last token
+                k = min(k, req.output_len - s.num_output_tokens - 1,
+                        cfg.max_model_len - s.num_tokens - 1)
+                seq_ids.append(s.seq_id)
+            if fresh_fork:
+                return 0  # its first decode copies the shared last block
+        if k <= 0 or len(seq_ids) > cfg.max_num_seqs or len(seq_ids) > cfg.max_num_batched_tokens:
+            return 0
+        if len(self.policy) and not self._admission_blocked(now, len(seq_ids)):
+            return 0
+        return self.bm.max_uniform_growth(seq_ids, k)
+
+    def _admission_blocked(self, now: float, num_seqs: int) -> bool:
+        """True if no waiting request can be admitted while running decodes only grow
+        (free memory only shrinks, the step budget stays as full)."""
+        cfg = self.config
+        if cfg.batching == "static":
+            return True
+        if num_seqs >= cfg.max_num_seqs or num_seqs >= cfg.max_num_batched_tokens:
+            return True
+        bs = self.block_size
+        for head in self.policy.candidates(now):
+            if any(self.policy.may_preempt_for(head, r) for r in self.running.values()):
+                return False
+            reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
+                           expected_total_tokens=head.prompt_len + head.output_len)
+            for s in head.seqs:
+                if s.finished:
+                    continue
+                contents = head.block_contents(s, bs) if self.prefix_caching else ()
+                if self.bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
+                    return False
+        return True
+
+    def advance_decodes(self, num_steps: int) -> None:
+        """Apply `num_steps` plain decode steps at once (see `decode_run_bound`, which
+        must have allowed at least that many). Per-sequence cost O(1), not O(steps)."""
+        bm, policy = self.bm, self.policy
+        for req in self.running.values():
+            live = 0
+            for s in req.seqs:
+                if s.finished:
+                    continue
+                copies = bm.append_slots(s.seq_id, num_steps)
+                if copies:
+                    raise SchedulerError(f"fast-forward of {s.seq_id} needed a block copy")
+                s.num_tokens += num_steps
+                s.num_computed_tokens += num_steps
+                s.num_output_tokens += num_steps
+                if self.prefix_caching:
+                    bm.mark_computed(s.seq_id, s.num_computed_tokens)
+                live += 1
+            policy.on_service(req, 0, live * num_steps)
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
+        """Advance every scheduled sequence by the step's work; returns the records of
+        requests that finished or were rejected in this step."""
+        t_end = out.now + result.duration_s
+        bm, policy = self.bm, self.policy
+        sampled = result.sampled
+        stopped = result.stopped
+        max_len = self.config.max_model_len
+        cur_rid, cur_pre, cur_out = None, 0, 0
+        for e in out.scheduled:
+            rid = e.request_id
+            req = self.running.get(rid)
+            if req is None:
+                raise SchedulerError(f"update() for request {rid}, which is not running")
+            if rid != cur_rid:
+                if cur_rid is not None:
+                    policy.on_service(self.requests[cur_rid], cur_pre, cur_out)
+                cur_rid, cur_pre, cur_out = rid, 0, 0
+                if req.scheduled_s is None:
+                    req.scheduled_s = out.now
+            seq = req.seqs[e.seq_id[1]]
+            seq.num_computed_tokens += e.num_tokens
+            if e.is_prefill:
+                cur_pre += e.num_tokens
+            cur_out += e.num_samples
+            if self.prefix_caching:
+                bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            if not e.num_samples:
+                continue
+            tokens = sampled[e.seq_id] if sampled is not None else None
+            if e.num_samples > 1:
+                self._fork(req, seq)
+                targets = req.seqs
+            else:
+                targets = (seq,)
+            for i, s in enumerate(targets):
+                s.num_tokens += 1
+                s.num_output_tokens += 1
+                if tokens is not None:
+                    s.output_token_ids.append(tokens[i])
+                if s.num_output_tokens >= req.output_len or s.seq_id in stopped \
+                        or s.num_tokens >= max_len:
+                    s.finished = True
+                    bm.free(s.seq_id)
+            if req.first_token_s is None:
+                req.first_token_s = t_end
+            if self.keep_token_times and seq.seq_id[1] == 0:
+                if req.token_times is None:
+                    req.token_times = []
+                req.token_times.append(t_end)
+        if cur_rid is not None:
+            policy.on_service(self.requests[cur_rid], cur_pre, cur_out)
+        for e in out.scheduled:
+            req = self.running.get(e.request_id)
+            if req is not None and all(s.finished for s in req.seqs) and len(req.seqs) == req.n:
+                req.status = RequestStatus.FINISHED
+                req.finish_s = t_end
+                del self.running[req.request_id]
+                del self._admit_seq[req.request_id]
+                self._finished_records.append(self._record(req))
+        return self.pop_records()
+
+    def _fork(self, req: Request, parent: Sequence) -> None:
+        for i in range(len(req.seqs), req.n):
+            child = Sequence((req.request_id, i), parent.num_tokens, parent.num_computed_tokens,
+                             parent.prefill_len)
+            self.bm.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)
+
+    def _record(self, req: Request) -> RequestRecord:
+        finished = req.status is RequestStatus.FINISHED
+        return RequestRecord(
+            request_id=req.request_id, arrival_s=req.arrival_s, prompt_tokens=req.prompt_len,
+            output_tokens=req.num_output_tokens if finished else 0,
+            status="finished" if finished else "rejected", scheduled_s=req.scheduled_s,
+            first_token_s=req.first_token_s, finish_s=req.finish_s,
+            num_preemptions=req.num_preemptions, tenant=req.tenant, priority=req.priority,
+            reject_reason=req.reject_reason or "", slo_ttft_ms=req.slo_ttft_ms,
+            slo_tpot_ms=req.slo_tpot_ms, n=req.n,
+            token_times=list(req.token_times) if req.token_times else None)
+
+
+class _Step:
+    """What is left of one step's budget, and what has been scheduled so far."""
+
+    __slots__ = ("tokens", "seqs", "entries")
+
+    def __init__(self, tokens: int, seqs: int) -> None:
+        self.tokens = tokens
+        self.seqs = seqs
+        self.entries: dict[int, list[ScheduledSeq]] = {}
+
+    def commit(self, req: Request, entries: list[ScheduledSeq]) -> None:
+        self.entries[req.request_id] = entries
+        self.tokens -= sum(e.num_tokens for e in entries)
+        self.seqs -= len(entries)

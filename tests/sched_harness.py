@@ -1,0 +1,114 @@
+"""A fake clock and a fake executor that drive the real scheduler, checking every step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelab.config import CacheConfig, SchedulerConfig
+from servelab.engine import engine_step
+from servelab.outputs import SchedulerOutput, StepResult
+from servelab.policies import Scheduler, build_scheduler
+from servelab.records import RequestRecord
+from servelab.request import Request
+
+
+class FakeExecutor:
+    """Every step takes `step_s` seconds plus `per_token_s` per computed token; draws
+    token ids from a counter so outputs are checkable."""
+
+    def __init__(self, step_s: float = 0.01, per_token_s: float = 0.0, real_tokens: bool = False):
+        self.step_s, self.per_token_s, self.real_tokens = step_s, per_token_s, real_tokens
+        self._next_token = 0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        tokens = sum(e.num_tokens for e in out.scheduled)
+        sampled = None
+        if self.real_tokens:
+            sampled = {}
+            for e in out.scheduled:
+                if e.num_samples:
+                    sampled[e.seq_id] = list(range(self._next_token, self._next_token + e.num_samples))
+                    self._next_token += e.num_samples
+        return StepResult(self.step_s + self.per_token_s * tokens, sampled)
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    """Request ids in the order they were first scheduled."""
+
+
+def make_requests(spec: list[tuple], **common) -> list[Request]:
+    """spec rows: (arrival_s, prompt_len, output_len[, dict of extra fields])."""
+    reqs = []
+    for i, row in enumerate(spec):
+        extra = dict(common)
+        if len(row) > 3:
+            extra.update(row[3])
+        reqs.append(Request(i, row[0], row[1], row[2], **extra))
+    return reqs
+
+
+def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
+             cache: CacheConfig | None = None, policy="fcfs", policy_options=None,
+             executor=None, check_every_step: bool = True, max_steps: int = 200_000,
+             on_step=None, on_schedule=None) -> Run:
+    """Replay `requests` through a real scheduler with a fake clock. `on_schedule(scheduler,
+    output)` runs between schedule() and update(); `on_step` after update()."""
+    sched = sched or SchedulerConfig()
+    cache = cache or CacheConfig()
+    scheduler = build_scheduler(sched, cache, policy, policy_options)
+    executor = executor or FakeExecutor()
+    if on_schedule is not None:
+        executor = _Spy(executor, lambda out: on_schedule(scheduler, out))
+    run = Run(scheduler)
+    pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+    i, now = 0, 0.0
+    seen: set[int] = set()
+    bm = scheduler.bm
+    for _ in range(max_steps):
+        while i < len(pending) and pending[i].arrival_s <= now:
+            scheduler.add_request(pending[i], now)
+            i += 1
+        step = engine_step(scheduler, executor, now, bm.num_gpu_blocks, lambda: bm.num_used_blocks)
+        run.records.extend(step.records)
+        if step.result is None:
+            if not step.output.rejected and not step.output.preempted:
+                assert not scheduler.has_unfinished() or i < len(pending), "idle while work waits"
+            if i >= len(pending) and not scheduler.has_unfinished():
+                return run
+            if i < len(pending):
+                now = max(now, pending[i].arrival_s)
+            continue
+        run.outputs.append(step.output)
+        for e in step.output.scheduled:
+            if e.request_id not in seen:
+                seen.add(e.request_id)
+                run.admitted.append(e.request_id)
+        if check_every_step:
+            bm.check_invariants()
+            assert_step_within_limits(step.output, sched, bm)
+        if on_step is not None:
+            on_step(scheduler, step.output)
+        now += step.result.duration_s
+    raise AssertionError(f"did not finish within {max_steps} steps")
+
+
+def assert_step_within_limits(out: SchedulerOutput, sched: SchedulerConfig, bm) -> None:
+    assert len(out.scheduled) <= sched.max_num_seqs
+    assert sum(e.num_tokens for e in out.scheduled) <= sched.max_num_batched_tokens
+    assert len({e.seq_id for e in out.scheduled}) == len(out.scheduled)
+    assert bm.num_used_blocks <= bm.num_gpu_blocks
+    if sched.chunked_prefill is not None:
+        assert all(e.num_tokens <= sched.chunked_prefill for e in out.scheduled)
+
+
+class _Spy:
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
+
+    def execute(self, out):
+        self.hook(out)
+        return self.inner.execute(out)

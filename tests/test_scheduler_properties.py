@@ -1,0 +1,118 @@
+"""Property tests of the scheduler core: random traces × random configurations."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servelab.config import CacheConfig, SchedulerConfig
+from servelab.request import Request
+
+from sched_harness import FakeExecutor, simulate
+
+SETTINGS = settings(max_examples=200, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    num_blocks = draw(st.integers(4, 64))
+    chunk = draw(st.sampled_from([None, 1, 3, 8, 32]))
+    budget = draw(st.integers(4, 96))
+    max_model_len = draw(st.sampled_from([32, 64, 256]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair"]))
+    options = {}
+    if policy == "priority":
+        options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 1.0]))}
+    elif policy == "sjf":
+        options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
+                   "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
+    sched = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=budget,
+        chunked_prefill=chunk, step_composition=draw(st.sampled_from(["decode_first", "prefill_first"])),
+        preemption=draw(st.sampled_from(["recompute", "swap"])), max_model_len=max_model_len,
+        waiting_queue_limit=draw(st.sampled_from([None, None, 3])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])))
+    cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
+                        num_cpu_blocks=draw(st.sampled_from([0, 4, 64])),
+                        watermark=draw(st.sampled_from([0.0, 0.1])),
+                        enable_prefix_caching=draw(st.booleans()))
+    n_req = draw(st.integers(1, 12))
+    reqs = []
+    t = 0.0
+    shared = tuple(range(100, 140))
+    for i in range(n_req):
+        t += draw(st.sampled_from([0.0, 0.005, 0.02, 0.1]))
+        prompt = draw(st.integers(1, 40))
+        out = draw(st.integers(1, 30))
+        ids = None
+        if draw(st.booleans()):
+            ids = shared[:min(prompt, draw(st.integers(0, 40)))]
+            ids = ids + tuple(range(1000 * (i + 1), 1000 * (i + 1) + prompt - len(ids)))
+        reqs.append(Request(i, t, prompt, out, n=draw(st.sampled_from([1, 1, 1, 2, 3])),
+                            priority=draw(st.integers(0, 3)), tenant=draw(st.sampled_from("abc")),
+                            prompt_token_ids=ids))
+    return reqs, sched, cache, policy, options
+
+
+def _assert_conserved(run, reqs):
+    ids = [r.request_id for r in run.records]
+    assert sorted(ids) == sorted(r.request_id for r in reqs), "every request ends exactly once"
+    for r in reqs:
+        assert r.is_done
+        if r.status.value == "finished":
+            for s in r.seqs:
+                # exactly the target, unless max_model_len cut it short
+                assert s.num_output_tokens == r.output_len or s.num_tokens >= run.scheduler.config.max_model_len
+            assert len(r.seqs) == r.n
+    bm = run.scheduler.bm
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0, "every block is back in the pool"
+    assert bm.usage().num_cpu_used_blocks == 0
+
+
+@SETTINGS
+@given(workloads(), st.booleans())
+def test_random_workloads_terminate_and_conserve(w, real_tokens):
+    reqs, sched, cache, policy, options = w
+    run = simulate(reqs, sched, cache, policy, options, executor=FakeExecutor(real_tokens=real_tokens))
+    _assert_conserved(run, reqs)
+
+
+@SETTINGS
+@given(workloads())
+def test_determinism_same_inputs_same_outputs(w):
+    reqs, sched, cache, policy, options = w
+    a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options)
+    b = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options)
+    assert a.outputs == b.outputs
+    assert a.records == b.records
+
+
+@SETTINGS
+@given(workloads())
+def test_work_conserving_when_head_fits(w):
+    """Continuous batching: after a step with no preemption, the policy's next waiting
+    request did not fit (budget, sequences or memory) — it was never left idle."""
+    reqs, sched, cache, policy, options = w
+    if sched.batching == "static":
+        return
+
+    def check(scheduler, out):
+        if out.preempted or sched.step_composition == "prefill_first":
+            return
+        head = scheduler.policy.peek(out.now)
+        if head is None or not head.status.value == "waiting":
+            return
+        used_tokens = sum(e.num_tokens for e in out.scheduled)
+        tokens_left = sched.max_num_batched_tokens - used_tokens
+        seqs_left = sched.max_num_seqs - len(out.scheduled)
+        pending = head.prompt_len
+        chunk_ok = (sched.chunked_prefill is not None and tokens_left > 0) or pending <= tokens_left
+        bm = scheduler.bm
+        blocks = -(-head.prompt_len // cache.block_size)
+        mem_ok = bm.num_free_blocks - blocks >= cache.watermark_blocks
+        assert not (chunk_ok and seqs_left >= head.n and mem_ok and not scheduler.swapped), \
+            f"request {head.request_id} fit but was not admitted at t={out.now}"
+
+    simulate(reqs, sched, cache, policy, options, on_schedule=check)
