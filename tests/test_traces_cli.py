@@ -1,0 +1,101 @@
+"""`servelab trace stats|convert|datasets` through the real command-line entry point."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servelab.cli import CLIError, main
+from servelab.traces.cli import add_trace_arguments, trace_dir_from, trace_from_args
+from servelab.traces.loaders import load_trace
+
+
+def test_stats_prints_counts_span_rate_percentiles_and_histogram(traces_dir, capsys):
+    assert main(["trace", "stats", "azure-code-2023", "--trace-dir", str(traces_dir), "--bins", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "requests: 8819 of 8819 data rows" in out
+    assert "span: 3435.948 s (57.3 min)   mean rate: 2.567 req/s" in out
+    assert "prompt         min 3  mean 2047.8  p50 1469  p90 5187.6  p99 7436  max 7437" in out
+    assert "output         min 6  mean 27.9  p50 13  p90 55  p99 251.5  max 1899" in out
+    histogram = [line for line in out.splitlines() if " | " in line]
+    assert len(histogram) == 5 and sum(int(line.split()[-1]) for line in histogram) == 8818
+    assert "dropped rows: 0" in out and "time origin 2023-11-16 18:17:03.9799600" in out
+
+
+def test_stats_reports_dropped_rows_and_errors_exit_2(tmp_path, traces_dir, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,5\n1,x,5\n2,0,5\n3,7,7\n")
+    assert main(["trace", "stats", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servelab trace: error: ") and f"{bad}, line 3: non-numeric value" in err
+    assert main(["trace", "stats", str(bad), "--on-bad-row", "drop"]) == 0
+    out = capsys.readouterr().out
+    assert "requests: 2 of 4 data rows" in out and "dropped rows: 2" in out
+    assert "1 x non-numeric value (first: line 3: num_prefill_tokens is 'x', not a number)" in out
+    assert "1 x non-positive length (first: line 4:" in out
+    assert main(["trace", "stats", "sharegpt-lengths", "--trace-dir", str(traces_dir)]) == 2
+    assert "length-only table" in capsys.readouterr().err
+    assert main(["trace", "stats", "sharegpt-lengths", "--trace-dir", str(tmp_path), "--no-download"]) == 2
+    assert "is not in" in capsys.readouterr().err
+    assert main(["trace", "stats", "no-such-trace"]) == 2
+    assert "not 'default', a dataset name" in capsys.readouterr().err
+
+
+def test_stats_of_lengths_with_rate_and_default(traces_dir, capsys):
+    assert main(["trace", "stats", "bwb-lengths", "--trace-dir", str(traces_dir), "--rate", "3", "--cv", "2",
+                 "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "requests: 33768" in out and "arrivals drawn: gamma cv=2 rate=3/s seed=5" in out
+    assert main(["trace", "stats", "default"]) == 0
+    out = capsys.readouterr().out
+    assert "interactive:" in out and "priority 1" in out and "prefix hashes:" in out
+
+
+def test_convert_writes_canonical_csv_that_loads_back_identically(traces_dir, tmp_path, capsys):
+    out = tmp_path / "moon.csv"
+    assert main(["trace", "convert", "mooncake-conversation", str(out), "--trace-dir", str(traces_dir),
+                 "--max-model-len", "32768"]) == 0
+    assert "wrote 12031 requests" in capsys.readouterr().out
+    assert out.read_text().splitlines()[0] == "arrival_s,prompt_tokens,output_tokens,prefix_block_size,prefix_hashes"
+    back = load_trace(out)
+    original = load_trace(traces_dir / "mooncake_conversation_trace.jsonl", max_model_len=32768)
+    assert back.format == "servelab" and back.records == original.records
+    azure = tmp_path / "azure.csv"
+    assert main(["trace", "convert", str(traces_dir / "AzureLLMInferenceTrace_conv.csv"), str(azure)]) == 0
+    assert load_trace(azure).records == load_trace(traces_dir / "AzureLLMInferenceTrace_conv.csv").records
+    assert main(["trace", "convert", "default", str(tmp_path / "no" / "dir.csv")]) == 2
+
+
+def test_datasets_lists_names_and_presence(traces_dir, tmp_path, capsys):
+    assert main(["trace", "datasets", "--trace-dir", str(traces_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"trace directory: {traces_dir}" in out and out.count("present") == 8
+    assert main(["trace", "datasets", "--trace-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("missing") == 8
+
+
+def test_trace_dir_comes_from_flag_then_environment_then_cache():
+    assert trace_dir_from("/x", {"SERVELAB_TRACE_DIR": "/y"}) == Path("/x")
+    assert trace_dir_from(None, {"SERVELAB_TRACE_DIR": "/y"}) == Path("/y")
+    assert trace_dir_from(None, {}) == Path("~/.cache/servelab/traces").expanduser()
+
+
+def test_other_commands_share_the_trace_options(traces_dir):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    add_trace_arguments(parser)
+    args = parser.parse_args(["--trace", "splitwise-conv", "--rate", "7.5"])
+    trace = trace_from_args(args, seed=args.seed, environ={"SERVELAB_TRACE_DIR": str(traces_dir)})
+    assert len(trace) == 19366 and trace.mean_rate == pytest.approx(7.5)
+    assert trace_from_args(parser.parse_args([]), environ={}).format == "synthetic"
+    with pytest.raises(CLIError, match="length-only"):
+        trace_from_args(parser.parse_args(["--trace", "arxiv-lengths"]), environ={"SERVELAB_TRACE_DIR": str(traces_dir)})
+
+
+def test_importing_the_cli_module_does_not_import_numpy():
+    code = "import sys, servelab.traces.cli; print('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

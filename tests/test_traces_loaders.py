@@ -1,0 +1,295 @@
+"""Loaders against the real public traces (figures from ../shared/traces/README.md) and
+against small hand-written files for every format, including the bad-row rules."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from servelab.traces import loaders
+from servelab.traces.loaders import FAILED_REASON, detect_format, load_trace
+from servelab.traces.record import TraceError, TraceFormatError
+from servelab.traces.stats import prefix_hit_ratio, trace_stats
+
+# file, rows, span_s, (prompt mean, p50, p90, p99, max), (output mean, p50, p90, p99, max), mean rate
+REAL = {
+    "AzureLLMInferenceTrace_code.csv": (8819, 3435.9, (2047.8, 1469, 5187.6, 7436, 7437), (27.9, 13, 55, 251.5, 1899), 2.57),
+    "AzureLLMInferenceTrace_conv.csv": (19366, 3501.7, (1154.7, 1020, 2734.5, 4142, 14050), (211.1, 129, 424, 601, 1000), 5.53),
+    "splitwise_code.csv": (8819, 3435.9, (2047.8, 1469, 5187.6, 7436, 7437), (27.9, 13, 55, 251.5, 1899), 2.57),
+    "splitwise_conv.csv": (19366, 3501.7, (1154.7, 1020, 2734.5, 4142, 14050), (211.1, 129, 424, 601, 1000), 5.53),
+    "mooncake_conversation_trace.jsonl": (12031, 3537.0, (12035.1, 6909, 27367, 85400.4, 126195), (342.6, 350, 597, 1118.5, 2000), 3.40),
+}
+LENGTHS = {
+    "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv": (28257, (2588.1, 2730, 3702, 3933.4, 4054), (291.4, 167, 372, 3271.3, 4056)),
+    "sharegpt_8k_filtered_stats_llama2_tokenizer.csv": (30731, (2340.0, 1730, 5696, 7433.7, 8141), (438.7, 415, 834, 998, 1024)),
+    "bwb_stats_llama2_tokenizer_filtered_v2.csv": (33768, (1067.2, 1037, 1453, 1800, 3504), (1612.8, 1601, 2149, 2533, 2858)),
+}
+
+
+def _check_summary(s, expected):
+    mean, p50, p90, p99, mx = expected
+    assert s.mean == pytest.approx(mean, abs=0.05)
+    assert (s.p50, s.p90, s.max) == pytest.approx((p50, p90, mx), abs=1e-6)
+    assert s.p99 == pytest.approx(p99, abs=0.051)
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_timed_traces_match_the_readme(traces_dir, name):
+    rows, span, prompt, output, rate = REAL[name]
+    trace = load_trace(traces_dir / name)
+    st = trace_stats(trace)
+    assert len(trace) == rows and trace.source_rows == rows and trace.num_dropped == 0
+    assert trace.records[0].arrival_s == 0.0
+    assert st.span_s == pytest.approx(span, abs=0.05)
+    assert st.mean_rate == pytest.approx(rate, abs=0.005)
+    _check_summary(st.prompt, prompt)
+    _check_summary(st.output, output)
+
+
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_real_length_tables_match_the_readme_and_get_drawn_arrivals(traces_dir, name):
+    rows, prompt, output = LENGTHS[name]
+    trace = load_trace(traces_dir / name, rate=8.0, seed=1)
+    assert trace.format == "lengths" and len(trace) == rows == trace.source_rows
+    st = trace_stats(trace)
+    _check_summary(st.prompt, prompt)
+    _check_summary(st.output, output)
+    assert st.mean_rate == pytest.approx(8.0, rel=0.03)
+    assert st.interarrival_cv == pytest.approx(1.0, abs=0.03)
+    again = load_trace(traces_dir / name, rate=8.0, seed=1)
+    assert again.records == trace.records
+    bursty = load_trace(traces_dir / name, rate=8.0, cv=3.0, seed=1)
+    assert trace_stats(bursty).interarrival_cv == pytest.approx(3.0, rel=0.1)
+    assert [r.prompt_tokens for r in bursty.records] == [r.prompt_tokens for r in trace.records]
+
+
+def test_azure_times_equal_splitwise_relative_seconds(traces_dir):
+    for kind in ("code", "conv"):
+        azure = load_trace(traces_dir / f"AzureLLMInferenceTrace_{kind}.csv")
+        split = load_trace(traces_dir / f"splitwise_{kind}.csv")
+        assert azure.format == "azure" and split.format == "splitwise"
+        a = np.array([r.arrival_s for r in azure.records])
+        s = np.array([r.arrival_s for r in split.records])
+        assert np.abs(a - s).max() <= 2.1e-7
+        assert [(r.prompt_tokens, r.output_tokens) for r in azure.records] == \
+               [(r.prompt_tokens, r.output_tokens) for r in split.records]
+    assert any("time origin 2023-11-16 18:15:46.6805900" in n for n in azure.notes)
+
+
+def test_mooncake_hashes_blocks_and_batched_timestamps(traces_dir):
+    trace = load_trace(traces_dir / "mooncake_conversation_trace.jsonl")
+    assert all(r.prefix_block_size == 512 and len(r.prefix_hashes) == math.ceil(r.prompt_tokens / 512)
+               for r in trace.records)
+    assert all(r.prefix_hashes[0] == 0 for r in trace.records)
+    assert len({r.arrival_s for r in trace.records}) == 1180
+    assert trace.records[-1].arrival_s == 3536.999
+    assert prefix_hit_ratio(trace) == pytest.approx(0.374, abs=0.0005)
+
+
+def test_fast_and_row_by_row_paths_agree_on_real_files(traces_dir, monkeypatch):
+    names = ["AzureLLMInferenceTrace_code.csv", "splitwise_conv.csv", "bwb_stats_llama2_tokenizer_filtered_v2.csv",
+             "mooncake_conversation_trace.jsonl"]
+    fast = [load_trace(traces_dir / n, rate=3.0 if "bwb" in n else None) for n in names]
+    monkeypatch.setattr(loaders, "fast_columns", lambda *a, **k: None)
+    monkeypatch.setattr(loaders, "fast_mooncake", lambda *a, **k: None)
+    slow = [load_trace(traces_dir / n, rate=3.0 if "bwb" in n else None) for n in names]
+    for f, s in zip(fast, slow):
+        assert f.records == s.records and f.source_rows == s.source_rows and f.notes == s.notes
+
+
+# ----------------------------------------------------------------------------- small files
+def _write(tmp_path, text: str | bytes, name: str = "t.csv"):
+    path = tmp_path / name
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+
+
+@pytest.mark.parametrize("pad", ["", " "])
+def test_azure_keeps_100ns_precision_across_midnight(tmp_path, pad):
+    # pad forces the row-by-row path (the bulk regex does not accept spaces)
+    body = [f"2023-11-16 23:59:59.9999998,{pad}10,5", "2023-11-16 23:59:59.9999999,11,6",
+            "2023-11-17 00:00:00.0000001,12,7", "2023-11-17 00:00:01,13,8"]
+    trace = load_trace(_write(tmp_path, AZURE + "\r\n".join(body)))
+    assert [r.arrival_s for r in trace.records] == [0.0, 1e-7, 3e-7, 1.0000002]
+    assert trace.notes[-1] == "time origin 2023-11-16 23:59:59.9999998 (the first kept row)"
+
+
+def test_detects_every_format_from_its_header(tmp_path):
+    heads = {
+        "azure": AZURE, "splitwise": "arrived_at,num_prefill_tokens,num_decode_tokens\n",
+        "lengths": "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n",
+        "burstgpt": "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n",
+        "servelab": "arrival_s,prompt_tokens,output_tokens,tenant\n",
+        "mooncake": '{"timestamp": 0, "input_length": 3, "output_length": 1}\n',
+    }
+    for fmt, head in heads.items():
+        assert detect_format(_write(tmp_path, head)) == fmt
+    with pytest.raises(TraceFormatError, match=r"t.csv, line 1: cannot tell the trace format"):
+        load_trace(_write(tmp_path, "a,b,c\n1,2,3\n"))
+    with pytest.raises(TraceFormatError, match="holds no rows"):
+        load_trace(_write(tmp_path, "\n \n"))
+    with pytest.raises(TraceFormatError, match=r"line 1: the azure format needs column\(s\) generatedtokens"):
+        load_trace(_write(tmp_path, "TIMESTAMP,ContextTokens\n2023-11-16 00:00:00,1\n"), format="azure")
+    with pytest.raises(TraceError, match="unknown trace format"):
+        load_trace(_write(tmp_path, AZURE), format="csv")
+
+
+def test_blank_lines_are_not_rows_and_header_columns_may_move(tmp_path):
+    text = "\n\nnum_decode_tokens,pd_ratio,num_prefill_tokens\n5,0.1,50\n\n  \n6,x,60\n"
+    trace = load_trace(_write(tmp_path, text), rate=1.0)
+    assert [(r.prompt_tokens, r.output_tokens) for r in trace.records] == [(50, 5), (60, 6)]
+    assert trace.source_rows == 2
+
+
+def test_lengths_need_a_rate_and_cv_only_applies_to_them(tmp_path):
+    lengths = _write(tmp_path, "num_prefill_tokens,num_decode_tokens\n5,6\n", "l.csv")
+    with pytest.raises(TraceError, match="length-only table.*rate"):
+        load_trace(lengths)
+    with pytest.raises(TraceError, match="cv applies only"):
+        load_trace(_write(tmp_path, AZURE + "2023-11-16 00:00:00,1,1"), cv=2.0)
+
+
+def test_timed_trace_rate_option_rescales_and_max_model_len_clips(tmp_path):
+    path = _write(tmp_path, "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,4\n1,3000,50\n2,20,5\n")
+    trace = load_trace(path, rate=3.0, max_model_len=1024)
+    assert [r.arrival_s for r in trace.records] == [0.0, 0.5, 1.0]
+    assert trace.records[1].prompt_tokens == 1023 and trace.records[1].output_tokens == 1
+    assert trace.num_clipped == 2
+
+
+BURST = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+
+
+def test_burstgpt_drops_and_reports_failed_requests_and_uses_model_as_tenant(tmp_path):
+    rows = ["5,ChatGPT,472,18,490,Conversation log", "45,GPT-4,1087,0,1087,Conversation log",
+            "118,ChatGPT,417,276,693,API log", "130,ChatGPT,900,0,900,API log"]
+    path = _write(tmp_path, BURST + "\n".join(rows) + "\n", "burst.csv")
+    trace = load_trace(path)
+    assert trace.format == "burstgpt" and trace.source_rows == 4
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.tenant) for r in trace.records] == \
+           [(0.0, 472, 18, "ChatGPT"), (113.0, 417, 276, "ChatGPT")]
+    assert [(i.reason, i.count) for i in trace.dropped] == [(FAILED_REASON, 2)]
+    assert trace.dropped[0].example.startswith("line 3:")
+    kept = load_trace(path, keep_failed=True)
+    assert [r.output_tokens for r in kept.records] == [18, 1, 276, 1]
+    assert kept.num_dropped == 0 and kept.num_clipped == 2
+    with pytest.raises(TraceError, match="keep_failed applies only to BurstGPT"):
+        load_trace(_write(tmp_path, AZURE + "2023-11-16 00:00:00,1,1"), keep_failed=True)
+
+
+def test_servelab_format_reads_optional_columns_verbatim(tmp_path):
+    text = ("arrival_s,prompt_tokens,output_tokens,tenant,priority,slo_ttft_ms,slo_tpot_ms,prefix_block_size,"
+            "prefix_hashes\n2.5,40,3,bob,-1,200,,16,7 8 9\n3,5,5,,,,,,\n")
+    a, b = load_trace(_write(tmp_path, text)).records
+    assert (a.arrival_s, a.tenant, a.priority, a.slo_ttft_ms, a.slo_tpot_ms, a.prefix_hashes, a.prefix_block_size) \
+        == (2.5, "bob", -1, 200.0, None, (7, 8, 9), 16)
+    assert (b.tenant, b.priority, b.prefix_hashes) == ("default", 0, None)
+
+
+# ----------------------------------------------------------------------------- bad rows
+SPLIT = "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+BAD_ROWS = [  # (format header, bad line, reason, words in the message)
+    (SPLIT, "1.5,10", "missing column", "expected 3 comma-separated cells, found 2"),
+    (SPLIT, "1.5,10,4,9", "extra column", "found 4"),
+    (SPLIT, "1.5,ten,4", "non-numeric value", "num_prefill_tokens is 'ten'"),
+    (SPLIT, "1.5,1_000,4", "non-numeric value", "num_prefill_tokens"),
+    (SPLIT, "1.5,10,-4", "non-positive length", "num_decode_tokens is '-4'"),
+    (SPLIT, "1.5,0,4", "non-positive length", "num_prefill_tokens is '0'"),
+    (SPLIT, "1.5,10.5,4", "non-integer value", "not an integer"),
+    (SPLIT, "nan,10,4", "non-finite value", "arrived_at is 'nan'"),
+    (SPLIT, "1.5,NaN,4", "non-finite value", "num_prefill_tokens"),
+    (SPLIT, "0.5,10,4", "out-of-order timestamp", "time 0.5 s comes before 1.0 s on line 2"),
+    (SPLIT, "1.5,99999999999,4", "implausible length", "above"),
+    (AZURE, "2023-11-16 24:00:00.0,10,4", "invalid timestamp", "not a time of day"),
+    (AZURE, "2023-02-30 10:00:00.0,10,4", "invalid timestamp", "not a calendar date"),
+    (AZURE, "16/11/2023 10:00,10,4", "invalid timestamp", "expected YYYY-MM-DD"),
+    (AZURE, "2023-11-16 00:00:00.5,10,4", "out-of-order timestamp", "2023-11-16 00:00:00.5000000 comes before"),
+    (BURST, "3,,10,4,14,API log", "invalid model", "expected a model name"),
+    ("arrival_s,prompt_tokens,output_tokens,prefix_block_size,prefix_hashes\n", "3,10,4,16,1 x",
+     "invalid prefix hashes", "space-separated"),
+    ("arrival_s,prompt_tokens,output_tokens,prefix_block_size,prefix_hashes\n", "3,10,4,,1 2",
+     "invalid prefix hashes", "given together"),
+    ("arrival_s,prompt_tokens,output_tokens\n", "-3,10,4", "negative arrival", ">= 0"),
+    ("arrival_s,prompt_tokens,output_tokens,slo_ttft_ms\n", "3,10,4,-2", "invalid SLO", "> 0 ms"),
+    ("arrival_s,prompt_tokens,output_tokens\n", '3,"10,4', "missing column", "found 2"),
+]
+AROUND = {SPLIT: ("1.0,5,5", "2.0,5,5"), AZURE: ("2023-11-16 00:00:01,5,5", "2023-11-16 00:00:02,5,5"),
+          BURST: ("1,M,5,5,10,API log", "2,M,5,5,10,API log")}
+
+
+@pytest.mark.parametrize("header, bad, reason, words", BAD_ROWS)
+def test_bad_row_error_names_file_line_and_problem_and_drop_mode_counts_it(tmp_path, header, bad, reason, words):
+    extra = "," * (header.count(",") - 2)
+    first, last = AROUND.get(header, ("1.0,5,5" + extra, "2.0,5,5" + extra))
+    path = _write(tmp_path, header + f"{first}\n{bad}\n{last}\n", "bad.csv")
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path)
+    err = info.value
+    assert (err.path, err.line) == (str(path), 3)
+    assert str(err).startswith(f"{path}, line 3: {reason}: ") and words in str(err)
+    assert isinstance(err, ValueError)
+    trace = load_trace(path, on_bad_row="drop")
+    assert len(trace) == 2 and trace.source_rows == 3
+    assert [(i.reason, i.count) for i in trace.dropped] == [(reason, 1)]
+    assert trace.dropped[0].example.startswith("line 3: ")
+
+
+MOON_BAD = [
+    ('{"timestamp": 5, "input_length": 10}', "invalid field", "output_length is None"),
+    ('{"timestamp": "5", "input_length": 10, "output_length": 2}', "invalid field", "timestamp is '5'"),
+    ('{"timestamp": 5, "input_length": 0, "output_length": 2}', "non-positive length", "input_length is 0"),
+    ('{"timestamp": 5, "input_length": 2.5, "output_length": 2}', "invalid field", "input_length is 2.5"),
+    ('{"timestamp": NaN, "input_length": 2, "output_length": 2}', "invalid field", "timestamp is nan"),
+    ('{"timestamp": 5, "input_length": 2, "output_length": 2, "hash_ids": [1, -1]}', "invalid prefix hashes", ""),
+    ('{"timestamp": 5, "input_length": 2, "output_length": 2, "hash_ids": []}', "invalid prefix hashes", ""),
+    ('{"timestamp": 5, "input_length": 2, "output_length": 2', "invalid JSON", "not a JSON object"),
+    ("[1, 2]", "invalid JSON", "found list"),
+    ("[" * 100000, "invalid JSON", ""),
+    ('{"timestamp": 0, "input_length": 2, "output_length": 2}', "out-of-order timestamp", "0 ms comes before 1000 ms"),
+]
+
+
+@pytest.mark.parametrize("bad, reason, words", MOON_BAD)
+def test_mooncake_bad_lines(tmp_path, bad, reason, words):
+    ok = [json.dumps({"timestamp": t, "input_length": 600, "output_length": 3, "hash_ids": [0, t + 1]})
+          for t in (1000, 2000)]
+    path = _write(tmp_path, "\n".join([ok[0], bad, ok[1]]), "m.jsonl")
+    with pytest.raises(TraceFormatError, match=rf"m.jsonl, line 2: {reason}: .*{words}"):
+        load_trace(path)
+    trace = load_trace(path, on_bad_row="drop")
+    assert [r.arrival_s for r in trace.records] == [0.0, 1.0] and trace.source_rows == 3
+    assert [(i.reason, i.count) for i in trace.dropped] == [(reason, 1)]
+
+
+def test_invalid_utf8_line_is_a_bad_row(tmp_path):
+    path = _write(tmp_path, SPLIT.encode() + b"0,1,1\n1,\xff\xfe,2\n2,3,4\n")
+    with pytest.raises(TraceFormatError, match=r"line 3: invalid UTF-8"):
+        load_trace(path)
+    trace = load_trace(path, on_bad_row="drop")
+    assert len(trace) == 2 and trace.dropped[0].reason == "invalid UTF-8"
+    with pytest.raises(TraceFormatError, match="line 1: the first line is not valid UTF-8"):
+        load_trace(_write(tmp_path, b"\xffTIMESTAMP\n"))
+
+
+def test_drop_mode_keeps_the_longest_ordered_run_around_a_bad_timestamp(tmp_path):
+    # One far-future time must cost one row, not every row after it.
+    rows = ["0,1,1", "1,1,1", "99999,1,1", "2,1,1", "3,1,1", "2.5,1,1", "4,1,1"]
+    trace = load_trace(_write(tmp_path, SPLIT + "\n".join(rows)), on_bad_row="drop")
+    assert [r.arrival_s for r in trace.records] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [(i.reason, i.count) for i in trace.dropped] == [("out-of-order timestamp", 2)]
+    assert trace.dropped[0].example.startswith("line 4: time 99999.0 s")
+
+
+def test_ties_are_in_order_and_kept(tmp_path):
+    trace = load_trace(_write(tmp_path, SPLIT + "1,1,1\n1,2,2\n1,3,3\n"))
+    assert [r.prompt_tokens for r in trace.records] == [1, 2, 3]
+
+
+def test_on_bad_row_must_be_known(tmp_path):
+    with pytest.raises(ValueError, match="on_bad_row"):
+        load_trace(_write(tmp_path, SPLIT + "1,1,1\n"), on_bad_row="skip")

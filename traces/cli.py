@@ -1,0 +1,132 @@
+"""`servelab trace ...`: inspect and convert traces; plus the `--trace` options other commands share.
+
+This is the entry layer: the only place that reads SERVELAB_TRACE_DIR. Importing it is
+cheap (no numpy); handlers import what they need.
+
+    servelab trace stats T [--rate R] [--on-bad-row drop] ...
+    servelab trace convert IN OUT ...
+    servelab trace datasets
+
+T is a file path, a dataset name (see `servelab trace datasets`) or `default`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from servelab.cli import CLIError
+
+TRACE_DIR_ENV = "SERVELAB_TRACE_DIR"
+_FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
+
+
+def trace_dir_from(cli_value: str | None, environ=os.environ) -> Path:
+    """--trace-dir, else $SERVELAB_TRACE_DIR, else ~/.cache/servelab/traces."""
+    from servelab.traces.datasets import DEFAULT_TRACE_DIR
+    return Path(cli_value or environ.get(TRACE_DIR_ENV) or DEFAULT_TRACE_DIR).expanduser()
+
+
+def _add_load_options(p: argparse.ArgumentParser, *, format_flag: str, cv_flag: str) -> None:
+    p.add_argument("--trace-dir", metavar="DIR",
+                   help=f"where named datasets live (default: ${TRACE_DIR_ENV} or ~/.cache/servelab/traces)")
+    p.add_argument(format_flag, dest="trace_format", choices=_FORMATS, default="auto",
+                   help="trace file format (default: detected from the header)")
+    p.add_argument("--on-bad-row", choices=("error", "drop"), default="error",
+                   help="stop at the first malformed row (default) or drop and count such rows")
+    p.add_argument("--rate", type=float, metavar="REQ_PER_S",
+                   help="target mean request rate: drawn arrivals for length-only tables (required "
+                        "there), a time rescaling for timed traces, the total rate of 'default'")
+    p.add_argument(cv_flag, dest="arrival_cv", type=float, default=1.0, metavar="CV",
+                   help="inter-arrival coefficient of variation of drawn arrivals (1 = Poisson)")
+    p.add_argument("--no-download", action="store_true",
+                   help="fail instead of downloading a missing named dataset")
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, *, default: str = "default") -> None:
+    """Add --trace and its loading options to another command (simulate, compare, run, ...).
+    Pair with `trace_from_args(args, seed=..., max_model_len=...)`."""
+    parser.add_argument("--trace", default=default, metavar="T",
+                        help=f"trace file, dataset name or 'default' (default: {default})")
+    _add_load_options(parser, format_flag="--trace-format", cv_flag="--arrival-cv")
+
+
+def trace_from_args(args: argparse.Namespace, spec: str | None = None, *, seed: int = 0,
+                    max_model_len: int | None = None, environ=os.environ):
+    """Resolve `spec` (default: args.trace) with the loading options; user errors -> CLIError."""
+    from servelab.traces.datasets import resolve_trace
+    from servelab.traces.record import TraceError
+    spec = args.trace if spec is None else spec
+    try:
+        return resolve_trace(spec, trace_dir=trace_dir_from(args.trace_dir, environ), rate=args.rate,
+                             cv=args.arrival_cv, seed=seed, on_bad_row=args.on_bad_row,
+                             format=args.trace_format, max_model_len=max_model_len,
+                             download=not args.no_download)
+    except (TraceError, OSError) as exc:
+        raise CLIError(str(exc)) from exc
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("trace", help="inspect and convert request traces",
+                              description="Inspect and convert request traces.")
+    sub = p.add_subparsers(dest="trace_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+
+    s = sub.add_parser("stats", help="counts, span, rate, length percentiles, inter-arrival histogram",
+                       description="Print a trace's counts, span, rate, length percentiles, an "
+                                   "inter-arrival histogram, and the rows dropped or clipped.")
+    s.add_argument("trace", metavar="T", help="file path, dataset name or 'default'")
+    _add_stats_and_convert_options(s)
+    s.add_argument("--bins", type=int, default=10, help="inter-arrival histogram bins (default 10)")
+    s.set_defaults(func=_cmd_stats)
+
+    c = sub.add_parser("convert", help="write a trace as servelab's canonical CSV",
+                       description="Convert any supported trace to servelab's canonical CSV "
+                                   "(arrival_s,prompt_tokens,output_tokens[,...]).")
+    c.add_argument("trace", metavar="IN", help="file path, dataset name or 'default'")
+    c.add_argument("output", metavar="OUT", help="CSV file to write")
+    _add_stats_and_convert_options(c)
+    c.set_defaults(func=_cmd_convert)
+
+    d = sub.add_parser("datasets", help="list the named datasets and whether they are present",
+                       description="List the named public datasets and where they are looked for.")
+    d.add_argument("--trace-dir", metavar="DIR", help=f"default: ${TRACE_DIR_ENV} or ~/.cache/servelab/traces")
+    d.set_defaults(func=_cmd_datasets)
+
+
+def _add_stats_and_convert_options(p: argparse.ArgumentParser) -> None:
+    _add_load_options(p, format_flag="--format", cv_flag="--cv")
+    p.add_argument("--seed", type=int, default=0, help="seed of drawn arrivals and of 'default' (default 0)")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="clip prompt+output to N tokens (counted)")
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from servelab.traces.stats import format_stats, trace_stats
+    if args.bins < 1:
+        raise CLIError(f"--bins must be >= 1, got {args.bins}")
+    trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
+    print(format_stats(trace_stats(trace, bins=args.bins)))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from servelab.traces.canonical import write_csv
+    trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
+    try:
+        write_csv(trace, args.output)
+    except OSError as exc:
+        raise CLIError(f"cannot write {args.output}: {exc}") from exc
+    print(f"wrote {len(trace)} requests to {args.output} "
+          f"({trace.num_dropped} source rows dropped, {trace.num_clipped} requests clipped)")
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from servelab.traces.datasets import DATASETS
+    directory = trace_dir_from(args.trace_dir)
+    print(f"trace directory: {directory}")
+    width = max(map(len, DATASETS))
+    for ds in DATASETS.values():
+        state = "present" if (directory / ds.filename).is_file() else "missing (downloaded on first use)"
+        print(f"  {ds.name:<{width}}  {ds.format:<9}  {state}\n  {'':<{width}}  {ds.description}; {ds.license}")
+    return 0
