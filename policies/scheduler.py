@@ -51,6 +51,7 @@ class Scheduler:
         self.prefix_caching = enable_prefix_caching
         self.emit_block_tables = emit_block_tables
         self.keep_token_times = keep_token_times
+        self._charges_service = type(policy).on_service is not Policy.on_service
         self.block_size = block_manager.block_size
         self._chunk = config.chunked_prefill or (1 << 62)
         self.requests: dict[int, Request] = {}
@@ -168,6 +169,7 @@ class Scheduler:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
         the scheduler preempt from the end of the order — possibly the request itself."""
+        bm = self.bm
         order = self._running_order()
         end = len(order)
         i = 0
@@ -181,6 +183,23 @@ class Scheduler:
                 continue
             if step.tokens <= 0 or step.seqs <= 0:
                 break
+            seqs = req.seqs
+            if len(seqs) == 1 and not seqs[0].is_prefilling and not seqs[0].finished:
+                # the common case, inlined: one sequence decoding one token
+                s = seqs[0]
+                sid = s.seq_id
+                if not bm.can_append_slots(sid, 1):
+                    end = self._make_room(sid, req, order, i, end, now, out, allow_swap=True)
+                    if end is None:
+                        return
+                copies = bm.append_slots(sid, 1)
+                if copies:
+                    out.copies.extend(copies)
+                step.entries[req.request_id] = [ScheduledSeq(req.request_id, sid, 1,
+                                                             s.num_computed_tokens, 1, False)]
+                step.tokens -= 1
+                step.seqs -= 1
+                continue
             entries = self._plan(req, step, allocated=True)
             if entries is None:
                 continue
@@ -190,32 +209,39 @@ class Scheduler:
             step.commit(req, entries)
 
     def _grow(self, req, entries, order, i, end, now, out) -> int | None:
-        """Give each decoding sequence of `req` its next slot, preempting from the end
-        of `order` (positions i..end-1 are not scheduled yet) while memory is short.
-        Returns the new end of the unpreempted part of `order`, or None if `req` itself
-        had to be preempted. A multi-sample request that
-        runs out halfway, with some samples already grown, is preempted by recompute
-        (a swapped copy would keep slots its samples never used)."""
+        """Give each decoding sequence of `req` its next slot (see `_make_room`).
+        A multi-sample request that runs out halfway, with some samples already grown,
+        is preempted by recompute (a swapped copy would keep slots its samples never
+        used)."""
         bm = self.bm
         grown = 0
         for e in entries:
             if e.is_prefill:
                 continue
-            while not bm.can_append_slots(e.seq_id, 1):
-                self._growth_preempted = True
-                if end > i:
-                    end -= 1
-                    self._preempt(order[end], now, out)
-                elif len(self.running) == 1:
-                    # Alone on the GPU and still no room: it can never grow, so it is
-                    # aborted rather than swapped or recomputed forever.
-                    self._abort(req, now, out)
-                    return None
-                else:
-                    self._preempt(req, now, out, allow_swap=grown == 0)
+            if not bm.can_append_slots(e.seq_id, 1):
+                end = self._make_room(e.seq_id, req, order, i, end, now, out, allow_swap=grown == 0)
+                if end is None:
                     return None
             out.copies.extend(bm.append_slots(e.seq_id, 1))
             grown += 1
+        return end
+
+    def _make_room(self, sid, req, order, i, end, now, out, allow_swap) -> int | None:
+        """Preempt from the end of `order` (positions i..end-1 are not scheduled yet)
+        until `sid` can get one more slot. Returns the new end, or None if `req` itself
+        had to go: preempted, or aborted when it is alone and still cannot grow (it
+        outgrew the whole cache and would otherwise be preempted forever)."""
+        self._growth_preempted = True
+        while not self.bm.can_append_slots(sid, 1):
+            if end > i:
+                end -= 1
+                self._preempt(order[end], now, out)
+            elif len(self.running) == 1:
+                self._abort(req, now, out)
+                return None
+            else:
+                self._preempt(req, now, out, allow_swap=allow_swap)
+                return None
         return end
 
     def _plan(self, req: Request, step: "_Step", allocated: bool) -> list[ScheduledSeq] | None:
@@ -353,11 +379,15 @@ class Scheduler:
         if self.config.batching == "static" and (self.running or self.swapped):
             return
         policy = self.policy
+        # max_num_seqs bounds the running sequences, scheduled this step or not
+        seats = self.config.max_num_seqs - sum(
+            1 for r in self.running.values() for s in r.seqs if not s.finished)
         while step.tokens > 0 and step.seqs > 0:
             req = policy.peek(now)
             if req is None:
                 return
-            if self._plan(req, step, allocated=False) is None:
+            live = sum(1 for s in req.seqs if not s.finished)
+            if live > seats or self._plan(req, step, allocated=False) is None:
                 return
             status = self._allocate(req)
             if status is AllocStatus.LATER and (self.running or self.swapped):
@@ -371,6 +401,7 @@ class Scheduler:
                 continue
             policy.remove(req)
             self._set_running(req)
+            seats -= live
             entries = self._plan(req, step, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
 
@@ -443,14 +474,19 @@ class Scheduler:
         """True if no waiting request can be admitted while running decodes only grow
         (free memory only shrinks, the step budget stays as full)."""
         cfg = self.config
-        if cfg.batching == "static":
-            return True
-        if num_seqs >= cfg.max_num_seqs or num_seqs >= cfg.max_num_batched_tokens:
-            return True
-        bs = self.block_size
-        for head in self.policy.candidates(now):
+        candidates = self.policy.candidates(now)
+        for head in candidates:
+            # a preemptive policy may evict for it once memory runs short
             if any(self.policy.may_preempt_for(head, r) for r in self.running.values()):
                 return False
+        if cfg.batching == "static":
+            return True
+        if num_seqs >= cfg.max_num_seqs:
+            return True  # no seat
+        if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
+            return True  # decodes take the whole budget before admission is tried
+        bs = self.block_size
+        for head in candidates:
             reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
                            expected_total_tokens=head.prompt_len + head.output_len)
             for s in head.seqs:
@@ -484,62 +520,67 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
         """Advance every scheduled sequence by the step's work; returns the records of
-        requests that finished or were rejected in this step."""
+        requests that finished or were rejected in this step. O(scheduled sequences)."""
         t_end = out.now + result.duration_s
-        bm, policy = self.bm, self.policy
-        sampled = result.sampled
-        stopped = result.stopped
+        bm, running = self.bm, self.running
+        sampled, stopped = result.sampled, result.stopped
         max_len = self.config.max_model_len
-        cur_rid, cur_pre, cur_out = None, 0, 0
+        commit = self.prefix_caching
+        keep_times = self.keep_token_times
+        service: dict[int, list[int]] | None = {} if self._charges_service else None
+        ended: list[Request] = []
         for e in out.scheduled:
             rid = e.request_id
-            req = self.running.get(rid)
+            req = running.get(rid)
             if req is None:
                 raise SchedulerError(f"update() for request {rid}, which is not running")
-            if rid != cur_rid:
-                if cur_rid is not None:
-                    policy.on_service(self.requests[cur_rid], cur_pre, cur_out)
-                cur_rid, cur_pre, cur_out = rid, 0, 0
-                if req.scheduled_s is None:
-                    req.scheduled_s = out.now
+            if req.scheduled_s is None:
+                req.scheduled_s = out.now
             seq = req.seqs[e.seq_id[1]]
             seq.num_computed_tokens += e.num_tokens
-            if e.is_prefill:
-                cur_pre += e.num_tokens
-            cur_out += e.num_samples
-            if self.prefix_caching:
+            if service is not None:
+                acc = service.get(rid)
+                if acc is None:
+                    acc = service[rid] = [0, 0]
+                if e.is_prefill:
+                    acc[0] += e.num_tokens
+                acc[1] += e.num_samples
+            if e.is_prefill and commit:
                 bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
             if not e.num_samples:
                 continue
-            tokens = sampled[e.seq_id] if sampled is not None else None
             if e.num_samples > 1:
                 self._fork(req, seq)
                 targets = req.seqs
             else:
                 targets = (seq,)
+            tokens = sampled[e.seq_id] if sampled is not None else None
             for i, s in enumerate(targets):
                 s.num_tokens += 1
                 s.num_output_tokens += 1
                 if tokens is not None:
                     s.output_token_ids.append(tokens[i])
-                if s.num_output_tokens >= req.output_len or s.seq_id in stopped \
-                        or s.num_tokens >= max_len:
+                if s.num_output_tokens >= req.output_len or s.num_tokens >= max_len \
+                        or (stopped and s.seq_id in stopped):
                     s.finished = True
                     bm.free(s.seq_id)
+                    ended.append(req)
             if req.first_token_s is None:
                 req.first_token_s = t_end
-            if self.keep_token_times and seq.seq_id[1] == 0:
+            if keep_times and seq.seq_id[1] == 0:
                 if req.token_times is None:
                     req.token_times = []
                 req.token_times.append(t_end)
-        if cur_rid is not None:
-            policy.on_service(self.requests[cur_rid], cur_pre, cur_out)
-        for e in out.scheduled:
-            req = self.running.get(e.request_id)
-            if req is not None and all(s.finished for s in req.seqs) and len(req.seqs) == req.n:
+        if service:
+            requests, on_service = self.requests, self.policy.on_service
+            for rid, (pre, drawn) in service.items():
+                on_service(requests[rid], pre, drawn)
+        for req in ended:
+            if req.request_id in running and len(req.seqs) == req.n \
+                    and all(s.finished for s in req.seqs):
                 req.status = RequestStatus.FINISHED
                 req.finish_s = t_end
-                del self.running[req.request_id]
+                del running[req.request_id]
                 del self._admit_seq[req.request_id]
                 self._finished_records.append(self._record(req))
         return self.pop_records()

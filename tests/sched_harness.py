@@ -38,6 +38,8 @@ class Run:
     records: list[RequestRecord] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     """Request ids in the order they were first scheduled."""
+    fast_forwarded: int = 0
+    """Steps applied in closed form."""
 
 
 def make_requests(spec: list[tuple], **common) -> list[Request]:
@@ -54,9 +56,11 @@ def make_requests(spec: list[tuple], **common) -> list[Request]:
 def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
              cache: CacheConfig | None = None, policy="fcfs", policy_options=None,
              executor=None, check_every_step: bool = True, max_steps: int = 200_000,
-             on_step=None, on_schedule=None) -> Run:
+             on_step=None, on_schedule=None, fast_forward: bool = False) -> Run:
     """Replay `requests` through a real scheduler with a fake clock. `on_schedule(scheduler,
-    output)` runs between schedule() and update(); `on_step` after update()."""
+    output)` runs between schedule() and update(); `on_step` after update(). With
+    `fast_forward`, runs of plain decode steps allowed by `decode_run_bound` are applied
+    at once (the executor's steps must then take a constant, exactly representable time)."""
     sched = sched or SchedulerConfig()
     cache = cache or CacheConfig()
     scheduler = build_scheduler(sched, cache, policy, policy_options)
@@ -93,6 +97,8 @@ def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
         if on_step is not None:
             on_step(scheduler, step.output)
         now += step.result.duration_s
+        if fast_forward:
+            now = _fast_forward(scheduler, executor, now, pending[i].arrival_s if i < len(pending) else None, run)
     raise AssertionError(f"did not finish within {max_steps} steps")
 
 
@@ -112,3 +118,20 @@ class _Spy:
     def execute(self, out):
         self.hook(out)
         return self.inner.execute(out)
+
+
+def _fast_forward(scheduler, executor, now, next_arrival, run) -> float:
+    step_s = executor.step_s
+    limit = 1 << 30
+    if next_arrival is not None:
+        # step j of the run starts at now + j·step_s and must start before the arrival
+        limit = 0
+        while now + limit * step_s < next_arrival:
+            limit += 1
+    k = scheduler.decode_run_bound(now, limit)
+    if k >= 2:
+        scheduler.advance_decodes(k)
+        run.fast_forwarded += k
+        for _ in range(k):
+            now += step_s
+    return now
