@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
 # --------------------------------------------------------------------------- runner
 
 
-def _sliding_window(spec: ModelSpec) -> int | None:
+def sliding_window(spec: ModelSpec) -> int | None:
     """The attention window the config asks for, if any (full attention is all we run)."""
     cfg = spec.hf_config
     window = cfg.get("sliding_window")
@@ -271,7 +271,7 @@ class ModelRunner:
         self.spec = spec
         self.block_size = block_size
         self.use_triton = use_triton
-        self.sliding_window = _sliding_window(spec)
+        self.sliding_window = sliding_window(spec)
         self.kv_cache = KVCache(num_layers=spec.num_layers, num_blocks=num_gpu_blocks,
                                 block_size=block_size, num_kv_heads=spec.num_kv_heads,
                                 head_dim=spec.head_dim, dtype=self.dtype, device=self.device,

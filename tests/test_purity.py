@@ -8,7 +8,8 @@ HEAVY = ("torch", "triton", "simpy", "transformers")
 
 
 @pytest.mark.parametrize("module", ["servelab.memory", "servelab.policies", "servelab.request",
-                                    "servelab.engine", "servelab.outputs", "servelab.config"])
+                                    "servelab.engine", "servelab.outputs", "servelab.config",
+                                    "servelab.options"])
 def test_import_pulls_in_no_heavy_dependency(module):
     code = (f"import sys, {module}\n"
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"

@@ -1,0 +1,168 @@
+"""`servelab run`: replay a trace on a real model through the shared scheduler.
+
+    servelab run --backend torch --device cuda --model llama-3.1-8b --trace azure-conv-2023 \\
+        --num-requests 200 --policy fcfs --out runs/real-fcfs
+
+Scheduler, KV-cache and policy flags are the ones `servelab simulate` takes
+(`servelab.options`), so a simulated and a real run of the same trace are spelled alike.
+`--triton` on a CPU runs the kernels in Triton's interpreter: this command then sets
+TRITON_INTERPRET=1 itself, before anything imports triton.
+
+Importing this module is cheap (no torch); the handler imports what it needs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from servelab.cli import CLIError
+from servelab.options import (add_scheduler_options, add_workload_options, configs_from_args,
+                              non_negative_int, positive_float)
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+
+
+def _top_p(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    from servelab.policies import policy_names
+    from servelab.traces.cli import add_trace_arguments
+
+    p = subparsers.add_parser(
+        "run", help="replay a trace on a real model (PyTorch + Triton paged attention)",
+        description="Replay a trace through the shared scheduler on a real Llama-family model "
+                    "and write a run directory (config.json, summary.json, requests.csv, "
+                    "steps.csv, outputs.jsonl) comparable with `servelab simulate`'s.")
+    p.add_argument("--backend", choices=("torch",), default="torch",
+                   help="model runtime (default %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N; auto = cuda if available (default %(default)s)")
+    p.add_argument("--model", metavar="M",
+                   help="catalog name or config.json path (default: the checkpoint's config)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="folder of safetensors weights (default: seeded random weights)")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    add_trace_arguments(p)
+    add_scheduler_options(p, policies=policy_names())
+    add_workload_options(p)
+
+    b = p.add_argument_group("real backend")
+    b.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="weights, activations and KV (default: bfloat16 on CUDA, float32 on CPU)")
+    b.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
+                   help="Triton kernels (default: on CUDA yes; on CPU no — --triton there runs "
+                        "Triton's interpreter, slowly)")
+    b.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
+                   help="virtual: time advances by measured step durations, idle gaps skipped; "
+                        "wall: real time, arrivals waited for (default %(default)s)")
+    b.add_argument("--gpu-memory-utilization", type=_top_p, default=0.9, metavar="F",
+                   help="fraction of GPU memory the run may use when --kv-blocks is not given "
+                        "(default %(default)s)")
+    b.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="0 = greedy (default %(default)s)")
+    b.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default)")
+    b.add_argument("--top-p", type=_top_p, default=1.0, help="1 = off (default)")
+    b.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly each request's trace output length, ignoring EOS "
+                        "(default: on)")
+    b.add_argument("--save-outputs", action=argparse.BooleanOptionalAction, default=True,
+                   help="write outputs.jsonl with every request's token ids (default: on)")
+    p.set_defaults(func=_cmd_run)
+
+
+def _resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _recorded(args: argparse.Namespace) -> dict:
+    """The parsed flags as JSON values, for config.json ('off' for an infinite wait)."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if callable(value):
+            continue
+        out[key] = "off" if value == float("inf") else value
+    return out
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.model is None and args.checkpoint is None:
+        raise CLIError("give --model, --checkpoint, or both")
+    device = _resolve_device(args.device)
+    if args.triton and device.split(":")[0] == "cpu":
+        # The kernels are decorated when first imported: the interpreter must be chosen first.
+        if "servelab.backends.kernels.decode_attention" in sys.modules \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise CLIError("--triton on the CPU needs TRITON_INTERPRET=1 before the kernels "
+                           "are imported; set it in the environment")
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    from servelab.backends.run import RealRunConfig, RunSetupError, run_real
+    from servelab.backends.sampling import SamplingParams
+    from servelab.models import load_model_spec
+    from servelab.traces.cli import trace_from_args
+    from servelab.traces.record import TraceError
+    from servelab.traces.transforms import first_n, scale_rate
+
+    try:
+        spec = load_model_spec(args.model if args.model is not None else args.checkpoint)
+    except (ValueError, OSError) as exc:  # unknown model, unsupported architecture
+        raise CLIError(str(exc)) from None
+    from servelab.backends.model import sliding_window
+    window = sliding_window(spec)
+    opts = configs_from_args(args, default_max_model_len=min(
+        spec.max_position_embeddings, window or spec.max_position_embeddings))
+    if opts.scheduler.preemption == "swap" and not opts.cache["num_cpu_blocks"]:
+        print("servelab run: note: --preemption swap without --cpu-kv-blocks: every "
+              "preemption falls back to recompute", file=sys.stderr)
+    out = os.fspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CLIError(f"--out {out} exists and is not a directory")
+    trace = trace_from_args(args, seed=args.seed)
+    try:
+        if args.rate_scale is not None:
+            trace = scale_rate(trace, args.rate_scale)
+        if args.num_requests is not None:
+            trace = first_n(trace, args.num_requests)
+    except TraceError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        config = RealRunConfig(
+            model=args.model, checkpoint=args.checkpoint, device=device, dtype=args.dtype,
+            use_triton=args.triton, scheduler=opts.scheduler, cache=opts.cache,
+            policy=opts.policy, policy_options=opts.policy_options,
+            sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+            replay=args.replay, clock=args.clock, seed=args.seed,
+            gpu_memory_utilization=args.gpu_memory_utilization, trace=trace,
+            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            save_outputs=args.save_outputs, cli_args=_recorded(args))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        result = run_real(config, out)
+    except RunSetupError as exc:
+        raise CLIError(str(exc)) from None
+    s = result.summary
+    print(f"{s['completed']} requests finished, {s['rejected']} rejected in {s['duration']:.3f} s "
+          f"({args.clock} clock): {s['output_throughput']:.1f} output tok/s, "
+          f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
+          f"{s['num_preemptions']} preemptions -> {out}")
+    return 0

@@ -1,0 +1,68 @@
+"""The engine loop's clocks and its progress line.
+
+A clock answers `now()`, is told how long each step took (`advance`), and is asked to let
+time pass until the next arrival (`wait_until`):
+
+- `VirtualClock`: time is the sum of measured step durations, idle gaps are jumped over
+  (nothing sleeps; a replay's timeline is comparable with the simulator's);
+- `WallClock`: time is real; idle gaps are slept through.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["VirtualClock", "WallClock", "Progress"]
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self._now = 0.0
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    def wait_until(self, t: float) -> None:
+        self._now = max(self._now, t)
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def advance(self, seconds: float) -> None:
+        pass  # the wall clock moved by itself
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class Progress:
+    """One refreshed line on stderr, at most every half second of wall time."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self._last = -1.0
+
+    def update(self, done: int, now: float, steps: int, sched, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        t = time.monotonic()
+        if not force and t - self._last < 0.5:
+            return
+        self._last = t
+        print(f"\rrun: {done}/{self.total} requests done, {sched.num_running} running, "
+              f"{sched.num_waiting} waiting, {sched.num_swapped} swapped, "
+              f"{steps} steps, t={now:.2f} s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)

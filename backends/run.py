@@ -1,0 +1,396 @@
+"""The real engine loop: replay a trace through the shared scheduler on a real model.
+
+    result = run_real(RealRunConfig(model="tiny-llama", device="cpu", trace=trace), "out/")
+
+`run_real` first builds and checks everything — device, model spec, checkpoint, block
+pool, scheduler, policy, prompts — and only then creates the run directory and serves, so
+bad input fails fast (`RunSetupError`) and leaves nothing behind. The loop is the same
+`engine_step` the simulator runs; only the executor differs.
+
+Clocks:
+
+- ``virtual`` (default): time advances by each step's measured duration and jumps over
+  idle gaps to the next arrival. Nothing sleeps, the timeline is comparable step for step
+  with the simulator's, and the scheduling decisions do not depend on host jitter unless
+  an arrival falls inside a step. Scheduler CPU time between steps is not counted.
+- ``wall``: real time. Arrivals are released when the wall clock passes them and the loop
+  sleeps when idle; the gaps between steps include the scheduler's own CPU time.
+
+The run directory holds the files `servelab simulate` writes: config.json, summary.json,
+requests.csv, steps.csv, plus outputs.jsonl (each request's token ids per sample).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+from servelab import __version__
+from servelab.backends.clocks import Progress, VirtualClock, WallClock
+from servelab.backends.executor import RealExecutor, with_prompt_tokens
+from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
+from servelab.backends.sampling import SamplingParams
+from servelab.backends.weights import resolve_device, resolve_dtype
+from servelab.config import CacheConfig, SchedulerConfig
+from servelab.engine import engine_step
+from servelab.memory.base import BlockUsage
+from servelab.models import ModelSpec, load_model_spec
+from servelab.outputs import PreemptionMode
+from servelab.policies import build_scheduler
+from servelab.records import RequestRecord, StepRecord
+from servelab.reports import summarize, write_json, write_requests_csv, write_steps_csv
+from servelab.request import Request
+
+__all__ = ["CLOCKS", "RealRunConfig", "RealRunResult", "RunSetupError", "derive_num_gpu_blocks",
+           "run_real"]
+
+CONFIG_FORMAT = "servelab.real/1"
+CLOCKS = ("virtual", "wall")
+CPU_KV_BYTES = 256 * 2**20
+"""Default KV pool on a CPU: at most this much, and no more than max_num_seqs sequences of
+max_model_len tokens need."""
+NON_TORCH_RESERVE_BYTES = 2**30
+"""GPU memory kept outside weights, activations and KV (cuBLAS workspaces, Triton, allocator
+slack): an assumption, as in the simulator's capacity model."""
+
+
+class RunSetupError(ValueError):
+    """The run cannot start as configured (bad device, model, checkpoint, option or trace)."""
+
+
+@dataclass(frozen=True)
+class RealRunConfig:
+    """Everything a real run needs; written (resolved) into config.json."""
+
+    model: str | None
+    """Catalog name, config.json path or folder; None: the checkpoint's own config."""
+    checkpoint: str | None = None
+    """Folder of safetensors weights; None: seeded random weights."""
+    device: str = "cpu"
+    dtype: str | None = None
+    """None: bfloat16 on CUDA, float32 on the CPU."""
+    use_triton: bool | None = None
+    """None: Triton kernels on CUDA, the PyTorch reference on the CPU. Triton on the CPU
+    needs TRITON_INTERPRET=1 set before triton is first imported."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: Mapping = field(default_factory=dict)
+    """CacheConfig keyword arguments; a missing or None num_gpu_blocks is derived."""
+    policy: str = "fcfs"
+    policy_options: Mapping = field(default_factory=dict)
+    sampling: SamplingParams = SamplingParams()
+    replay: bool = True
+    """Ignore EOS and generate each request's trace output length."""
+    clock: str = "virtual"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    trace: object | None = None
+    """A `servelab.traces.Trace`, replayed unless run_real is given requests."""
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    save_outputs: bool = True
+    warmup: bool = True
+    """Run a few throw-away steps first on CUDA, so Triton's JIT is not timed."""
+    progress: bool | None = None
+    """Progress line on stderr; None: when stderr is a terminal."""
+    cli_args: Mapping | None = None
+    """The command's parsed flags (JSON values), recorded in config.json."""
+
+    def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ValueError(f"RealRunConfig.clock must be one of {CLOCKS}, got {self.clock!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("RealRunConfig.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"RealRunConfig.seed must be an int >= 0, got {self.seed!r}")
+        if self.model is None and self.checkpoint is None:
+            raise ValueError("RealRunConfig needs a model or a checkpoint")
+
+
+@dataclass
+class RealRunResult:
+    summary: dict
+    records: list[RequestRecord]
+    """One per request, by request id."""
+    steps: list[StepRecord]
+    outputs: dict[int, list[list[int]]]
+    """request_id -> each sample's generated token ids (a rejected request's are empty)."""
+    num_gpu_blocks: int
+    num_swap_preemptions: int
+    num_recompute_preemptions: int
+    num_swapped_blocks: int
+    num_copied_blocks: int
+    block_usage: BlockUsage
+    """The block manager's statistics at the end (prefix queries and hits are cumulative)."""
+    config: dict
+    """What config.json holds: {"format", "servelab_version", "config", "derived"}."""
+    out_dir: Path | None
+
+
+# --------------------------------------------------------------------------- setup
+
+
+@contextlib.contextmanager
+def _setup_step() -> Iterator[None]:
+    try:
+        yield
+    except RunSetupError:
+        raise
+    except ValueError as exc:  # TraceError and the configs' errors are ValueErrors too
+        raise RunSetupError(str(exc)) from None
+
+
+def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                          block_size: int, scheduler: SchedulerConfig,
+                          gpu_memory_utilization: float = 0.9) -> int:
+    """KV blocks for a run that did not say: on CUDA, total memory × utilisation − what
+    others already hold − weights − peak activations of a full-budget step − a fixed
+    reserve; on a CPU, at most CPU_KV_BYTES and no more than max_num_seqs full-length
+    sequences need. Raises ValueError when not one block fits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_bytes = spec.kv_bytes_per_token(elem) * block_size
+    if device.type != "cuda":
+        needed = scheduler.max_num_seqs * -(-scheduler.max_model_len // block_size)
+        return max(1, min(CPU_KV_BYTES // block_bytes, needed))
+    free, total = torch.cuda.mem_get_info(device)
+    weights = spec.num_params * elem
+    q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    # Live at the peak of a layer: residual, normed input, q/k/v (RoPE in fp32), gate|up and
+    # the SwiGLU product; counted at 4 bytes per element to cover the fp32 temporaries.
+    per_token = (4 * spec.hidden_size + 4 * q_kv + 5 * spec.intermediate_size) * 4
+    # Sampling rows: fp32 logits, their sort, fp64 softmax and CDF.
+    logits = scheduler.max_num_seqs * spec.vocab_size * 24
+    reserve = NON_TORCH_RESERVE_BYTES + scheduler.max_num_batched_tokens * per_token + logits
+    budget = total * gpu_memory_utilization - (total - free) - weights - reserve
+    blocks = int(budget // block_bytes)
+    if blocks < 1:
+        gib = 2**30
+        raise ValueError(
+            f"no room for KV blocks on {device}: {total * gpu_memory_utilization / gib:.1f} GiB "
+            f"at gpu_memory_utilization={gpu_memory_utilization} − {(total - free) / gib:.1f} GiB "
+            f"in use − {weights / gib:.1f} GiB weights − {reserve / gib:.1f} GiB activation "
+            "reserve leaves nothing; pass --kv-blocks or use a smaller model")
+    return blocks
+
+
+def _check_host_memory(spec: ModelSpec, dtype: torch.dtype, cache: CacheConfig) -> None:
+    """Refuse a CPU run whose weights and KV pools cannot fit in the memory available now
+    (the kernel would kill the process mid-allocation). Linux only; elsewhere a no-op."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv = spec.kv_bytes_per_token(elem) * cache.block_size * (cache.num_gpu_blocks
+                                                             + cache.num_cpu_blocks)
+    needed = spec.num_params * elem + kv
+    if needed > available:
+        gib = 2**30
+        raise RunSetupError(f"{spec.name} in {str(dtype).removeprefix('torch.')} needs "
+                            f"{needed / gib:.1f} GiB of host memory (weights + KV pools), "
+                            f"{available / gib:.1f} GiB is available")
+
+
+def _warm_up(runner: ModelRunner) -> None:
+    """Throw-away steps over free blocks, so Triton compiles before anything is timed."""
+    from servelab.backends.attention import SeqWork
+
+    if runner.kv_cache.num_blocks < 3:
+        return
+    full = 2 * runner.block_size  # fills blocks 0 and 1; decodes rewrite its last slot
+    runner.run([SeqWork(list(range(full)), 0, [0, 1], True)])
+    runner.run([SeqWork([1, 2, 3], 0, [2], True), SeqWork([5], full - 1, [0, 1], False)])
+    runner.run([SeqWork([7], full - 1, [0, 1], False)] * 2)
+    torch.cuda.synchronize(runner.device)
+
+
+def _versions(device: torch.device) -> dict:
+    versions = {"python": platform.python_version()}
+    for dist in ("servelab", "torch", "triton", "transformers", "safetensors", "numpy"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    versions["cuda"] = torch.version.cuda
+    if device.type == "cuda":
+        versions["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        versions["device_name"] = platform.processor() or platform.machine()
+    return versions
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
+             requests: Sequence[Request] | None = None) -> RealRunResult:
+    """Serve `requests` (default: config.trace's) on the real model and write the run
+    directory (unless out_dir is None). Raises RunSetupError before creating anything when
+    the run cannot start."""
+    with _setup_step():
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        use_triton = device.type == "cuda" if config.use_triton is None else config.use_triton
+        if use_triton and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RunSetupError("Triton kernels on the CPU need TRITON_INTERPRET=1 in the "
+                                "environment before triton is imported")
+        spec = load_model_spec(config.model if config.model is not None else config.checkpoint)
+        check_model_supported(spec)
+        sched_cfg = config.scheduler
+        cache_kwargs = dict(config.cache)
+        block_size = cache_kwargs.get("block_size", CacheConfig.block_size)
+        num_blocks = cache_kwargs.get("num_gpu_blocks")
+        blocks_source = "given" if num_blocks else "derived"
+        if not num_blocks:
+            num_blocks = derive_num_gpu_blocks(spec, device, dtype, block_size, sched_cfg,
+                                               config.gpu_memory_utilization)
+        cache_cfg = CacheConfig(**{**cache_kwargs, "num_gpu_blocks": num_blocks})
+        scheduler = build_scheduler(sched_cfg, cache_cfg, config.policy,
+                                    dict(config.policy_options), emit_block_tables=True,
+                                    keep_token_times=True)
+        if requests is None:
+            if config.trace is None:
+                raise RunSetupError("no requests: give RealRunConfig.trace or requests=")
+            requests = config.trace.to_requests(seed=config.seed)
+        if not requests:
+            raise RunSetupError("the trace has no requests")
+        window = sliding_window(spec)
+        if window is not None and sched_cfg.max_model_len > window:
+            raise RunSetupError(f"max_model_len {sched_cfg.max_model_len} exceeds {spec.name}'s "
+                                f"sliding window of {window} tokens; only full attention is "
+                                f"implemented: use max_model_len <= {window}")
+        if device.type == "cpu":
+            _check_host_memory(spec, dtype, cache_cfg)
+        live = {r.request_id: with_prompt_tokens(r, spec.vocab_size, config.seed) for r in requests}
+        if len(live) != len(requests):
+            raise RunSetupError("request ids must be unique")
+        runner = ModelRunner(spec, device=device, dtype=dtype, num_gpu_blocks=num_blocks,
+                             num_cpu_blocks=cache_cfg.num_cpu_blocks, block_size=block_size,
+                             use_triton=use_triton, checkpoint=config.checkpoint, seed=config.seed)
+    eos = spec.hf_config.get("eos_token_id")
+    executor = RealExecutor(runner, live, config.sampling, replay=config.replay,
+                            eos_token_id=eos, seed=config.seed)
+    described = _describe(config, spec, device, dtype, use_triton, cache_cfg, blocks_source,
+                          scheduler.policy.describe(), eos, len(live))
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "config.json", described)
+
+    if config.warmup and device.type == "cuda":
+        _warm_up(runner)
+    progress = Progress(len(live), sys.stderr.isatty() if config.progress is None
+                         else config.progress)
+    records, steps, preempted = _serve(scheduler, executor, list(live.values()),
+                                       WallClock() if config.clock == "wall" else VirtualClock(),
+                                       progress)
+    records.sort(key=lambda r: r.request_id)
+    weights = config.policy_options.get("weights") if config.policy == "fair" else None
+    summary = summarize(records, steps, slo_ttft_ms=config.slo_ttft_ms,
+                        slo_tpot_ms=config.slo_tpot_ms, tenant_weights=weights)
+    outputs = {rid: [list(s.output_token_ids) for s in req.seqs]
+               for rid, req in sorted(live.items())}
+    if out is not None:
+        write_json(out / "summary.json", summary)
+        write_requests_csv(out / "requests.csv", records)
+        write_steps_csv(out / "steps.csv", steps)
+        if config.save_outputs:
+            _write_outputs(out / "outputs.jsonl", outputs)
+    return RealRunResult(
+        summary, records, steps, outputs, num_blocks,
+        num_swap_preemptions=preempted[PreemptionMode.SWAP],
+        num_recompute_preemptions=preempted[PreemptionMode.RECOMPUTE],
+        num_swapped_blocks=sum(s.num_swap_blocks for s in steps),
+        num_copied_blocks=sum(s.num_copy_blocks for s in steps),
+        block_usage=scheduler.bm.usage(), config=described, out_dir=out)
+
+
+def _serve(scheduler, executor: RealExecutor, requests: list[Request], clock,
+           progress: Progress) -> tuple[list[RequestRecord], list[StepRecord],
+                                        dict[PreemptionMode, int]]:
+    """The replay loop; returns the request records, the step records and the number of
+    preemptions by mode."""
+    pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+    bm = scheduler.bm
+    total = bm.num_gpu_blocks
+    records: list[RequestRecord] = []
+    steps: list[StepRecord] = []
+    preempted = dict.fromkeys(PreemptionMode, 0)
+    i = 0
+    while True:
+        now = clock.now()
+        while i < len(pending) and pending[i].arrival_s <= now:
+            scheduler.add_request(pending[i], now)
+            i += 1
+        step = engine_step(scheduler, executor, now, total, lambda: bm.num_used_blocks)
+        for record in step.records:
+            executor.release(record.request_id)
+        records += step.records
+        for _, mode in step.output.preempted:
+            preempted[mode] += 1
+        progress.update(len(records), now, len(steps), scheduler)
+        if step.result is None:
+            if i >= len(pending) and not scheduler.has_unfinished():
+                break
+            if i < len(pending) and not (step.output.preempted or step.output.rejected):
+                clock.wait_until(pending[i].arrival_s)
+            continue
+        steps.append(step.step)
+        clock.advance(step.result.duration_s)
+    progress.update(len(records), clock.now(), len(steps), scheduler, force=True)
+    progress.close()
+    return records, steps, preempted
+
+
+def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton, cache_cfg,
+              blocks_source, policy, eos, num_requests) -> dict:
+    """config.json: the run's settings as given ("config"), and what the run derived from
+    them and from the machine ("derived"), in the simulator's layout."""
+    trace = config.trace
+    trace_info = {"source": "<requests given in code>"} if trace is None else {
+        "source": trace.source, "format": trace.format, "notes": list(trace.notes),
+        "num_dropped": trace.num_dropped, "num_clipped": trace.num_clipped}
+    given = {
+        "backend": "torch", "model": config.model, "checkpoint": config.checkpoint,
+        "device": config.device, "dtype": config.dtype, "use_triton": config.use_triton,
+        "clock": config.clock, "replay": config.replay,
+        "sampling": {"temperature": config.sampling.temperature, "top_k": config.sampling.top_k,
+                     "top_p": config.sampling.top_p},
+        "seed": config.seed, "scheduler": config.scheduler.to_dict(), "cache": dict(config.cache),
+        "policy": config.policy, "policy_options": dict(config.policy_options),
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "slo_ttft_ms": config.slo_ttft_ms, "slo_tpot_ms": config.slo_tpot_ms,
+        "cli_args": dict(config.cli_args) if config.cli_args is not None else None,
+    }
+    derived = {
+        "model": {k: v for k, v in asdict(spec).items() if k != "hf_config"},
+        "hf_config": spec.hf_config,
+        "weights": "checkpoint" if config.checkpoint is not None
+        else f"seeded random (seed {config.seed})",
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "use_triton": use_triton, "triton_interpret": use_triton and device.type == "cpu",
+        "eos_token_id": None if config.replay else eos,
+        "cache": cache_cfg.to_dict(), "kv_blocks": blocks_source, "policy": policy,
+        "trace": {**trace_info, "num_requests": num_requests},
+        "versions": _versions(device),
+    }
+    return {"format": CONFIG_FORMAT, "servelab_version": __version__, "config": given,
+            "derived": derived}
+
+
+def _write_outputs(path: Path, outputs: Mapping[int, list[list[int]]]) -> None:
+    """One JSON line per request: {"request_id": r, "samples": [[token ids], ...]};
+    written to a temporary name and renamed, so a crash leaves no half file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for rid, samples in outputs.items():
+            f.write(json.dumps({"request_id": rid, "samples": samples}) + "\n")
+    os.replace(tmp, path)
