@@ -15,9 +15,9 @@ from servelab import __version__
 #: Modules that contribute subcommands, in the order they appear in --help.
 COMMAND_MODULES = (
     "servelab.simulator.cli",
-    "servelab.reports.compare_cli",
+    "servelab.simulator.compare_cli",
     "servelab.backends.cli",
-    "servelab.reports.validate_cli",
+    "servelab.simulator.validate_cli",
     "servelab.traces.cli",
 )
 
