@@ -294,7 +294,9 @@ class CostModel:
                 raise ValueError("this decode run is unbounded (free steps or an infinite "
                                  "budget): pass max_steps")
             return max_steps
-        cap = math.floor(budget_s / first)   # per-step times never fall
+        # per-step times never fall, so k <= budget/first; +1 absorbs the division's
+        # rounding, and the exact totals below settle the answer
+        cap = math.floor(budget_s / first) + 1
         if max_steps is not None:
             cap = min(cap, max_steps)
         split, (lo_a, lo_b), (hi_a, hi_b) = _split_lines(a, b, c, d)

@@ -1,0 +1,117 @@
+"""End-to-end speed of `servelab simulate` (not a test).
+
+(a) azure-conv-2023, all 19,366 requests, Llama-2-7B on an A100 80GB, fcfs, block size 16,
+    at most 128 sequences, token budget 4096. Target: under 1.5 s wall, start-up included
+    (a published Python simulator, Vidur, needs about 28 s for this run).
+(b) a synthetic trace of --requests requests (default 1,000,000) drawn from the default
+    workload's length distributions at a rate the GPU sustains (Llama-3.1-8B on an H100).
+    Target: under 60 s wall. The trace file is generated first (not timed).
+
+Each case runs the real command line in a fresh process and reports wall seconds (the
+unit of the target), simulated requests per wall second, and how many step rows the run
+wrote against how many engine steps they stand for (fast-forward at work).
+
+    .venv/bin/python benchmarks/bench_simulator.py [--case a|b|all] [--requests N]
+        [--azure PATH] [--keep DIR] [--profile]
+
+--profile also runs each case under cProfile and writes the stats next to the run
+directory (<run>.prof; read with `python -m pstats`).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SERVELAB_SHARED", REPO.parent / "shared"))
+TARGETS_S = {"a": 1.5, "b": 60.0}
+SERVELAB = [sys.executable, "-m", "servelab"]
+
+
+def azure_args(azure: Path) -> list[str]:
+    return ["simulate", "--trace", str(azure), "--model", "llama-2-7b", "--gpu", "a100-80gb",
+            "--policy", "fcfs", "--block-size", "16", "--max-num-seqs", "128",
+            "--max-num-batched-tokens", "4096"]
+
+
+def synthetic_trace(path: Path, requests: int, rate: float) -> None:
+    """The default workload's tenants and lengths, at `rate` req/s, long enough for
+    `requests` arrivals (then cut to exactly that many)."""
+    from dataclasses import replace
+
+    from servelab.traces.canonical import write_csv
+    from servelab.traces.synthetic import generate, load_default_spec
+    from servelab.traces.transforms import first_n
+
+    spec = load_default_spec().with_total_rate(rate)
+    spec = replace(spec, duration_s=requests / rate * 1.02 + 60)
+    write_csv(first_n(generate(spec, seed=0), requests), path)
+
+
+def synthetic_args(trace: Path) -> list[str]:
+    return ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
+            "--policy", "fcfs", "--block-size", "16", "--max-num-seqs", "128",
+            "--max-num-batched-tokens", "4096"]
+
+
+def run_case(name: str, args: list[str], out: Path, profile: bool) -> dict:
+    command = [*SERVELAB, *args, "--out", str(out)]
+    t0 = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    with open(out / "steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(out / "requests.csv", newline="") as f:
+        requests = sum(1 for _ in f) - 1
+    steps = sum(int(r["num_steps"]) for r in rows)
+    result = {"case": name, "wall_s": wall, "target_s": TARGETS_S[name], "requests": requests,
+              "requests_per_wall_s": requests / wall, "step_rows": len(rows), "engine_steps": steps,
+              "command": " ".join(["servelab", *args, "--out", str(out)])}
+    if profile:
+        prof = out.with_suffix(".prof")
+        subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "servelab", *args,
+                        "--out", str(out) + "-profiled"], check=True, stdout=subprocess.DEVNULL)
+        result["profile"] = str(prof)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=("a", "b", "all"), default="all")
+    ap.add_argument("--requests", type=int, default=1_000_000, help="size of case (b)")
+    ap.add_argument("--rate", type=float, default=8.0,
+                    help="case (b) request rate, req/s (default 8: ~60%% of an H100's prefill capacity)")
+    ap.add_argument("--azure", type=Path, default=SHARED / "traces" / "AzureLLMInferenceTrace_conv.csv")
+    ap.add_argument("--keep", type=Path, help="keep run directories (and the synthetic trace) here")
+    ap.add_argument("--profile", action="store_true", help="also write a cProfile of each case")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        results = []
+        if args.case in ("a", "all"):
+            results.append(run_case("a", azure_args(args.azure), work / "azure", args.profile))
+        if args.case in ("b", "all"):
+            trace = work / f"synthetic-{args.requests}.csv"
+            if not trace.exists():
+                synthetic_trace(trace, args.requests, args.rate)
+            results.append(run_case("b", synthetic_args(trace), work / "synthetic", args.profile))
+    for r in results:
+        verdict = "meets" if r["wall_s"] <= r["target_s"] else "MISSES"
+        print(f"({r['case']}) {r['wall_s']:.2f} s wall ({verdict} the {r['target_s']:g} s target): "
+              f"{r['requests']} requests, {r['requests_per_wall_s']:,.0f} simulated requests per wall s, "
+              f"{r['step_rows']} step rows for {r['engine_steps']} engine steps")
+        print(f"    {r['command']}")
+        if "profile" in r:
+            print(f"    profile: {r['profile']}")
+
+
+if __name__ == "__main__":
+    main()

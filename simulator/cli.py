@@ -1,0 +1,155 @@
+"""`servelab simulate`: replay a trace through the simulator and write a run directory.
+
+    servelab simulate --trace T --model M --gpu G --policy P [...] --out DIR
+
+The flags build one `SimulationConfig` (see `simulator/run.py`); DIR receives config.json
+(enough to rerun exactly), summary.json, requests.csv and steps.csv. Scheduler, KV-cache,
+policy and workload flags are the ones `servelab run` takes (`servelab.options`), so a
+simulated and a real run are spelled alike. Importing this module is cheap: the simulator
+is imported by the handler.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from servelab.cli import CLIError
+
+ROUTER_NAMES = ("round-robin", "least-outstanding", "prefix-affinity")
+DTYPES = ("bf16", "fp16", "fp8")
+
+
+def register(subparsers) -> None:
+    from servelab.options import (add_scheduler_options, add_workload_options, positive_float,
+                                  positive_int)
+    from servelab.policies import policy_names
+    from servelab.traces.cli import add_trace_arguments
+
+    p = subparsers.add_parser(
+        "simulate", help="replay a trace through the SimPy simulator with a roofline cost model",
+        description="Replay a request trace through the shared scheduler on simulated GPUs "
+                    "(roofline cost model) and write config.json, summary.json, requests.csv "
+                    "and steps.csv to DIR.")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    add_trace_arguments(p)
+    add_workload_options(p)
+
+    h = p.add_argument_group("model, GPU and cost model")
+    h.add_argument("--model", default="llama-3.1-8b", metavar="M",
+                   help="catalog model (llama-2-7b, llama-2-13b, llama-2-70b, llama-3.1-8b, "
+                        "llama-3.1-70b, mistral-7b, qwen2.5-7b, tiny-llama) or a config.json path "
+                        "(default %(default)s)")
+    h.add_argument("--gpu", default="h100-sxm", metavar="G",
+                   help="a100-80gb, h100-sxm, h200, l40s, b200 or cpu (default %(default)s)")
+    h.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel GPUs per replica (default %(default)s)")
+    h.add_argument("--weight-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
+    h.add_argument("--kv-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
+    h.add_argument("--calibration", metavar="FILE", help="calibration profile (JSON) for this GPU")
+    h.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9, metavar="F",
+                   help="fraction of GPU memory the engine may use (default %(default)s)")
+    add_scheduler_options(p, policies=policy_names())
+
+    c = p.add_argument_group("cluster and simulation")
+    c.add_argument("--replicas", type=positive_int, default=1,
+                   help="engine replicas, each with --tp GPUs (default %(default)s)")
+    c.add_argument("--router", choices=ROUTER_NAMES, default="round-robin",
+                   help="how arrivals are spread over replicas (default %(default)s)")
+    c.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
+                   help="simulate every decode step one by one (slower; same results)")
+    p.set_defaults(func=_cmd_simulate)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The `SimulationConfig` the flags describe; user errors raise CLIError."""
+    from servelab.models import load_model_spec
+    from servelab.options import configs_from_args
+    from servelab.simulator.run import SimulationConfig
+    from servelab.traces.cli import trace_dir_from
+    from servelab.traces.datasets import DATASETS
+
+    with user_errors():
+        context = None if args.max_model_len else load_model_spec(args.model).max_position_embeddings
+    opts = configs_from_args(args, default_max_model_len=context)
+    cache = opts.cache
+    with user_errors():
+        return SimulationConfig(
+            trace=args.trace,
+            trace_dir=str(trace_dir_from(args.trace_dir)) if args.trace in DATASETS else None,
+            trace_format=args.trace_format, on_bad_row=args.on_bad_row, rate=args.rate,
+            arrival_cv=args.arrival_cv, rate_scale=args.rate_scale or 1.0,
+            num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
+            model=args.model, gpu=args.gpu, tp=args.tp, weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype, calibration=args.calibration,
+            gpu_memory_utilization=args.gpu_memory_utilization, scheduler=opts.scheduler,
+            policy=opts.policy, policy_options=opts.policy_options,
+            block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
+            cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
+            prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
+            replicas=args.replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn input errors (ValueError, TraceError, unreadable files) into one-line CLIErrors,
+    naming config fields by their flags."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename \
+            else str(exc)
+        message = re.sub(r"\b(?:SimulationConfig|SchedulerConfig)\.(\w+)",
+                         lambda m: "--" + m.group(1).replace("_", "-"), message)
+        raise CLIError(message) from exc
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from servelab.simulator.run import build_simulation, write_run_dir
+
+    config = config_from_args(args)
+    with user_errors():
+        sim = build_simulation(config)
+    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    result = sim.run(bar)
+    if bar is not None:
+        bar.close()
+    out = Path(args.out)
+    try:
+        write_run_dir(result, out)
+    except OSError as exc:
+        raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
+    print(format_summary(result.summary, out))
+    return 0
+
+
+class ProgressBar:
+    """A one-line text bar on a terminal: simulated time and requests done."""
+
+    def __init__(self, stream, width: int = 30) -> None:
+        self.stream, self.width = stream, width
+
+    def __call__(self, sim_s: float, done: int, total: int) -> None:
+        filled = self.width * done // max(total, 1)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
+                          f"{done}/{total} requests  simulated {sim_s:,.1f} s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def format_summary(summary: dict, out: Path) -> str:
+    s = summary
+    return (f"{s['completed']} requests finished, {s['rejected']} rejected, "
+            f"{s['num_preemptions']} preemptions in {s['duration']:.1f} simulated s\n"
+            f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} output tok/s; "
+            f"goodput {s['request_goodput']:.2f} req/s\n"
+            f"TTFT mean {s['mean_ttft_ms']:.1f} ms, p99 {s['p99_ttft_ms']:.1f} ms; "
+            f"TPOT mean {s['mean_tpot_ms']:.2f} ms, p99 {s['p99_tpot_ms']:.2f} ms\n"
+            f"wrote {out}/config.json, summary.json, requests.csv, steps.csv")

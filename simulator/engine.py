@@ -1,0 +1,277 @@
+"""The simulator's SimPy processes: trace arrivals, and one engine per replica.
+
+    arrivals ──(router)──► Replica.submit ──► scheduler.add_request
+    Replica.run:  engine_step (schedule → SimulatedExecutor → update) ; sleep the step's
+                  modelled duration ; publish finished records ; maybe fast-forward
+
+Every replica runs the shared `servelab.engine.engine_step`, the same call the real
+backend makes, so the simulator cannot drift from the engine it models. An idle engine
+waits on a SimPy event that the next arrival to it triggers: it never polls.
+
+Event order is explicit, as SimPy orders by (time, priority, insertion id): an arrival is
+released with URGENT priority, an engine step ends with NORMAL priority, so requests
+arriving at time t are in the scheduler before any step that starts at t — the same rule
+as "admit what has arrived by now". Requests with equal trace times are released in one
+instant, in trace order.
+
+Fast-forward. After each step the engine asks the scheduler how many of the next steps
+are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
+the steps that end by the next arrival this replica can receive (`decode_run_steps_within`
+on the run's `BatchShape`), applies them at once (`advance_decodes`) and sleeps the run's
+closed-form duration (`decode_run_duration`), writing one steps.csv row with `num_steps`
+= k. The scheduler's state and every request record come out as if the k steps had run
+one by one (`fast_forward=False` does that; a property test compares the two), up to
+float rounding of the summed step times — and so, in principle, up to which side of a
+float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Sequence
+
+from simpy import Environment
+from simpy.events import NORMAL, URGENT, Event
+
+from servelab.engine import engine_step
+from servelab.outputs import BatchShape
+from servelab.policies import Scheduler
+from servelab.records import RequestRecord, StepRecord
+from servelab.request import Request
+from servelab.simulator.cost_model import CostModel
+from servelab.simulator.executor import SimulatedExecutor
+from servelab.simulator.router import Router
+
+MAX_RUN_STEPS = 1 << 31
+"""Upper bound passed to `decode_run_bound`: runs are limited by the requests, not by us."""
+
+Progress = Callable[[float, int, int], None]
+"""progress(simulated seconds, requests done, requests in total)."""
+
+
+class _Timeout(Event):
+    """A SimPy timeout with an explicit priority (SimPy's `Timeout` is always NORMAL)."""
+
+    def __init__(self, env: Environment, delay: float, priority: int) -> None:
+        self.env = env
+        self.callbacks = []
+        self._value = None
+        self._ok = True
+        env.schedule(self, priority, delay)
+
+
+class ArrivalFeed:
+    """When the next request of one arrival process is released: the exact time of its
+    pending SimPy event (math.inf once the trace is exhausted). A replica's fast-forward
+    run must end by then, since that request may be routed to it."""
+
+    __slots__ = ("next_s",)
+
+    def __init__(self) -> None:
+        self.next_s = math.inf
+
+
+def arrival_process(env: Environment, requests: Sequence[Request],
+                    deliver: Callable[[Request], None], feed: ArrivalFeed) -> Iterator[Event]:
+    """Release `requests` (in arrival order) at their trace times to `deliver`."""
+    last = -math.inf
+    for req in requests:
+        if req.arrival_s > last:
+            delay = req.arrival_s - env.now
+            if delay > 0:
+                feed.next_s = env.now + delay      # the very sum SimPy schedules at
+                yield _Timeout(env, delay, URGENT)
+            last = req.arrival_s
+        deliver(req)
+    feed.next_s = math.inf
+
+
+class Replica:
+    """One engine: a scheduler over its own KV cache, the simulated executor, and the
+    SimPy process (`run`) that steps them.
+
+    `outstanding` counts requests submitted and not yet published as done; a request's
+    record is published when the step that finished it ends (what a router can know).
+    """
+
+    def __init__(self, env: Environment, index: int, scheduler: Scheduler, cost_model: CostModel,
+                 feed: ArrivalFeed, *, fast_forward: bool = True) -> None:
+        self.env = env
+        self.index = index
+        self.scheduler = scheduler
+        self.cost_model = cost_model
+        self.executor = SimulatedExecutor(cost_model)
+        self.feed = feed
+        self.fast_forward = fast_forward
+        self.outstanding = 0
+        self.records: list[RequestRecord] = []
+        self.steps: list[StepRecord] = []
+        self._wake: Event | None = None
+
+    def submit(self, req: Request) -> None:
+        """A request arrives now (it may be rejected at once; its record then comes out
+        of the next engine step). Wakes the engine if it sleeps."""
+        self.outstanding += 1
+        self.scheduler.add_request(req, self.env.now)
+        wake = self._wake
+        if wake is not None:
+            self._wake = None
+            wake.succeed()
+
+    def _publish(self, records: list[RequestRecord]) -> None:
+        self.outstanding -= len(records)
+        self.records.extend(records)
+
+    def run(self) -> Iterator[Event]:
+        """The engine process: one engine step per iteration, sleeping its duration."""
+        env, sched, executor = self.env, self.scheduler, self.executor
+        bm = sched.bm
+        total_blocks = bm.num_gpu_blocks
+
+        def used_blocks() -> int:
+            return bm.num_used_blocks
+
+        while True:
+            step = engine_step(sched, executor, env.now, total_blocks, used_blocks)
+            if step.result is None:
+                # Nothing to compute: rejections or preemptions only (schedule again at
+                # once), or idle (sleep until an arrival wakes us).
+                self._publish(step.records)
+                if not sched.has_unfinished():
+                    self._wake = env.event()
+                    yield self._wake
+                continue
+            self.steps.append(step.step)
+            yield _Timeout(env, step.result.duration_s, NORMAL)
+            if step.records:
+                self._publish(step.records)
+            if self.fast_forward and not _mid_prefill(step.output.scheduled):
+                duration = self._decode_run(env.now)
+                if duration is not None:
+                    yield _Timeout(env, duration, NORMAL)
+
+    def _decode_run(self, now: float) -> float | None:
+        """Apply a run of plain decode steps starting `now`, if one of >= 2 steps is
+        certain; returns its duration. O(running sequences), independent of the run length.
+        Its steps.csv row holds the per-step token counts, the context sum of the run's
+        first step and the blocks in use at its end (the run's peak)."""
+        sched = self.scheduler
+        k = sched.decode_run_bound(now, MAX_RUN_STEPS)
+        if k < 2:
+            return None
+        num_seqs = context = 0
+        for req in sched.running.values():
+            for seq in req.seqs:
+                if not seq.finished:
+                    num_seqs += 1
+                    context += seq.num_computed_tokens
+        # Step j of the run decodes every sequence over its context + j (+1: the new token).
+        shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context + num_seqs)
+        cost = self.cost_model
+        budget = self.feed.next_s - now
+        if budget < math.inf:
+            if budget <= 0:
+                return None
+            k = cost.decode_run_steps_within(shape, budget, k)
+            if k < 2:
+                return None
+        sched.advance_decodes(k)
+        duration = cost.decode_run_duration(shape, k)[0]
+        bm = sched.bm
+        self.steps.append(StepRecord(
+            start_s=now, duration_s=duration, num_prefill_tokens=0, num_decode_tokens=num_seqs,
+            num_prefill_seqs=0, num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped, kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_gpu_blocks, num_steps=k, decode_context_sum=shape.decode_context_sum))
+        return duration
+
+
+def _mid_prefill(scheduled) -> bool:
+    """Did a step compute a prefill chunk that does not finish its prompt? That request
+    prefills again next step, so no decode run can start and asking the scheduler
+    (`decode_run_bound`, which walks every running sequence) can be skipped."""
+    return any(e.is_prefill and not e.num_samples for e in scheduled)
+
+
+class Cluster:
+    """Replicas behind a router, fed by a trace, in one SimPy environment.
+
+    With one replica, or a router that assigns requests up front, each replica gets its
+    own arrival process (its fast-forward runs reach its own next arrival); otherwise one
+    arrival process routes each request when it arrives, and every replica's runs end by
+    the cluster's next arrival. The requests are consumed: their serving state is the
+    schedulers' (replay a trace again from `Request.fresh_copy()` or `Trace.to_requests`).
+    """
+
+    def __init__(self, schedulers: Sequence[Scheduler], cost_model: CostModel, router: Router,
+                 requests: Sequence[Request], *, fast_forward: bool = True) -> None:
+        if not schedulers:
+            raise ValueError("a cluster needs at least one replica")
+        if len(schedulers) != router.num_replicas:
+            raise ValueError(f"router is for {router.num_replicas} replicas, got {len(schedulers)}")
+        for i in range(1, len(requests)):
+            if requests[i].arrival_s < requests[i - 1].arrival_s:
+                raise ValueError(f"requests must be in arrival order: request {requests[i].request_id} "
+                                 f"arrives before request {requests[i - 1].request_id}")
+        self.env = env = Environment()
+        self.requests = list(requests)
+        self.router = router
+        n = len(schedulers)
+        upfront = [0] * len(requests) if n == 1 else router.assign_upfront(self.requests)
+        feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
+        self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward)
+                         for i, s in enumerate(schedulers)]
+        if upfront is not None:
+            for i, replica in enumerate(self.replicas):
+                own = [req for req, r in zip(self.requests, upfront) if r == i]
+                env.process(arrival_process(env, own, replica.submit, feeds[i]))
+        else:
+            env.process(arrival_process(env, self.requests, self._route, feeds[0]))
+        for replica in self.replicas:
+            env.process(replica.run())
+
+    def _route(self, req: Request) -> None:
+        replicas = self.replicas
+        i = self.router.route(req, [r.outstanding for r in replicas])
+        replicas[i].submit(req)
+
+    @property
+    def num_done(self) -> int:
+        return sum(len(r.records) for r in self.replicas)
+
+    def run(self, progress: Progress | None = None, num_reports: int = 100) -> None:
+        """Simulate until no event is left (every engine idle, the trace exhausted).
+        `progress` is called about `num_reports` times over the trace span and at the
+        end; reporting adds no events, so it cannot change the simulation."""
+        env = self.env
+        total = len(self.requests)
+        if progress is None:
+            env.run()
+        else:
+            span = self.requests[-1].arrival_s if self.requests else 0.0
+            every = max(span, 1.0) / num_reports
+            next_report = every
+            step, peek = env.step, env.peek
+            while peek() < math.inf:
+                step()
+                if env.now >= next_report:
+                    progress(env.now, self.num_done, total)
+                    next_report = env.now + every
+            progress(env.now, self.num_done, total)
+        done = self.num_done
+        if done != total:
+            raise RuntimeError(f"simulation ended with {done} of {total} requests done: "
+                               f"an engine stopped with work left")
+
+    def request_records(self) -> list[RequestRecord]:
+        """Every request's record, by request id."""
+        records = [rec for r in self.replicas for rec in r.records]
+        records.sort(key=lambda rec: rec.request_id)
+        return records
+
+    def step_records(self) -> list[StepRecord]:
+        """All replicas' steps by start time (ties: replica index, then step order)."""
+        if len(self.replicas) == 1:
+            return list(self.replicas[0].steps)
+        steps = [s for r in self.replicas for s in r.steps]
+        steps.sort(key=lambda s: s.start_s)   # stable: replica order, then step order
+        return steps

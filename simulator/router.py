@@ -1,0 +1,124 @@
+"""Routers: which replica serves an arriving request.
+
+A router sees the request and each replica's outstanding requests (routed there and not
+yet finished or rejected, as known at the arrival time) and returns a replica index.
+Ties go to the lowest index, so routing is deterministic.
+
+- round-robin: request i goes to replica i mod N. It ignores replica state, so the
+  simulator assigns every request up front (`assign_upfront`), which lets a replica's
+  fast-forward run extend to its own next arrival rather than the cluster's.
+- least-outstanding: the replica with the fewest outstanding requests.
+- prefix-affinity: requests whose prompts start with the same blocks go to the replica
+  that served that prefix last, so its prefix cache hits; a new prefix, a request without
+  prefix information, or an affinity replica more than `max_imbalance` requests busier
+  than the least-loaded one falls back to least-outstanding (and the prefix moves there).
+"""
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Hashable, Sequence
+
+from servelab.request import Request
+
+
+class Router(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, num_replicas: int) -> None:
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        self.num_replicas = num_replicas
+
+    @abc.abstractmethod
+    def route(self, req: Request, outstanding: Sequence[int]) -> int:
+        """The replica for `req`, given each replica's outstanding requests now."""
+
+    def assign_upfront(self, requests: Sequence[Request]) -> list[int] | None:
+        """Every request's replica, when that does not depend on replica state (then
+        `route` is never called); None for state-dependent routers."""
+        return None
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+def least_loaded(outstanding: Sequence[int]) -> int:
+    """Index of the smallest count, ties to the lowest index. O(replicas)."""
+    best = 0
+    for i in range(1, len(outstanding)):
+        if outstanding[i] < outstanding[best]:
+            best = i
+    return best
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def route(self, req: Request, outstanding: Sequence[int]) -> int:
+        raise NotImplementedError("round-robin assigns every request up front")
+
+    def assign_upfront(self, requests: Sequence[Request]) -> list[int]:
+        n = self.num_replicas
+        return [i % n for i in range(len(requests))]
+
+
+class LeastOutstandingRouter(Router):
+    name = "least-outstanding"
+
+    def route(self, req: Request, outstanding: Sequence[int]) -> int:
+        return least_loaded(outstanding)
+
+
+class PrefixAffinityRouter(Router):
+    """Sticky prefix → replica map keyed by the prompt's leading `affinity_tokens` tokens
+    (token ids, or the trace's prefix block hashes covering them). Memory O(distinct
+    prefixes); O(replicas + affinity_tokens) per request."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, num_replicas: int, affinity_tokens: int = 256, max_imbalance: int = 8) -> None:
+        super().__init__(num_replicas)
+        for label, value in (("affinity_tokens", affinity_tokens), ("max_imbalance", max_imbalance)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+        self.affinity_tokens = affinity_tokens
+        self.max_imbalance = max_imbalance
+        self._home: dict[Hashable, int] = {}
+
+    def route(self, req: Request, outstanding: Sequence[int]) -> int:
+        least = least_loaded(outstanding)
+        key = affinity_key(req, self.affinity_tokens)
+        if key is None:
+            return least
+        home = self._home.get(key)
+        if home is None or outstanding[home] - outstanding[least] > self.max_imbalance:
+            self._home[key] = home = least
+        return home
+
+    def describe(self) -> dict:
+        return {"name": self.name, "affinity_tokens": self.affinity_tokens,
+                "max_imbalance": self.max_imbalance}
+
+
+def affinity_key(req: Request, num_tokens: int) -> Hashable | None:
+    """What identifies the prompt's first `num_tokens` tokens: the token ids, or the trace
+    prefix hashes of the blocks covering them; None when the request carries neither."""
+    span = min(num_tokens, req.prompt_len)
+    if req.prompt_token_ids is not None:
+        return ("tokens", req.prompt_token_ids[:span])
+    if req.prefix_hashes is not None:
+        bs = req.prefix_block_size
+        return ("hashes", bs, req.prefix_hashes[:-(-span // bs)])
+    return None
+
+
+ROUTERS: dict[str, type[Router]] = {
+    cls.name: cls for cls in (RoundRobinRouter, LeastOutstandingRouter, PrefixAffinityRouter)}
+
+
+def make_router(name: str, num_replicas: int) -> Router:
+    try:
+        cls = ROUTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}") from None
+    return cls(num_replicas)

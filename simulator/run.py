@@ -1,0 +1,345 @@
+"""A whole simulation from one config: the library entry point behind `servelab simulate`.
+
+    config = SimulationConfig(trace="default", model="llama-3.1-8b", gpu="h100-sxm", policy="sjf")
+    result = run_simulation(config, out_dir=Path("runs/sjf"))   # or out_dir=None: nothing written
+    result.summary["p99_ttft_ms"]
+
+`SimulationConfig` is a frozen dataclass holding everything a run depends on (trace and
+how it is loaded, model, GPU, cost-model and memory settings, scheduler, policy, cluster,
+SLOs, seed); it round-trips through JSON, and a run directory's config.json reruns the
+run exactly:
+
+    python -m servelab.simulator.run RUN_DIR/config.json --out OTHER_DIR
+
+Values a run derives (KV blocks that fit, the cost model's efficiencies, the trace's
+provenance) are written beside the config in config.json under "derived", for people;
+loading a config ignores them and derives them again. Nothing here reads the environment
+or a clock or keeps state between calls, so runs in one process (a sweep) are independent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from servelab import __version__
+from servelab._validate import check_choice, check_float, check_int
+from servelab.config import BLOCK_MANAGERS, CacheConfig, SchedulerConfig
+from servelab.records import RequestRecord, StepRecord
+from servelab.simulator.router import ROUTERS
+
+CONFIG_FORMAT = "servelab.simulation/1"
+_OWNER = "SimulationConfig"
+_TRACE_FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
+_DTYPES = ("bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    # --- workload -----------------------------------------------------------------------
+    trace: str = "default"
+    """A trace file, a dataset name, or 'default' (the embedded workload)."""
+    trace_dir: str | None = None
+    """Where named datasets live (None: ~/.cache/servelab/traces)."""
+    trace_format: str = "auto"
+    on_bad_row: str = "error"
+    rate: float | None = None
+    """Target mean request rate (req/s): arrivals for length-only tables, a rescaling of
+    timed traces, the total rate of 'default'."""
+    arrival_cv: float = 1.0
+    """Inter-arrival CV of drawn arrivals (length-only tables)."""
+    rate_scale: float = 1.0
+    """Replay speed: arrival times divided by this (2 = twice the load)."""
+    num_requests: int | None = None
+    """Keep only the first N requests."""
+    seed: int = 0
+    """Seeds drawn arrivals, the default workload and per-request sampling seeds."""
+    download: bool = True
+    """Download a named dataset missing from trace_dir."""
+    # --- model, hardware, cost model ----------------------------------------------------
+    model: str = "llama-3.1-8b"
+    gpu: str = "h100-sxm"
+    tp: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    calibration: str | None = None
+    """A calibration profile (JSON) for this GPU; None: the published default efficiencies."""
+    gpu_memory_utilization: float = 0.9
+    # --- scheduler and policy -----------------------------------------------------------
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    policy: str = "fcfs"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    # --- KV cache -----------------------------------------------------------------------
+    block_size: int = 16
+    kv_blocks: int | None = None
+    """KV capacity per replica in blocks; None derives it from GPU memory like an engine."""
+    cpu_kv_blocks: int = 0
+    """Swap space per replica in blocks."""
+    block_manager: str = "paged"
+    prefix_caching: bool = False
+    watermark: float = 0.01
+    # --- cluster ------------------------------------------------------------------------
+    replicas: int = 1
+    router: str = "round-robin"
+    # --- metrics and engine -------------------------------------------------------------
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    fast_forward: bool = True
+
+    def __post_init__(self) -> None:
+        o = _OWNER
+        for name in ("trace", "model", "gpu"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{o}.{name} must be a non-empty string, got {value!r}")
+        for name in ("trace_dir", "calibration"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{o}.{name} must be a non-empty string or None, got {value!r}")
+        check_choice(o, "trace_format", self.trace_format, _TRACE_FORMATS)
+        check_choice(o, "on_bad_row", self.on_bad_row, ("error", "drop"))
+        if self.rate is not None:
+            _check_positive("rate", self.rate)
+        _check_positive("arrival_cv", self.arrival_cv)
+        _check_positive("rate_scale", self.rate_scale)
+        if self.num_requests is not None:
+            check_int(o, "num_requests", self.num_requests, 1)
+        check_int(o, "seed", self.seed, 0)
+        check_int(o, "tp", self.tp, 1)
+        check_choice(o, "weight_dtype", self.weight_dtype, _DTYPES)
+        check_choice(o, "kv_dtype", self.kv_dtype, _DTYPES)
+        check_float(o, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"{o}.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        check_int(o, "block_size", self.block_size, 1, 1 << 16)
+        if self.kv_blocks is not None:
+            check_int(o, "kv_blocks", self.kv_blocks, 1)
+        check_int(o, "cpu_kv_blocks", self.cpu_kv_blocks, 0)
+        check_choice(o, "block_manager", self.block_manager, BLOCK_MANAGERS)
+        check_float(o, "watermark", self.watermark, 0.0, 0.5)
+        check_int(o, "replicas", self.replicas, 1)
+        check_choice(o, "router", self.router, tuple(ROUTERS))
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        for name in ("download", "prefix_caching", "fast_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{o}.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.policy_options, dict) or not all(isinstance(k, str) for k in self.policy_options):
+            raise ValueError(f"{o}.policy_options must map option names to values, got {self.policy_options!r}")
+        try:   # a private, JSON-shaped copy: the config is frozen, and round-trips exactly
+            object.__setattr__(self, "policy_options", json.loads(json.dumps(self.policy_options)))
+        except (TypeError, ValueError):
+            raise ValueError(f"{o}.policy_options must hold JSON values, got {self.policy_options!r}") from None
+        from servelab.policies import make_policy
+        make_policy(self.policy, **self.policy_options)   # unknown policy or bad options: ValueError
+
+    @property
+    def tenant_weights(self) -> dict[str, float] | None:
+        """The fair-share weights, which the fairness index is measured against."""
+        return self.policy_options.get("weights") if self.policy == "fair" else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["scheduler"] = self.scheduler.to_dict()
+        out["policy_options"] = json.loads(json.dumps(self.policy_options))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SimulationConfig":
+        """The inverse of `to_dict`; absent keys take their defaults, unknown keys are errors."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a simulation config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown simulation config key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        values = dict(data)
+        if "scheduler" in values:
+            sched = values["scheduler"]
+            if not isinstance(sched, dict):
+                raise ValueError(f"'scheduler' must be an object, got {sched!r}")
+            sched_known = {f.name for f in fields(SchedulerConfig)}
+            bad = sorted(set(sched) - sched_known)
+            if bad:
+                raise ValueError(f"unknown scheduler config key(s) {', '.join(bad)}; "
+                                 f"known: {', '.join(sorted(sched_known))}")
+            values["scheduler"] = SchedulerConfig(**sched)
+        return cls(**values)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{_OWNER}.{name} must be a finite number > 0, got {value!r}")
+
+
+def load_config(path: str | Path) -> SimulationConfig:
+    """A config from a run directory's config.json (its "derived" part is ignored: a run
+    derives it again) or from a bare `SimulationConfig.to_dict()` JSON object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if isinstance(data, dict) and "format" in data:
+        if data["format"] != CONFIG_FORMAT:
+            raise ValueError(f"{path}: format {data['format']!r} is not {CONFIG_FORMAT!r}")
+        data = data.get("config")
+    try:
+        return SimulationConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- building a run
+@dataclass(frozen=True)
+class SimulationResult:
+    config: SimulationConfig
+    requests: list[RequestRecord]
+    """One record per request, by request id."""
+    steps: list[StepRecord]
+    """Every replica's steps by start time."""
+    summary: dict[str, Any]
+    """`reports.metrics.summarize` of the records."""
+    derived: dict[str, Any]
+    """What the run derived from the config (KV blocks, cost model, trace provenance)."""
+    out_dir: Path | None = None
+
+
+class Simulation:
+    """A built, not yet run, simulation: `build_simulation` does everything that can fail
+    on user input (trace, model, GPU, capacity), so `run` fails only on a bug."""
+
+    def __init__(self, config: SimulationConfig) -> None:
+        from servelab.models import load_model_spec
+        from servelab.policies import build_scheduler
+        from servelab.simulator.cost_model import CostModel
+        from servelab.simulator.engine import Cluster
+        from servelab.simulator.footprint import kv_capacity_blocks
+        from servelab.simulator.gpus import get_gpu
+        from servelab.simulator.router import make_router
+
+        self.config = c = config
+        self.trace = load_workload(c)
+        model = load_model_spec(c.model)
+        cost = CostModel(model, get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
+                         kv_dtype=c.kv_dtype, block_size=c.block_size)
+        if c.calibration is not None:
+            cost = cost.with_calibration(c.calibration)
+        self.cost_model = cost
+        sched = c.scheduler
+        self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else kv_capacity_blocks(
+            model, cost.gpu, tp=c.tp, block_size=c.block_size,
+            gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
+            weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs)
+        cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks,
+                            num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
+                            enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager)
+        schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
+                      for _ in range(c.replicas)]
+        self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas),
+                               self.trace.to_requests(c.seed), fast_forward=c.fast_forward)
+
+    def derived(self) -> dict[str, Any]:
+        cost, trace = self.cost_model, self.trace
+        return {
+            "kv_blocks_per_replica": self.kv_blocks,
+            "kv_blocks_source": "--kv-blocks" if self.config.kv_blocks is not None else
+                                "derived from GPU memory",
+            "cost_model": {"model": cost.model.name, "gpu": cost.gpu.name, "tp": cost.tp,
+                           "step_overhead_s": cost.step_overhead_s,
+                           "efficiencies": cost.efficiencies.to_dict()},
+            "trace": {"source": trace.source, "format": trace.format, "requests": len(trace),
+                      "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
+                      "notes": list(trace.notes)},
+        }
+
+    def run(self, progress=None) -> SimulationResult:
+        """Simulate to the end; `progress(sim_s, done, total)` is called now and then."""
+        from servelab.reports.metrics import summarize
+
+        cluster = self.cluster
+        cluster.run(progress)
+        requests, steps = cluster.request_records(), cluster.step_records()
+        c = self.config
+        summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms, slo_tpot_ms=c.slo_tpot_ms,
+                            tenant_weights=c.tenant_weights)
+        return SimulationResult(c, requests, steps, summary, self.derived())
+
+
+def build_simulation(config: SimulationConfig) -> Simulation:
+    """Load the trace, model and GPU, derive the KV capacity and wire the replicas.
+    Raises ValueError (TraceError included) on anything wrong with the inputs."""
+    return Simulation(config)
+
+
+def load_workload(config: SimulationConfig):
+    """The trace a config names, cut to num_requests and replayed at rate_scale."""
+    from servelab.traces.datasets import resolve_trace
+    from servelab.traces.record import TraceError
+    from servelab.traces.transforms import first_n, scale_rate
+
+    c = config
+    trace = resolve_trace(c.trace, trace_dir=c.trace_dir, rate=c.rate,
+                          cv=c.arrival_cv, seed=c.seed, on_bad_row=c.on_bad_row,
+                          format=c.trace_format, download=c.download)
+    if c.num_requests is not None:
+        trace = first_n(trace, c.num_requests)
+    if c.rate_scale != 1.0:
+        trace = scale_rate(trace, c.rate_scale)
+    if not len(trace):
+        raise TraceError(f"trace {c.trace!r} holds no requests to simulate")
+    return trace
+
+
+def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
+                   progress=None) -> SimulationResult:
+    """Build and run one simulation; with `out_dir`, write its run directory there
+    (config.json, summary.json, requests.csv, steps.csv)."""
+    sim = build_simulation(config)
+    result = sim.run(progress)
+    if out_dir is not None:
+        write_run_dir(result, Path(out_dir))
+        result = SimulationResult(result.config, result.requests, result.steps, result.summary,
+                                  result.derived, Path(out_dir))
+    return result
+
+
+def write_run_dir(result: SimulationResult, out_dir: Path) -> None:
+    from servelab.reports.runio import write_json, write_requests_csv, write_steps_csv
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
+                                         "config": result.config.to_dict(),
+                                         "derived": result.derived})
+    write_json(out_dir / "summary.json", result.summary)
+    write_requests_csv(out_dir / "requests.csv", result.requests)
+    write_steps_csv(out_dir / "steps.csv", result.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m servelab.simulator.run CONFIG --out DIR`: rerun a run directory's config."""
+    parser = argparse.ArgumentParser(prog="python -m servelab.simulator.run",
+                                     description="Rerun a simulation from its config.json.")
+    parser.add_argument("config", help="a run directory's config.json")
+    parser.add_argument("--out", required=True, help="run directory to write")
+    args = parser.parse_args(argv)
+    try:
+        sim = build_simulation(load_config(args.config))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write_run_dir(sim.run(), Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

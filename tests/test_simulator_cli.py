@@ -1,0 +1,139 @@
+"""`servelab simulate` end to end: run directory, exact rerun from config.json, byte-identical
+outputs, and one-line errors (exit 2) for everything a user can get wrong."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from servelab.cli import main
+from servelab.reports.runio import read_requests_csv, read_steps_csv
+from servelab.simulator.cli import ProgressBar
+from servelab.simulator.run import SimulationConfig, load_config, run_simulation
+from servelab.traces import TraceRecord, Trace, write_csv
+
+FILES = ("config.json", "summary.json", "requests.csv", "steps.csv")
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    """A small two-tenant trace with a shared prefix, written as canonical CSV."""
+    records = []
+    for i in range(60):
+        hashes = (7, 8, 9, 1000 + i) if i % 2 else (2000 + i, 3000 + i, 4000 + i, 5000 + i)
+        records.append(TraceRecord(0.05 * i, 40 + (37 * i) % 300, 20 + (53 * i) % 200,
+                                   prefix_hashes=hashes, prefix_block_size=128,
+                                   tenant="ab"[i % 2], priority=i % 3))
+    path = tmp_path_factory.mktemp("trace") / "small.csv"
+    write_csv(Trace(tuple(records)), path)
+    return path
+
+
+def simulate(*args: str) -> int:
+    return main(["simulate", *args])
+
+
+def test_run_directory_and_summary(tmp_path, trace_file, capsys):
+    out = tmp_path / "run"
+    assert simulate("--trace", str(trace_file), "--model", "llama-2-7b", "--gpu", "a100-80gb",
+                    "--policy", "fair", "--tenant-weights", "a=2,b=1", "--kv-blocks", "300",
+                    "--prefix-caching", "--replicas", "2", "--router", "prefix-affinity",
+                    "--slo-ttft-ms", "500", "--out", str(out)) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    printed = capsys.readouterr()
+    assert "60 requests finished" in printed.out
+    assert printed.err == ""                      # no progress bar off a terminal
+    requests = read_requests_csv(out / "requests.csv")
+    assert [r.request_id for r in requests] == list(range(60))
+    assert all(r.status == "finished" for r in requests)
+    steps = read_steps_csv(out / "steps.csv")
+    assert sum(s.num_steps for s in steps) > len(steps)    # fast-forward was used
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] == 60 and set(summary["per_tenant"]) == {"a", "b"}
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["config"]["policy_options"] == {"weights": {"a": 2.0, "b": 1.0}}
+    assert doc["config"]["scheduler"]["max_model_len"] == 4096     # the model's context length
+    assert doc["derived"]["kv_blocks_per_replica"] == 300
+
+
+def test_two_runs_are_byte_identical_and_config_json_reruns_exactly(tmp_path, trace_file):
+    args = ["--trace", str(trace_file), "--model", "llama-2-7b", "--gpu", "a100-80gb",
+            "--policy", "sjf", "--sjf-predictor", "noisy", "--seed", "3", "--kv-blocks", "120",
+            "--preemption", "swap", "--cpu-kv-blocks", "64", "--chunked-prefill", "64"]
+    assert simulate(*args, "--out", str(tmp_path / "a")) == 0
+    assert simulate(*args, "--out", str(tmp_path / "b")) == 0
+    config = load_config(tmp_path / "a" / "config.json")
+    assert SimulationConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    run_simulation(config, tmp_path / "c")
+    for name in FILES:
+        a = (tmp_path / "a" / name).read_bytes()
+        assert a == (tmp_path / "b" / name).read_bytes(), name
+        assert a == (tmp_path / "c" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["num_preemptions"] > 0
+
+
+def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
+    args = ["--trace", str(trace_file), "--num-requests", "30", "--rate-scale", "2"]
+    assert simulate(*args, "--out", str(tmp_path / "ff")) == 0
+    assert simulate(*args, "--no-fast-forward", "--out", str(tmp_path / "slow")) == 0
+    fast = read_requests_csv(tmp_path / "ff" / "requests.csv")
+    slow = read_requests_csv(tmp_path / "slow" / "requests.csv")
+    assert len(fast) == 30 and fast[-1].arrival_s == pytest.approx(29 * 0.05 / 2)
+    for a, b in zip(fast, slow):
+        assert (a.request_id, a.output_tokens, a.num_preemptions) == (b.request_id, b.output_tokens, b.num_preemptions)
+        assert a.finish_s == pytest.approx(b.finish_s, rel=1e-9)
+    assert all(s.num_steps == 1 for s in read_steps_csv(tmp_path / "slow" / "steps.csv"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+    (["--gpu", "tpu-v9"], "unknown GPU 'tpu-v9'"),
+    (["--model", "llama-2-70b", "--gpu", "l40s"], "weights need"),
+    (["--trace", "/nonexistent/trace.csv"], "not 'default', a dataset name"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be <= 1.0"),
+    (["--watermark", "0.9"], "--watermark"),
+    (["--sjf-predictor", "noisy"], "--sjf-predictor applies to --policy sjf"),
+    (["--tenant-weights", "a=1", "--policy", "priority"], "--tenant-weights applies to --policy fair"),
+    (["--tp", "3"], "tp=3 must divide"),
+    (["--calibration", "/nonexistent/profile.json"], "cannot read calibration profile"),
+])
+def test_user_errors_exit_2_with_one_line(tmp_path, trace_file, capsys, args, message):
+    argv = ["--trace", str(trace_file), *args, "--out", str(tmp_path / "x")]
+    if args[0] == "--trace":
+        argv = [*args, "--out", str(tmp_path / "x")]
+    assert simulate(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servelab simulate: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args", [["--chunked-prefill", "lots"], ["--tenant-weights", "a:1"],
+                                  ["--block-manager", "buddy"], ["--sjf-max-wait-s", "soon"],
+                                  ["--kv-blocks", "0"], ["--max-num-seqs", "0"],
+                                  ["--rate-scale", "-1"], ["--policy", "lottery"],
+                                  ["--router", "random"], ["--replicas", "0"]])
+def test_malformed_flags_are_argparse_errors(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        simulate(*args, "--out", "unused")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {args[0]}" in err and "Traceback" not in err
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="SimulationConfig.replicas must be >= 1"):
+        SimulationConfig(replicas=0)
+    with pytest.raises(ValueError, match="bad options for policy 'fcfs'"):
+        SimulationConfig(policy_options={"aging_rate": 1.0})
+    with pytest.raises(ValueError, match="unknown simulation config key"):
+        SimulationConfig.from_dict({"replica": 2})
+
+
+def test_progress_bar_shows_requests_and_simulated_time():
+    stream = io.StringIO()
+    bar = ProgressBar(stream, width=10)
+    bar(12.5, 3, 10)
+    bar.close()
+    assert stream.getvalue() == "\r[###.......] 3/10 requests  simulated 12.5 s\n"
