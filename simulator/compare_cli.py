@@ -1,0 +1,235 @@
+"""`servelab compare`: run a grid of simulations and write a comparison report.
+
+    servelab compare --trace T --policies fcfs,priority,sjf,fair --rates 12,15.2,16.6 --out DIR
+
+Every `servelab simulate` flag is accepted and applies to every point. The list flags
+sweep: --policies, --rates (mean request rate, req/s: the trace's arrivals are rescaled to
+it), --block-sizes, --chunk-sizes (tokens or off), --preemptions, --block-managers, --gpus,
+--models, --tps. Each point's config is built from the flags exactly as `servelab simulate`
+builds it (its run directory's config.json reruns it), and a policy flag such as
+--sjf-predictor applies to that policy's points only.
+
+DIR receives runs/<point>/ (the simulate layout, see `simulator/sweep.py`), sweep.json,
+index.html (self-contained) and report.md with figures/. Rerunning the command skips the
+points already done, so an interrupted sweep resumes. Importing this module is cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from servelab.cli import CLIError
+from servelab.config import BLOCK_MANAGERS, PREEMPTION_MODES
+
+DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
+
+#: Policy flags (their argparse dest) and the policy each configures: at a point of
+#: another policy the flag is reset to its default.
+POLICY_FLAG_OWNERS = {
+    "priority_aging_rate": "priority", "preemptive_priority": "priority",
+    "sjf_predictor": "sjf", "sjf_max_wait_s": "sjf", "tenant_weights": "fair",
+}
+
+
+def _positive_int(text: str) -> int:
+    from servelab.options import positive_int
+    return positive_int(text)
+
+
+def _positive_float(text: str) -> float:
+    from servelab.options import positive_float
+    return positive_float(text)
+
+
+def _chunk(text: str) -> int | None:
+    from servelab.options import chunk_tokens
+    return chunk_tokens(text)
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name, got an empty item")
+    return text.strip()
+
+
+#: (list flag, the sweep axis = the simulate flag's dest, the simulate flag, item parser, metavar)
+SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
+    ("--policies", "policy", "--policy", _name, "P,P,..."),
+    ("--rates", "rate", "--rate", _positive_float, "REQ_PER_S,..."),
+    ("--models", "model", "--model", _name, "M,M,..."),
+    ("--gpus", "gpu", "--gpu", _name, "G,G,..."),
+    ("--tps", "tp", "--tp", _positive_int, "N,N,..."),
+    ("--block-managers", "block_manager", "--block-manager", _one_of(BLOCK_MANAGERS), "BM,BM,..."),
+    ("--block-sizes", "block_size", "--block-size", _positive_int, "TOKENS,..."),
+    ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
+    ("--preemptions", "preemption", "--preemption", _one_of(PREEMPTION_MODES), "MODE,MODE,..."),
+)
+#: Grid axis order: hardware and memory variants outermost, then policy, then rate.
+AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
+              "preemption", "policy", "rate")
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
+    def parse_list(text: str) -> tuple:
+        items = [item.strip() for item in text.split(",")]
+        if not text.strip() or any(not item for item in items):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        values = tuple(parse(item) for item in items)
+        for i, value in enumerate(values):
+            if value in values[:i]:
+                raise argparse.ArgumentTypeError(f"{items[i]!r} is listed twice in {text!r}")
+        return values
+    return parse_list
+
+
+class _ParserSlot:
+    """Stands in for argparse's subparsers object so that `simulate`'s register() adds its
+    flags to the compare parser: compare accepts every simulate flag, spelled, defaulted
+    and validated the same way, with no second list of flags to keep in step."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self.parser
+
+
+def register(subparsers) -> None:
+    from servelab.simulator import cli as simulate_cli
+
+    p = subparsers.add_parser(
+        "compare", help="run a grid of simulations (policies x loads x ...) and report on it",
+        description="Simulate every combination of the listed policies, request rates and "
+                    "other knobs, store one run directory per point under DIR/runs (rerunning "
+                    "skips finished points), and write DIR/index.html and DIR/report.md. Every "
+                    "`servelab simulate` flag applies to all points.")
+    simulate_cli.register(_ParserSlot(p))   # adds --out DIR and every simulate flag
+    g = p.add_argument_group("sweep (comma-separated lists; each replaces its single flag)")
+    notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")",
+             "rate": ": mean request rates in req/s, the trace's arrivals rescaled to each",
+             "chunked_prefill": " (token counts or off)"}
+    for flag, axis, single, parse, metavar in SWEEP_FLAGS:
+        g.add_argument(flag, dest=f"sweep_{axis}", type=_list_of(parse), default=None, metavar=metavar,
+                       help=f"values of {single} to sweep{notes.get(axis, '')}")
+    x = p.add_argument_group("execution")
+    x.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="simulations run in parallel (default: the CPUs available)")
+    ray = x.add_mutually_exclusive_group()
+    ray.add_argument("--ray", action="store_true",
+                     help="run the points on a local Ray instance (pip install 'servelab[ray]')")
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help="run the points on the Ray cluster at ADDR ('auto': this machine's)")
+    p.set_defaults(func=functools.partial(_cmd_compare, parser=p))
+
+
+# --------------------------------------------------------------------------- the grid
+def grid_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    """The swept axes in AXIS_ORDER: policy and rate always, others when a list was given."""
+    axes: dict[str, tuple] = {}
+    for flag, axis, single, _, _ in SWEEP_FLAGS:
+        values = getattr(args, f"sweep_{axis}")
+        single_given = getattr(args, axis) != parser.get_default(axis)
+        if values is not None and single_given:
+            raise CLIError(f"give {single} or {flag}, not both")
+        if values is None and axis == "policy":
+            values = (args.policy,) if single_given else DEFAULT_POLICIES
+        elif values is None and axis == "rate":
+            values = (args.rate,)
+        if values is not None:
+            axes[axis] = values
+    for dest, policy in POLICY_FLAG_OWNERS.items():
+        if getattr(args, dest) != parser.get_default(dest) and policy not in axes["policy"]:
+            flag = "--" + dest.replace("_", "-")
+            raise CLIError(f"{flag} configures --policy {policy}, which is not among the "
+                           f"policies compared ({','.join(axes['policy'])})")
+    from servelab.simulator.gpus import get_gpu
+    for gpu in axes.get("gpu", (args.gpu,)):
+        try:
+            get_gpu(gpu)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+    return {axis: axes[axis] for axis in AXIS_ORDER if axis in axes}
+
+
+def point_config(args: argparse.Namespace, parser: argparse.ArgumentParser, values: dict[str, Any]):
+    """The config `servelab simulate` would build from these flags with `values` set."""
+    from servelab.simulator.cli import config_from_args
+
+    ns = argparse.Namespace(**vars(args))
+    for axis, value in values.items():
+        setattr(ns, axis, value)
+    for dest, policy in POLICY_FLAG_OWNERS.items():
+        if policy != ns.policy:
+            setattr(ns, dest, parser.get_default(dest))
+    return config_from_args(ns)
+
+
+def build_points(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from servelab.simulator.sweep import expand_grid
+
+    axes = grid_axes(args, parser)
+    try:
+        return axes, expand_grid(axes, lambda values: point_config(args, parser, values))
+    except ValueError as exc:  # two grid points that are one simulation
+        raise CLIError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------- the command
+class ProgressLines:
+    """One stderr line per settled point: points settled/total, what it was, time elapsed."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream, self.start = stream or sys.stderr, time.monotonic()
+
+    def __call__(self, outcome, done: int, total: int) -> None:
+        width = len(str(total))
+        state = {"ran": "done", "done before": "done before, skipped", "failed": "FAILED"}[outcome.status]
+        error = f": {outcome.error}" if outcome.error else ""
+        self.stream.write(f"compare: [{done:>{width}}/{total}] {outcome.point.describe()}  "
+                          f"{state}{error}  (elapsed {time.monotonic() - self.start:.1f} s)\n")
+        self.stream.flush()
+
+
+def _plural(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{suffix if n != 1 else ''}"
+
+
+def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from servelab.reports.report import write_report
+    from servelab.simulator.sweep import SweepError, default_workers, run_sweep
+
+    axes, points = build_points(args, parser)
+    out = Path(args.out)
+    workers = args.workers or default_workers()
+    where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \
+        "a local Ray instance" if args.ray else _plural(min(workers, len(points)), "worker process", "es")
+    shape = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items())
+    print(f"compare: {_plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
+    try:
+        outcome = run_sweep(points, out, workers=workers, ray=args.ray, ray_address=args.ray_address,
+                            axes=axes, progress=ProgressLines())
+    except SweepError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot write the sweep directory {out}: {exc}") from None
+    if outcome.failed:
+        print(f"compare: {len(outcome.failed)} of {len(points)} points failed:", file=sys.stderr)
+        for failed in outcome.failed:
+            print(f"  {failed.point.describe()}: {failed.error}", file=sys.stderr)
+        if len(outcome.failed) == len(points):
+            raise CLIError("every point failed: no report written")
+    report = write_report(out)
+    print(f"report: {report.html.resolve()}\n        {report.markdown.resolve()}")
+    return 1 if outcome.failed else 0

@@ -1,0 +1,435 @@
+"""Sweeps: a grid of simulations, each point run once, stored atomically, resumable.
+
+    points = expand_grid({"policy": ["fcfs", "sjf"], "rate": [12.0, 16.0]}, override_builder(base))
+    outcome = run_sweep(points, Path("runs/cmp"), workers=4)            # local process pool
+    outcome = run_sweep(points, Path("runs/cmp"), ray_address="auto")    # a Ray cluster
+
+Layout of the sweep directory DIR:
+
+    DIR/sweep.json            the grid: axes, and every point's name, key and axis values
+    DIR/runs/<name>/          one `servelab simulate` run directory per point (config.json,
+                              summary.json, requests.csv, steps.csv) and, written last,
+                              done.json holding the point's key
+
+A point is identified by `config_key`: the SHA-256 of the canonical JSON of its full
+`SimulationConfig`, so any change to any field is another point, and a rerun finds the
+points that are already done and skips them: an interrupted sweep resumes where it stopped.
+The key covers the config, not the simulator's code: after changing the simulator, sweep
+into a fresh DIR (or delete DIR/runs).
+
+Atomicity: a point is written into a hidden temporary directory beside its final place
+(marker last), then renamed into place with one `os.rename`, so a killed sweep leaves
+either a complete point or a temporary directory that the next run deletes, never a half
+point. Two writers of the same point (a retried task, an orphaned worker of a killed
+sweep) cannot both land: the second rename finds the first one's directory and discards
+its own copy. One sweep per DIR at a time: the driver holds an exclusive lock on
+DIR/.sweep.lock (released by the kernel if the driver is killed).
+
+Execution: a local `ProcessPoolExecutor` (spawn context: no state inherited from the
+driver), or Ray, imported only when asked for. Pool workers write their own points (the
+CSV formatting is CPU work worth spreading); Ray tasks return their results and the
+driver writes them, so a Ray cluster needs no shared file system. Nothing here reads a
+clock: callers time the progress lines themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from servelab.config import SchedulerConfig
+from servelab.simulator.run import SimulationConfig, SimulationResult, run_simulation, write_run_dir
+
+KEY_FORMAT = "servelab.sweep-key/1"
+SWEEP_FORMAT = "servelab.sweep/1"
+SWEEP_FILE = "sweep.json"
+RUNS_DIR = "runs"
+DONE_MARKER = "done.json"
+LOCK_FILE = ".sweep.lock"
+RAY_INSTALL_HINT = "pip install 'servelab[ray]'"
+
+#: Errors that belong to one point (its inputs cannot be simulated: a model that does not
+#: fit the GPU, a missing trace file): the point is reported as failed, the sweep goes on.
+#: Anything else is a bug and stops the sweep.
+POINT_ERRORS = (ValueError, OSError)
+
+
+class SweepError(Exception):
+    """The sweep as a whole cannot go on (DIR locked, Ray missing, a corrupt DIR)."""
+
+
+# --------------------------------------------------------------------------- keys and points
+def config_key(config: SimulationConfig) -> str:
+    """SHA-256 (hex) of the canonical JSON of `config.to_dict()`.
+
+    Canonical: keys sorted, no whitespace, and integral floats written as integers, so
+    configs that compare equal (rate=15 and rate=15.0) share a key; any field that changes
+    the config changes the key. Costs one JSON encoding, microseconds.
+    """
+    payload = {"format": KEY_FORMAT, "config": _canonical(config.to_dict())}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One simulation of a grid: its config and the values of the swept axes that made it."""
+
+    config: SimulationConfig
+    labels: tuple[tuple[str, Any], ...]
+    """(axis, value) in axis order, e.g. (("policy", "sjf"), ("rate", 12.0))."""
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", config_key(self.config))
+
+    @property
+    def name(self) -> str:
+        """Directory name: the axis values for people, a key prefix for uniqueness."""
+        parts = [_slug(v) if axis == "policy" else f"{_AXIS_SHORT.get(axis, axis)}{_slug(v)}"
+                 for axis, v in self.labels]
+        return "_".join([*parts, self.key[:12]])
+
+    def describe(self) -> str:
+        return " ".join(f"{axis}={_show(v)}" for axis, v in self.labels) or self.key[:12]
+
+
+_AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
+               "block_manager": "", "gpu": "", "model": "", "tp": "tp"}
+
+
+def _show(value: Any) -> str:
+    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _slug(value: Any) -> str:
+    text = Path(value).name if isinstance(value, str) and os.sep in value else _show(value)
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-") or "x"
+
+
+def expand_grid(axes: Mapping[str, Sequence[Any]],
+                build: Callable[[dict[str, Any]], SimulationConfig]) -> list[SweepPoint]:
+    """Every combination of the axis values (the last axis varies fastest), each turned
+    into a config by `build({axis: value, ...})`.
+
+    Raises ValueError for an empty axis, a value given twice, or two combinations that
+    build the same config (an axis that changes nothing would run each point twice).
+    """
+    for axis, values in axes.items():
+        if not values:
+            raise ValueError(f"sweep axis {axis!r} has no values")
+        seen: list[Any] = []
+        for v in values:
+            if v in seen:
+                raise ValueError(f"sweep axis {axis!r} lists {_show(v)} twice")
+            seen.append(v)
+    points, by_key = [], {}
+    for combo in itertools.product(*axes.values()):
+        values = dict(zip(axes, combo))
+        point = SweepPoint(build(values), tuple(values.items()))
+        if point.key in by_key:
+            raise ValueError(f"grid points {by_key[point.key].describe()} and {point.describe()} "
+                             f"are the same simulation")
+        by_key[point.key] = point
+        points.append(point)
+    return points
+
+
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
+_CONFIG_FIELDS = {f.name for f in fields(SimulationConfig)}
+
+
+def override_builder(base: SimulationConfig) -> Callable[[dict[str, Any]], SimulationConfig]:
+    """A `build` for `expand_grid` that sets each axis on `base`: a SimulationConfig field
+    (policy, rate, gpu, model, block_size, ...) or a SchedulerConfig field (chunked_prefill,
+    preemption, ...). Policy options are kept only for the policy they were given with."""
+    def build(values: dict[str, Any]) -> SimulationConfig:
+        top = {k: v for k, v in values.items() if k in _CONFIG_FIELDS}
+        sched = {k: v for k, v in values.items() if k in _SCHEDULER_FIELDS and k not in top}
+        unknown = set(values) - set(top) - set(sched)
+        if unknown:
+            raise ValueError(f"unknown sweep axis {sorted(unknown)[0]!r}: not a field of "
+                             f"SimulationConfig or SchedulerConfig")
+        if "policy" in top and top["policy"] != base.policy and "policy_options" not in top:
+            top["policy_options"] = {}
+        scheduler = replace(base.scheduler, **sched) if sched else base.scheduler
+        return replace(base, scheduler=scheduler, **top)
+    return build
+
+
+# --------------------------------------------------------------------------- outcomes
+@dataclass(frozen=True)
+class PointOutcome:
+    point: SweepPoint
+    run_dir: Path
+    status: str
+    """'ran' (this sweep), 'done before' (found complete and skipped) or 'failed'."""
+    summary: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    out_dir: Path
+    outcomes: tuple[PointOutcome, ...]
+    """One per point, in grid order."""
+
+    def with_status(self, status: str) -> list[PointOutcome]:
+        return [o for o in self.outcomes if o.status == status]
+
+    @property
+    def failed(self) -> list[PointOutcome]:
+        return self.with_status("failed")
+
+
+Progress = Callable[[PointOutcome, int, int], None]
+"""Called in the driver as each point is settled: (outcome, points settled, total)."""
+
+
+# --------------------------------------------------------------------------- storage
+def is_done(run_dir: Path, key: str) -> bool:
+    """True when run_dir holds a complete point with this key (its marker is written last)."""
+    try:
+        marker = json.loads((run_dir / DONE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("key") == key
+
+
+def commit_point(point: SweepPoint, runs_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Write a point with `write(tmp_dir)` and move it into runs_dir/<name> atomically.
+
+    If the point is already there (another writer finished first), this copy is discarded.
+    Returns the final directory.
+    """
+    from servelab.reports.runio import write_json
+
+    final = runs_dir / point.name
+    tmp = runs_dir / f".{point.name}.{os.getpid()}.tmp"
+    if tmp.exists():  # left by a killed process that had our pid
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        write_json(tmp / DONE_MARKER, {"key": point.key, "labels": dict(point.labels)})
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not is_done(final, point.key):
+                raise
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _clean(runs_dir: Path, pending: Sequence[SweepPoint]) -> None:
+    """Delete what killed sweeps left: temporary directories and incomplete point dirs."""
+    for entry in runs_dir.glob(".*.tmp"):
+        shutil.rmtree(entry, ignore_errors=True)
+    for point in pending:
+        stale = runs_dir / point.name
+        if stale.exists():
+            shutil.rmtree(stale)
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, one sweep per DIR is up to the user
+        yield
+        return
+    with open(out_dir / LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(f"another sweep is writing {out_dir} (locked: {out_dir / LOCK_FILE})") \
+                from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def write_sweep_file(out_dir: Path, points: Sequence[SweepPoint],
+                     axes: Mapping[str, Sequence[Any]] | None = None) -> None:
+    """DIR/sweep.json: what the report reads to find the grid's points."""
+    from servelab.reports.runio import write_json
+
+    axes = axes if axes is not None else _axes_of(points)
+    write_json(out_dir / SWEEP_FILE, {
+        "format": SWEEP_FORMAT,
+        "axes": {axis: list(values) for axis, values in axes.items()},
+        "points": [{"name": p.name, "key": p.key, "labels": dict(p.labels)} for p in points],
+    })
+
+
+def _axes_of(points: Sequence[SweepPoint]) -> dict[str, list[Any]]:
+    axes: dict[str, list[Any]] = {}
+    for p in points:
+        for axis, value in p.labels:
+            values = axes.setdefault(axis, [])
+            if value not in values:
+                values.append(value)
+    return axes
+
+
+# --------------------------------------------------------------------------- running
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run_sweep(points: Sequence[SweepPoint], out_dir: Path, *, workers: int | None = None,
+              ray: bool = False, ray_address: str | None = None,
+              axes: Mapping[str, Sequence[Any]] | None = None,
+              progress: Progress | None = None) -> SweepOutcome:
+    """Run every point not already done in out_dir; return one outcome per point.
+
+    workers: parallel simulations (default: the CPUs available); with Ray, the CPUs of the
+    local instance it starts (ignored with ray_address). ray / ray_address: run on a local
+    Ray instance, or on the cluster at that address ("auto" for the one this machine
+    belongs to). Points whose inputs fail (POINT_ERRORS) are 'failed' outcomes; any other
+    exception stops the sweep and propagates, finished points staying stored.
+    """
+    if not points:
+        raise ValueError("a sweep needs at least one point")
+    names = [p.name for p in points]
+    if len(set(names)) != len(names):
+        raise ValueError("a sweep lists the same point twice")
+    workers = default_workers() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    out_dir = Path(out_dir)
+    runs_dir = out_dir / RUNS_DIR
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    settled: dict[str, PointOutcome] = {}
+
+    def settle(outcome: PointOutcome) -> None:
+        settled[outcome.point.key] = outcome
+        if progress is not None:
+            progress(outcome, len(settled), len(points))
+
+    with _locked(out_dir):
+        write_sweep_file(out_dir, points, axes)
+        pending = []
+        for p in points:
+            if is_done(runs_dir / p.name, p.key):
+                settle(PointOutcome(p, runs_dir / p.name, "done before", _read_summary(runs_dir / p.name)))
+            else:
+                pending.append(p)
+        _clean(runs_dir, pending)
+        if pending:
+            if ray or ray_address is not None:
+                _run_on_ray(pending, runs_dir, workers, ray_address, settle)
+            else:
+                _run_on_pool(pending, runs_dir, workers, settle)
+    return SweepOutcome(out_dir, tuple(settled[p.key] for p in points))
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _simulate_and_commit(point: SweepPoint, runs_dir: Path) -> dict[str, Any]:
+    """Pool task: simulate one point and store it; returns its summary."""
+    result = run_simulation(point.config)
+    commit_point(point, runs_dir, lambda d: write_run_dir(result, d))
+    return result.summary
+
+
+def _simulate(point: SweepPoint) -> SimulationResult:
+    """Ray task: simulate one point; the driver stores it."""
+    return run_simulation(point.config)
+
+
+def _failed(point: SweepPoint, runs_dir: Path, exc: BaseException) -> PointOutcome:
+    cause = getattr(exc, "cause", None) or exc  # Ray wraps a task's exception
+    return PointOutcome(point, runs_dir / point.name, "failed", error=f"{type(cause).__name__}: {cause}")
+
+
+def _run_on_pool(pending: Sequence[SweepPoint], runs_dir: Path, workers: int,
+                 settle: Callable[[PointOutcome], None]) -> None:
+    context = multiprocessing.get_context("spawn")
+    order = {p.key: i for i, p in enumerate(pending)}
+    with ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=context) as pool:
+        futures = {pool.submit(_simulate_and_commit, p, runs_dir): p for p in pending}
+        try:
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: order[futures[f].key]):
+                    point = futures.pop(future)
+                    try:
+                        summary = future.result()
+                    except POINT_ERRORS as exc:
+                        settle(_failed(point, runs_dir, exc))
+                    else:
+                        settle(PointOutcome(point, runs_dir / point.name, "ran", summary))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def import_ray():
+    """The `ray` module, or SweepError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise SweepError(f"running a sweep on Ray needs the ray package: {RAY_INSTALL_HINT}") from None
+    return ray
+
+
+def _run_on_ray(pending: Sequence[SweepPoint], runs_dir: Path, workers: int,
+                address: str | None, settle: Callable[[PointOutcome], None]) -> None:
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        if address is None:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    try:
+        task = ray.remote(num_cpus=1)(_simulate)
+        refs = {task.remote(p): p for p in pending}
+        while refs:
+            (ref,), _ = ray.wait(list(refs), num_returns=1)
+            point = refs.pop(ref)
+            try:
+                result = ray.get(ref)
+            except POINT_ERRORS as exc:  # a RayTaskError is also an instance of its cause's class
+                settle(_failed(point, runs_dir, exc))
+                continue
+            commit_point(point, runs_dir, lambda d: write_run_dir(result, d))
+            settle(PointOutcome(point, runs_dir / point.name, "ran", result.summary))
+    finally:
+        if started:
+            ray.shutdown()

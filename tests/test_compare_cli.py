@@ -1,0 +1,101 @@
+"""`servelab compare` flags: every simulate flag, the sweep lists, and points built exactly as
+`servelab simulate` builds a run from the same flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from servelab.cli import CLIError, build_parser
+from servelab.simulator.cli import config_from_args
+from servelab.simulator.compare_cli import build_points
+
+COMMON = ["--trace", "default", "--num-requests", "40", "--kv-blocks", "300"]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def compare(*argv: str):
+    args = build_parser().parse_args(["compare", *COMMON, "--out", "unused", *argv])
+    return build_points(args, args.func.keywords["parser"])
+
+
+def simulate_config(*argv: str):
+    return config_from_args(build_parser().parse_args(["simulate", *COMMON, "--out", "unused", *argv]))
+
+
+def test_compare_accepts_every_simulate_flag():
+    commands = _subparsers(build_parser())
+    simulate = set(commands["simulate"]._option_string_actions)
+    compare_flags = set(commands["compare"]._option_string_actions)
+    assert simulate <= compare_flags
+    assert {"--policies", "--rates", "--block-sizes", "--chunk-sizes", "--preemptions", "--block-managers",
+            "--gpus", "--models", "--tps", "--workers", "--ray", "--ray-address"} <= compare_flags
+
+
+def test_each_point_is_the_config_simulate_builds_from_the_same_flags():
+    axes, points = compare("--policies", "fcfs,sjf", "--rates", "10,20.5", "--chunk-sizes", "256,off",
+                           "--sjf-predictor", "noisy", "--seed", "3", "--slo-ttft-ms", "500",
+                           "--max-num-seqs", "64")
+    assert axes == {"chunked_prefill": (256, None), "policy": ("fcfs", "sjf"), "rate": (10.0, 20.5)}
+    assert len(points) == 8
+    for point in points:
+        labels = dict(point.labels)
+        flags = ["--policy", labels["policy"], "--rate", f"{labels['rate']}", "--chunked-prefill",
+                 "off" if labels["chunked_prefill"] is None else str(labels["chunked_prefill"]),
+                 "--seed", "3", "--slo-ttft-ms", "500", "--max-num-seqs", "64"]
+        if labels["policy"] == "sjf":   # a policy flag applies to its own policy's points only
+            flags += ["--sjf-predictor", "noisy"]
+        assert point.config == simulate_config(*flags)
+    sjf = next(p for p in points if p.config.policy == "sjf")
+    assert sjf.config.policy_options == {"predictor": "noisy", "seed": 3}
+    assert next(p for p in points if p.config.policy == "fcfs").config.policy_options == {}
+
+
+def test_defaults_compare_the_four_policies_at_the_trace_rate():
+    axes, points = compare()
+    assert axes == {"policy": ("fcfs", "priority", "sjf", "fair"), "rate": (None,)}
+    assert [p.config.policy for p in points] == ["fcfs", "priority", "sjf", "fair"]
+    assert compare("--policy", "sjf")[0]["policy"] == ("sjf",)
+
+
+def test_model_sweep_takes_each_models_context_length_and_comes_first():
+    axes, points = compare("--models", "llama-2-7b,mistral-7b", "--policies", "fcfs", "--rates", "5",
+                           "--block-managers", "paged,contiguous-pow2", "--tps", "1,2")
+    assert list(axes) == ["model", "tp", "block_manager", "policy", "rate"]
+    lengths = {p.config.model: p.config.scheduler.max_model_len for p in points}
+    assert lengths == {"llama-2-7b": 4096, "mistral-7b": simulate_config("--model", "mistral-7b")
+                       .scheduler.max_model_len}
+    assert {(p.config.tp, p.config.block_manager) for p in points} == {
+        (1, "paged"), (2, "paged"), (1, "contiguous-pow2"), (2, "contiguous-pow2")}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "10,0"], "expected a finite number > 0"),
+    (["--rates", "10,,20"], "comma-separated list"),
+    (["--block-sizes", "16,16"], "listed twice"),
+    (["--chunk-sizes", "256,many"], "expected an integer"),
+    (["--preemptions", "recompute,pause"], "expected one of recompute, swap"),
+    (["--block-managers", "paged,buddy"], "expected one of paged"),
+])
+def test_bad_lists_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare(*argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "32", "--block-sizes", "16,32"], "give --block-size or --block-sizes, not both"),
+    (["--rate", "3", "--rates", "4,5"], "give --rate or --rates, not both"),
+    (["--policies", "fcfs,priority", "--sjf-predictor", "noisy"], "--sjf-predictor configures --policy sjf"),
+    (["--gpus", "h100-sxm,tpu-v9"], "unknown GPU 'tpu-v9'"),
+    (["--policies", "fcfs,lottery"], "unknown policy 'lottery'"),
+    (["--models", "llama-2-7b,gpt-9"], "gpt-9"),
+])
+def test_inconsistent_flags_are_clear_errors(argv, message):
+    with pytest.raises(CLIError, match=message):
+        compare(*argv)
