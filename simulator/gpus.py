@@ -15,8 +15,10 @@ from dataclasses import dataclass, fields, replace
 
 GIB = 1 << 30
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
-"""Bytes per element of the weight / KV-cache dtypes the cost model prices."""
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+"""Bytes per element of the weight / KV-cache dtypes the cost model prices. fp32 is what
+the real backend runs on a CPU; its GEMMs are priced at the `bf16_tflops` figure (see
+`GPUSpec.peak_flops`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,12 @@ class GPUSpec:
         return self.nvlink_gbps if self.nvlink_gbps is not None else self.pcie_gbps
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s of a GEMM whose inputs are `dtype` ("bf16"/"fp16"/"fp8")."""
+        """Peak FLOP/s of a GEMM whose inputs are `dtype` ("bf16"/"fp16"/"fp8"/"fp32").
+
+        fp32 is priced at the `bf16_tflops` figure: on the cpu entry that figure *is* the
+        fp32 matmul rate (what `probe.py` measures); on a GPU it overstates plain fp32
+        (H100: 67 of 989 TFLOP/s), which a calibrated compute efficiency absorbs. A GPU
+        fp32 run is a debugging configuration, not a serving one."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
         if dtype == "fp8" and self.fp8_tflops is not None:
@@ -87,8 +94,10 @@ _CATALOG: dict[str, GPUSpec] = {
     # of "Gen5/6").
     "b200": GPUSpec("b200", 2250.0, 4500.0, 7700.0, 180.0, 900.0, 64.0),
     # A generic server CPU running the PyTorch reference path: an order-of-magnitude
-    # placeholder (a few-core BF16 matmul, DDR bandwidth), meant to be replaced by a probed
-    # or calibrated figure (CalibrationProfile.gpu_overrides). "Swap" is a memcpy here.
+    # placeholder (a few-core fp32/BF16 matmul, DDR bandwidth), meant to be replaced by a
+    # probed figure (`servelab.simulator.probe`, stored in CalibrationProfile.gpu_overrides).
+    # It errs high on purpose: a fit bounds every efficiency by 1, so a peak below the
+    # machine's would cap the fit. "Swap" is a memcpy here.
     "cpu": GPUSpec("cpu", 1.0, None, 50.0, 64.0, None, 20.0),
 }
 

@@ -1,0 +1,163 @@
+"""`servelab validate`: the cost model against real runs, per step and end to end.
+
+    servelab validate --run runs/real-fcfs --out runs/val                 # default model's error
+    servelab validate --run runs/real-fcfs --fit --out runs/val           # calibrate, held-out error
+    servelab validate --run runs/real-fcfs --run runs/real-sjf --fit --simulate --out runs/val
+
+OUT gets validation.json (every figure), calibration.json (with --fit: a profile that
+`servelab simulate --calibration` and `compare --calibration` load), three plots, and with
+--simulate a replay run directory per real run. A CPU run's peaks are probed on this
+machine (`--probe`, on by default for CPU runs): validate on the machine that ran them.
+
+Importing this module is cheap; the handler imports numpy, torch and the simulator.
+"""
+from __future__ import annotations
+
+import argparse
+
+from servelab.cli import CLIError
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "validate", help="per-step and end-to-end error of the cost model against real runs",
+        description="Predict every step of real runs (servelab run) with the cost model and "
+                    "report the error; --fit calibrates the model on a training split and "
+                    "reports held-out error; --simulate replays the runs' requests through the "
+                    "simulator and compares request-level metrics and policy rankings.")
+    p.add_argument("--run", action="append", required=True, metavar="DIR",
+                   help="a real run directory; repeat for several runs of one setup (e.g. the "
+                        "same trace under different policies)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the results")
+    p.add_argument("--gpu", metavar="G",
+                   help="catalog GPU to price with (default: mapped from the run's device)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="profile to evaluate, or to start --fit from (default: the device's "
+                        "published efficiencies)")
+    p.add_argument("--fit", action="store_true",
+                   help="fit efficiencies and step overhead on a training split; report held-out "
+                        "error and write OUT/calibration.json")
+    p.add_argument("--train-fraction", type=_fraction, default=0.5, metavar="F",
+                   help="share of steps to fit on (default %(default)s)")
+    p.add_argument("--split-seed", type=_seed, default=0, metavar="N",
+                   help="seed of the train/held-out permutation (default %(default)s)")
+    p.add_argument("--loss", choices=("l1", "l2"), default="l1",
+                   help="what --fit minimises over relative step errors: l1 = mean absolute "
+                        "(the MAPE reported; robust to steps slowed by a busy host), l2 = mean "
+                        "square (default %(default)s)")
+    p.add_argument("--simulate", action="store_true",
+                   help="replay each run's requests in the simulator with the calibration and "
+                        "compare TTFT/TPOT/E2E percentiles, throughput and policy rankings")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure this CPU's matmul rate and copy bandwidth as the cpu entry's "
+                        "peaks (default: on for CPU runs)")
+    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the error plots (default: on)")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from servelab.simulator.validate import (ValidateOptions, catalog_gpu, load_real_run,
+                                             validate)
+
+    try:
+        runs = [load_real_run(path) for path in args.run]
+        gpu = args.gpu or catalog_gpu(runs[0].device, runs[0].device_name)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    overrides: dict[str, float] = {}
+    probe = args.probe if args.probe is not None else gpu == "cpu"
+    if probe:
+        if gpu != "cpu":
+            raise CLIError(f"--probe measures this CPU; the runs are priced on {gpu}")
+        from servelab.simulator.probe import probe_cpu
+
+        measured = probe_cpu(dtype=runs[0].derived["dtype"])
+        overrides = measured.gpu_overrides()
+        print(f"cpu probe: {measured.matmul_flops_per_s / 1e9:.1f} GFLOP/s {measured.dtype} "
+              f"matmul, {measured.copy_bytes_per_s / 1e9:.1f} GB/s copy "
+              f"({measured.library}, {measured.threads} threads)")
+    try:
+        options = ValidateOptions(gpu=gpu, gpu_overrides=overrides, calibration=args.calibration,
+                                  fit=args.fit, train_fraction=args.train_fraction,
+                                  split_seed=args.split_seed, loss=args.loss,
+                                  simulate=args.simulate,
+                                  plots=args.plots)
+        report = validate(runs, options, args.out)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    print(format_report(report, args.out))
+    return 0
+
+
+def _errors(e: dict) -> str:
+    return (f"MAPE {e['mape_pct']:.1f}%, median {e['median_ape_pct']:.1f}%, "
+            f"p90 {e['p90_ape_pct']:.1f}%, bias {e['bias_pct']:+.1f}% ({e['steps']} steps)")
+
+
+def format_report(report: dict, out: str) -> str:
+    """The lines the command prints: the figures people read first, then where the rest is."""
+    s = report["setup"]
+    lines = [f"{report['steps']} steps of {len(report['runs'])} run(s): {s['model']} on "
+             f"{s['gpu']} ({s['dtype']}, tp {s['tp']})"]
+    if "fit" in report:
+        f = report["fit"]
+        state = "converged" if f["converged"] else "bounds did not settle; best iterate kept"
+        start = "starting" if s["calibration"] else "default"
+        lines += [f"fit on {f['train_steps']} steps ({f['iterations']} iterations, {state})",
+                  f"  held-out:  {_errors(report['held_out']['overall'])}",
+                  f"  train:     {_errors(report['train']['overall'])}",
+                  f"  {start + ' model,':<10} held-out: "
+                  f"{_errors(report[f'{start}_held_out']['overall'])}"]
+        for kind, e in report["held_out"]["by_step_type"].items():
+            lines.append(f"  held-out {kind:<8} {_errors(e)}")
+        for name, why in f["unidentified"].items():
+            lines.append(f"  not identified, kept at its start: {name} ({why})")
+        if f["at_bound"]:
+            lines.append(f"  at its bound (efficiency 1, or 0 s): {', '.join(f['at_bound'])}")
+        if "profile_path" in f:
+            lines.append(f"calibration profile -> {f['profile_path']}")
+    else:
+        key = "starting" if s["calibration"] else "default"
+        lines.append(f"{key} model: {_errors(report[key]['overall'])}")
+        for kind, e in report[key]["by_step_type"].items():
+            lines.append(f"  {kind:<8} {_errors(e)}")
+    if len(report["per_run"]) > 1:
+        for path, e in report["per_run"].items():
+            lines.append(f"  run {path}: MAPE {e['mape_pct']:.1f}%, bias {e['bias_pct']:+.1f}% "
+                         f"({e['steps']} steps)")
+    sim = report.get("simulate")
+    if sim:
+        for label, r in sim["runs"].items():
+            m = r["metrics"]
+            parts = [f"{k.removesuffix('_ms')} {m[k]['real']:.1f}/{m[k]['sim']:.1f}"
+                     for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_e2el_ms")]
+            lines.append(f"replay {label} (real/sim ms): {', '.join(parts)}; output tok/s "
+                         f"{m['output_throughput']['real']:.1f}/{m['output_throughput']['sim']:.1f}")
+            lines += [f"  note: {n}" for n in r["notes"]]
+        if "ranking" in sim:
+            tau = sim["ranking"]["mean_kendall_tau_b"]
+            lines.append("policy ranking agreement, mean Kendall tau-b over metrics: "
+                         + ("undefined" if tau is None else f"{tau:+.2f}"))
+    lines.append(f"-> {out}/validation.json")
+    return "\n".join(lines)
