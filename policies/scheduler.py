@@ -136,16 +136,19 @@ class Scheduler:
             out.rejected, self._pending_rejects = self._pending_rejects, []
         self._growth_preempted = False
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._preempt_for_waiting(now, out)
+        # memory freed for the waiting head is not handed to swapped requests first
+        freed_for_head = self._preempt_for_waiting(now, out)
         if self.config.step_composition == "prefill_first":
             self._schedule_running(now, out, step, prefill=True)
             self._admit(now, out, step)
             if not step.entries:
                 self._schedule_running(now, out, step, prefill=False)
-                self._swap_in(out, step)
+                if not freed_for_head:
+                    self._swap_in(out, step)
         else:
             self._schedule_running(now, out, step, prefill=None)
-            self._swap_in(out, step)
+            if not freed_for_head:
+                self._swap_in(out, step)
             self._admit(now, out, step)
         for entries in step.entries.values():
             out.scheduled.extend(entries)
@@ -311,18 +314,22 @@ class Scheduler:
         tokens = max(s.num_tokens for s in req.seqs)
         self._reject(req, f"grew to {tokens} tokens, beyond what the whole KV cache holds", now, out)
 
-    def _preempt_for_waiting(self, now, out) -> None:
+    def _preempt_for_waiting(self, now, out) -> bool:
         """Preemptive policies: before anything runs, free memory for the waiting head
-        by preempting running requests the policy allows, worst victim first."""
+        by preempting running requests the policy allows, worst victim first. True if
+        anything was preempted."""
         head = self.policy.peek(now)
         if head is None or not self.running:
-            return
+            return False
         key, adm = self.policy.victim_key, self._admit_seq
+        preempted = False
         while self.running and not self._fits(head):
             victim = max(self.running.values(), key=lambda r: key(r, adm[r.request_id]))
             if not self.policy.may_preempt_for(head, victim):
-                return
+                break
             self._preempt(victim, now, out)
+            preempted = True
+        return preempted
 
     def _fits(self, req: Request) -> bool:
         need = sum(-(-s.num_tokens // self.block_size) for s in req.seqs if not s.finished)
@@ -350,6 +357,10 @@ class Scheduler:
             if entries is None:
                 return
             out.swap_in.extend(bm.swap_in(seq_ids))
+            if self.prefix_caching:  # swapped-out blocks left the cache: offer them again
+                for s in req.seqs:
+                    if not s.finished:
+                        bm.mark_computed(s.seq_id, s.num_computed_tokens)
             del self.swapped[rid]
             self._set_running(req)
             ran = []
@@ -512,8 +523,6 @@ class Scheduler:
                 s.num_tokens += num_steps
                 s.num_computed_tokens += num_steps
                 s.num_output_tokens += num_steps
-                if self.prefix_caching:
-                    bm.mark_computed(s.seq_id, s.num_computed_tokens)
                 live += 1
             policy.on_service(req, 0, live * num_steps)
 

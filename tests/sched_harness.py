@@ -55,7 +55,7 @@ def make_requests(spec: list[tuple], **common) -> list[Request]:
 
 def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
              cache: CacheConfig | None = None, policy="fcfs", policy_options=None,
-             executor=None, check_every_step: bool = True, max_steps: int = 200_000,
+             executor=None, check_every_step: bool = True, max_steps: int = 20_000,
              on_step=None, on_schedule=None, fast_forward: bool = False) -> Run:
     """Replay `requests` through a real scheduler with a fake clock. `on_schedule(scheduler,
     output)` runs between schedule() and update(); `on_step` after update(). With
