@@ -7,19 +7,23 @@ VENV="${SERVELAB_VENV:-$ROOT/.venv}"
 export PIP_CONSTRAINT="${PIP_CONSTRAINT:-$ROOT/constraints/cpu.txt}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-servelab_setup() {  # $1: extras, e.g. "backend,test"
+servelab_setup() {  # $1: extras, e.g. "backend,test" ("" for the simulator alone)
     local extras="$1"
     if [ ! -x "$VENV/bin/python" ]; then
         echo "servelab: creating virtual environment in $VENV" >&2
         python3 -m venv "$VENV"
     fi
-    local stamp="$VENV/.servelab-$extras.stamp"
+    local stamp="$VENV/.servelab-${extras:-core}.stamp"
     local want
     want="$(cat pyproject.toml "$PIP_CONSTRAINT" | sha256sum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         echo "servelab: installing servelab[$extras] into $VENV (first run takes a few minutes)" >&2
         "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+        if [ -n "$extras" ]; then
+            "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+        else
+            "$VENV/bin/python" -m pip install -q -e .
+        fi
         echo "$want" > "$stamp"
     fi
 }

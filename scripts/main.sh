@@ -9,7 +9,7 @@
 # Prints where the report is. Extra arguments go to `servelab compare` and override these
 # (e.g. --rates 10,14,18, --workers 4, --ray).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-servelab_setup "test"
+servelab_setup ""
 export MPLBACKEND="${MPLBACKEND:-Agg}"
 exec "$VENV/bin/servelab" compare --trace default --model llama-3.1-8b --gpu h100-sxm \
     --policies fcfs,priority,sjf,fair --rates 12,15.2,16 --num-requests 2000 \
