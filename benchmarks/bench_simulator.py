@@ -42,7 +42,8 @@ def azure_args(azure: Path) -> list[str]:
 
 def synthetic_trace(path: Path, requests: int, rate: float) -> None:
     """The default workload's tenants and lengths, at `rate` req/s, long enough for
-    `requests` arrivals (then cut to exactly that many)."""
+    `requests` arrivals (then cut to exactly that many). Without shared-prefix hashes: the
+    run does not cache prefixes, and the hashes would only lengthen the trace file."""
     from dataclasses import replace
 
     from servelab.traces.canonical import write_csv
@@ -50,7 +51,8 @@ def synthetic_trace(path: Path, requests: int, rate: float) -> None:
     from servelab.traces.transforms import first_n
 
     spec = load_default_spec().with_total_rate(rate)
-    spec = replace(spec, duration_s=requests / rate * 1.02 + 60)
+    spec = replace(spec, duration_s=requests / rate * 1.02 + 60,
+                   tenants=tuple(replace(t, prefix=None) for t in spec.tenants))
     write_csv(first_n(generate(spec, seed=0), requests), path)
 
 

@@ -252,7 +252,7 @@ class Simulation:
         cost, trace = self.cost_model, self.trace
         return {
             "kv_blocks_per_replica": self.kv_blocks,
-            "kv_blocks_source": "--kv-blocks" if self.config.kv_blocks is not None else
+            "kv_blocks_source": "configured (kv_blocks)" if self.config.kv_blocks is not None else
                                 "derived from GPU memory",
             "cost_model": {"model": cost.model.name, "gpu": cost.gpu.name, "tp": cost.tp,
                            "step_overhead_s": cost.step_overhead_s,
