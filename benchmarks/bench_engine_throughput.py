@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import replace
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from servelab.options import positive_float, positive_int
 from servelab.records import RequestRecord
 
 REPORTED = ("request_throughput", "output_throughput", "total_token_throughput", "duration",
@@ -53,22 +53,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", default="azure-conv-2023", help="dataset name or trace file")
     p.add_argument("--trace-dir", default=None,
                    help="where datasets live (default: $SERVELAB_TRACE_DIR or ~/.cache/servelab/traces)")
-    p.add_argument("--num-requests", type=_positive_int, default=200)
-    p.add_argument("--max-model-len", type=_positive_int, default=4096,
+    p.add_argument("--num-requests", type=positive_int, default=200)
+    p.add_argument("--max-model-len", type=positive_int, default=4096,
                    help="clip prompt + output to this many tokens (counted in the plan)")
     p.add_argument("--trace-arrivals", action="store_true",
                    help="replay the trace's arrival times (default: all arrive at t = 0)")
-    p.add_argument("--rate-scale", type=_positive_float, default=1.0,
+    p.add_argument("--rate-scale", type=positive_float, default=1.0,
                    help="with --trace-arrivals: replay this many times faster")
-    p.add_argument("--hf-batch-size", type=_positive_int, default=32)
+    p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--policy", default="fcfs")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
-    p.add_argument("--chunked-prefill", type=_positive_int, default=2048)
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--kv-blocks", type=_positive_int, default=None,
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--chunked-prefill", type=positive_int, default=2048)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="servelab's KV blocks (default: derived from free GPU memory)")
-    p.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.85)
+    p.add_argument("--gpu-memory-utilization", type=positive_float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="run servelab only")
     p.add_argument("--skip-servelab", action="store_true", help="run the HF baseline only")
@@ -84,26 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 < args.gpu_memory_utilization <= 1:
         p.error("--gpu-memory-utilization must be in (0, 1]")
     return args
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def load_workload(args: argparse.Namespace):

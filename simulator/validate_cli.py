@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from servelab.cli import CLIError
+from servelab.options import non_negative_int
 
 
 def _fraction(text: str) -> float:
@@ -25,16 +26,6 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -59,7 +50,7 @@ def register(subparsers) -> None:
                         "error and write OUT/calibration.json")
     p.add_argument("--train-fraction", type=_fraction, default=0.5, metavar="F",
                    help="share of steps to fit on (default %(default)s)")
-    p.add_argument("--split-seed", type=_seed, default=0, metavar="N",
+    p.add_argument("--split-seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of the train/held-out permutation (default %(default)s)")
     p.add_argument("--loss", choices=("l1", "l2"), default="l1",
                    help="what --fit minimises over relative step errors: l1 = mean absolute "
