@@ -71,6 +71,13 @@ class BlockManager(abc.ABC):
     num_gpu_blocks: int
     num_cpu_blocks: int
 
+    grows_by_block: bool = False
+    """True if a sequence with an unshared last block takes exactly one free block each
+    time its length crosses a block boundary and none otherwise, whatever else it
+    holds, and appending the same slots in one call or in several takes the same
+    blocks. The scheduler then grows plain decodes lazily: it calls `append_slots` only
+    at boundaries, with every slot since the last call (paging: yes; reservations: no)."""
+
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,

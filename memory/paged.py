@@ -81,6 +81,8 @@ class PagedBlockManager(BlockManager):
     hit rate of a repeated prompt stays below 1, as the work done does.
     """
 
+    grows_by_block = True
+
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
                  "_seqs", "_refcount", "_free", "_cache", "_cpu_refcount", "_cpu_free",
                  "_slots_used", "_prefix_queries", "_prefix_hits")

@@ -19,12 +19,26 @@ When a running sequence cannot get its slot, the policy's victim is preempted �
 recompute (free the KV, back to the waiting queue) or swap (KV to the CPU pool,
 falling back to recompute when the pool is full). A step that preempted anything
 admits nothing new and swaps nothing in.
+
+Batched decodes. Most steps of a busy engine are mostly plain decodes: single-sample
+requests computing one token each. With a block manager that `grows_by_block`, the
+scheduler does not touch those sequences one by one: they advance together with a tick
+counter (a `_Member` derives each one's lengths from the tick), only those whose next
+slot starts a new block (one in block_size, found by bucket) get `append_slots`, and
+finishes come off a heap keyed by the tick they happen at. The step reports them as one
+`DecodeBatch`. Whenever the step could not give every one of them its token with no
+preemption, or anything needs them individually, they are written back to their
+Sequences (`_unbatch`) and the step is scheduled one by one: the decisions are those of
+the one-by-one path, which a property test checks.
 """
 from __future__ import annotations
 
+import heapq
+
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
+from servelab.outputs import (DecodeBatch, PreemptionMode, ScheduledSeq, SchedulerOutput,
+                              StepResult)
 from servelab.policies.base import Policy
 from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
@@ -40,11 +54,14 @@ class Scheduler:
     `emit_block_tables=True` fills SchedulerOutput.block_tables (the real backend needs
     them; the simulator does not, and copying tables costs O(blocks) per sequence).
     `keep_token_times=True` records every token time of sample 0 (for exact ITL).
+    `batch_decodes=False` lists every decode one by one (same decisions, slower; for
+    comparison): batching is also off when either option above is on, when the policy
+    charges service per request, or when the block manager is not `grows_by_block`.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy, *,
                  enable_prefix_caching: bool = False, emit_block_tables: bool = False,
-                 keep_token_times: bool = False) -> None:
+                 keep_token_times: bool = False, batch_decodes: bool = True) -> None:
         self.config = config
         self.bm = block_manager
         self.policy = policy
@@ -63,6 +80,21 @@ class Scheduler:
         self._pending_rejects: list[tuple[int, str]] = []
         self._finished_records: list[RequestRecord] = []
         self.num_preemptions = 0
+        self._may_preempt = type(policy).may_preempt_for is not Policy.may_preempt_for \
+            and bool(getattr(policy, "preemptive", True))
+        # Batched decodes (see the module docstring): off when the executor needs block
+        # tables or token times per sequence, or the policy charges service per request.
+        self._batching = (batch_decodes and block_manager.grows_by_block and not emit_block_tables
+                          and not keep_token_times and not self._charges_service)
+        self._eager: dict[int, Request] = {}       # running requests not batched
+        self._members: dict[int, _Member] = {}     # batched, in joining order
+        self._rows: dict[int, tuple] = {}          # their DecodeBatch rows
+        self._rows_tuple: tuple | None = ()        # cached tuple(self._rows.values())
+        self._buckets: list[dict[int, _Member]] = [{} for _ in range(self.block_size)]
+        self._finishes: list[tuple[int, int, int]] = []  # (finish tick, join no, request id)
+        self._tick = 0
+        self._base_sum = 0
+        self._joins = 0
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -150,30 +182,46 @@ class Scheduler:
             if not freed_for_head:
                 self._swap_in(out, step)
             self._admit(now, out, step)
+        listed = out.listed
         for entries in step.entries.values():
-            out.scheduled.extend(entries)
+            listed.extend(entries)
         if self.emit_block_tables:
             table = self.bm.block_table
             out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
-        if not (out.scheduled or out.swap_in or out.preempted or out.rejected) \
+        if not (listed or out.decode_batch or out.swap_in or out.preempted or out.rejected) \
                 and self.has_unfinished():
             self._stalled(now)
         return out
 
-    def _running_order(self) -> list[Request]:
+    def _running_order(self, requests: dict[int, Request]) -> list[Request]:
         """Running requests, most protected first (ascending victim key), so that the
         victim — taken from the end — is always one not yet scheduled this step."""
+        adm = self._admit_seq
         if type(self.policy).victim_key is Policy.victim_key:
-            return list(self.running.values())  # admission order is the victim order
-        key, adm = self.policy.victim_key, self._admit_seq
-        return sorted(self.running.values(), key=lambda r: key(r, adm[r.request_id]))
+            if requests is self.running:
+                return list(requests.values())  # admission order is the victim order
+            return sorted(requests.values(), key=lambda r: adm[r.request_id])
+        key = self.policy.victim_key
+        return sorted(requests.values(), key=lambda r: key(r, adm[r.request_id]))
 
     def _schedule_running(self, now, out, step: "_Step", prefill) -> None:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
-        the scheduler preempt from the end of the order — possibly the request itself."""
+        the scheduler preempt from the end of the order — possibly the request itself.
+        Batched decodes run as one DecodeBatch when all of the step's running work fits
+        with no preemption; otherwise they are unbatched and scheduled one by one."""
         bm = self.bm
-        order = self._running_order()
+        if self._members:
+            if prefill is True:
+                order = self._running_order(self._eager)  # batched ones never prefill
+            elif self._batch_fits(step):
+                self._schedule_batch(out, step)
+                order = self._running_order(self._eager)
+            else:
+                self._unbatch()
+                order = self._running_order(self.running)
+        else:
+            order = self._running_order(self.running)
         end = len(order)
         i = 0
         while i < end:
@@ -278,14 +326,116 @@ class Scheduler:
             seqs_left -= 1
         return entries or None
 
+    # ------------------------------------------------------------------ batched decodes
+    def _batch_fits(self, step: "_Step") -> bool:
+        """Would the one-by-one path give every running request its whole work this step
+        (every batched decode its token, every other request its full next chunk or
+        decodes) with no preemption? Then the batch may run as one. Conservative: an
+        unbatched decode is counted as needing two blocks (a copy-on-write and a new one).
+        O(unbatched sequences)."""
+        n = len(self._members)
+        tokens = seqs = blocks = 0
+        chunk = self._chunk
+        for req in self._eager.values():
+            for s in req.seqs:
+                if s.finished:
+                    continue
+                seqs += 1
+                if s.is_prefilling:
+                    tokens += min(s.num_tokens - s.num_computed_tokens, chunk)
+                else:
+                    tokens += 1
+                    blocks += 2
+        blocks += len(self._buckets[self._tick % self.block_size])
+        return n + tokens <= step.tokens and n + seqs <= step.seqs \
+            and blocks <= self.bm.num_free_blocks
+
+    def _schedule_batch(self, out: SchedulerOutput, step: "_Step") -> None:
+        """Every batched sequence decodes one token; those whose token starts a new block
+        get their slots since they last grew, in one `append_slots`."""
+        tick, bm = self._tick, self.bm
+        for m in self._buckets[tick % self.block_size].values():
+            target = m.base + tick + 1
+            copies = bm.append_slots(m.seq.seq_id, target - m.bm_tokens)
+            if copies:
+                out.copies.extend(copies)
+            m.bm_tokens = target
+        rows = self._rows_tuple
+        if rows is None:
+            rows = self._rows_tuple = tuple(self._rows.values())
+        n = len(rows)
+        out.decode_batch = DecodeBatch(rows, tick, n, self._base_sum + n * (tick + 1))
+        step.tokens -= n
+        step.seqs -= n
+
+    def _join(self, req: Request) -> None:
+        """Batch a running single-sample request that has just drawn a token and goes on
+        decoding (its Sequence and block table are up to date)."""
+        seq = req.seqs[0]
+        tick = self._tick
+        base = seq.num_computed_tokens - tick
+        out_base = seq.num_output_tokens - tick
+        finish = min(req.output_len - out_base, self.config.max_model_len - base - 1)
+        self._joins += 1
+        m = _Member(req, seq, base, out_base, seq.num_tokens - 1, finish, self._joins)
+        rid = req.request_id
+        del self._eager[rid]
+        self._members[rid] = m
+        self._rows[rid] = (rid, seq.seq_id, base)
+        self._rows_tuple = None
+        self._buckets[-base % self.block_size][rid] = m
+        heapq.heappush(self._finishes, (finish, m.join_no, rid))
+        self._base_sum += base
+
+    def _write_back(self, m: "_Member") -> None:
+        """Bring a batched Sequence, and its slots in the block manager, up to the tick."""
+        seq, tick = m.seq, self._tick
+        seq.num_computed_tokens = m.base + tick
+        seq.num_tokens = m.base + tick + 1
+        seq.num_output_tokens = m.out_base + tick
+        behind = m.base + tick - m.bm_tokens
+        if behind > 0:
+            if self.bm.append_slots(seq.seq_id, behind):
+                raise SchedulerError(f"catching up {seq.seq_id} needed a block copy")
+            m.bm_tokens += behind
+
+    def _leave(self, m: "_Member") -> None:
+        """List one sequence individually again (its heap entry goes stale)."""
+        rid = m.req.request_id
+        self._write_back(m)
+        self._eager[rid] = m.req
+        del self._members[rid]
+        del self._rows[rid]
+        self._rows_tuple = None
+        del self._buckets[-m.base % self.block_size][rid]
+        self._base_sum -= m.base
+
+    def _unbatch(self) -> None:
+        """Write every batched sequence back and list them one by one again."""
+        for m in self._members.values():
+            self._write_back(m)
+            self._eager[m.req.request_id] = m.req
+        self._members.clear()
+        self._rows.clear()
+        self._rows_tuple = ()
+        for bucket in self._buckets:
+            bucket.clear()
+        self._finishes.clear()
+        self._base_sum = 0
+
+    def sync(self) -> None:
+        """Write every batched sequence's lengths back to its Sequence and block table
+        (they stay batched). For inspection between steps; O(batched sequences)."""
+        for m in self._members.values():
+            self._write_back(m)
+
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
         """Preempt a running request not scheduled in this step: swap when asked and
         the CPU pool has room, else recompute (free the KV; back to the waiting queue,
         where its unchanged key puts it ahead of later arrivals)."""
         rid = req.request_id
-        del self.running[rid]
-        del self._admit_seq[rid]
+        self._stop_running(rid)
         seq_ids = [s.seq_id for s in req.seqs if not s.finished]
         if allow_swap and self.config.preemption == "swap" and self.bm.can_swap_out(seq_ids):
             out.swap_out.extend(self.bm.swap_out(seq_ids))
@@ -306,8 +456,7 @@ class Scheduler:
 
     def _abort(self, req: Request, now, out: SchedulerOutput) -> None:
         """End a running request that outgrew the whole KV cache."""
-        del self.running[req.request_id]
-        del self._admit_seq[req.request_id]
+        self._stop_running(req.request_id)
         for s in req.seqs:
             if not s.finished:
                 self.bm.free(s.seq_id)
@@ -318,9 +467,12 @@ class Scheduler:
         """Preemptive policies: before anything runs, free memory for the waiting head
         by preempting running requests the policy allows, worst victim first. True if
         anything was preempted."""
-        head = self.policy.peek(now)
-        if head is None or not self.running:
+        if not self._may_preempt:
             return False
+        head = self.policy.peek(now)
+        if head is None or not self.running or self._fits(head):
+            return False
+        self._unbatch()  # victim keys and preemption read every Sequence
         key, adm = self.policy.victim_key, self._admit_seq
         preempted = False
         while self.running and not self._fits(head):
@@ -376,8 +528,15 @@ class Scheduler:
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running[req.request_id] = req
+        self._eager[req.request_id] = req
         self._admit_seq[req.request_id] = self._next_admit
         self._next_admit += 1
+
+    def _stop_running(self, rid: int) -> None:
+        """Forget a running request that is not batched (finished or preempted)."""
+        del self.running[rid]
+        del self._eager[rid]
+        del self._admit_seq[rid]
 
     # ------------------------------------------------------------------ admission
     def _admit(self, now, out, step: "_Step") -> None:
@@ -391,8 +550,8 @@ class Scheduler:
             return
         policy = self.policy
         # max_num_seqs bounds the running sequences, scheduled this step or not
-        seats = self.config.max_num_seqs - sum(
-            1 for r in self.running.values() for s in r.seqs if not s.finished)
+        seats = self.config.max_num_seqs - len(self._members) - sum(
+            1 for r in self._eager.values() for s in r.seqs if not s.finished)
         while step.tokens > 0 and step.seqs > 0:
             req = policy.peek(now)
             if req is None:
@@ -455,6 +614,12 @@ class Scheduler:
         scheduling it step by step. Cost: O(running sequences + waiting candidates)."""
         if self.swapped or self._pending_rejects or not self.running or limit <= 0:
             return 0
+        if self._members:
+            if not self._eager:
+                return self._batch_run_bound(now, limit)
+            if any(s.is_prefilling for r in self._eager.values() for s in r.seqs):
+                return 0
+            self._unbatch()
         cfg = self.config
         k = limit
         seq_ids = []
@@ -481,15 +646,42 @@ class Scheduler:
             return 0
         return self.bm.max_uniform_growth(seq_ids, k)
 
+    def _batch_run_bound(self, now: float, limit: int) -> int:
+        """decode_run_bound when every running sequence is batched: the earliest finish
+        from the heap, and the blocks the run takes counted by bucket. O(block_size)."""
+        finishes, members = self._finishes, self._members
+        while finishes and (finishes[0][2] not in members
+                            or members[finishes[0][2]].join_no != finishes[0][1]):
+            heapq.heappop(finishes)  # stale: that sequence left the batch
+        tick, n, cfg = self._tick, len(members), self.config
+        k = min(limit, finishes[0][0] - tick - 1)
+        if k <= 0 or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
+            return 0
+        if len(self.policy) and not self._admission_blocked(now, n):
+            return 0
+        # Step j of the run (at tick + j) takes one block per sequence of bucket
+        # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
+        # first r buckets of the cycle.
+        bs, buckets = self.block_size, self._buckets
+        q, spare = divmod(self.bm.num_free_blocks, n)
+        r = 0
+        while r < bs - 1:
+            spare -= len(buckets[(tick + r) % bs])
+            if spare < 0:
+                break
+            r += 1
+        return min(k, q * bs + r)
+
     def _admission_blocked(self, now: float, num_seqs: int) -> bool:
         """True if no waiting request can be admitted while running decodes only grow
         (free memory only shrinks, the step budget stays as full)."""
         cfg = self.config
         candidates = self.policy.candidates(now)
-        for head in candidates:
-            # a preemptive policy may evict for it once memory runs short
-            if any(self.policy.may_preempt_for(head, r) for r in self.running.values()):
-                return False
+        if self._may_preempt:
+            for head in candidates:
+                # a preemptive policy may evict for it once memory runs short
+                if any(self.policy.may_preempt_for(head, r) for r in self.running.values()):
+                    return False
         if cfg.batching == "static":
             return True
         if num_seqs >= cfg.max_num_seqs:
@@ -512,6 +704,16 @@ class Scheduler:
         """Apply `num_steps` plain decode steps at once (see `decode_run_bound`, which
         must have allowed at least that many). Per-sequence cost O(1), not O(steps)."""
         bm, policy = self.bm, self.policy
+        if self._members:
+            # every running sequence is batched (decode_run_bound unbatched the rest)
+            self._tick = tick = self._tick + num_steps
+            for m in self._members.values():
+                target = m.base + tick   # the slots of the run's last step
+                if target > m.bm_tokens:
+                    if bm.append_slots(m.seq.seq_id, target - m.bm_tokens):
+                        raise SchedulerError(f"fast-forward of {m.seq.seq_id} needed a block copy")
+                    m.bm_tokens = target
+            return
         for req in self.running.values():
             live = 0
             for s in req.seqs:
@@ -526,10 +728,25 @@ class Scheduler:
                 live += 1
             policy.on_service(req, 0, live * num_steps)
 
+    def decode_shape(self) -> tuple[int, int]:
+        """(sequences, Σ (context + 1)) of the next step if every running sequence
+        decodes one token: the first step of a decode run. O(1) when all are batched."""
+        if self._members and not self._eager:
+            n = len(self._members)
+            return n, self._base_sum + n * (self._tick + 1)
+        num_seqs = context = 0
+        for req in self.running.values():
+            for seq in req.seqs:
+                if not seq.finished:
+                    num_seqs += 1
+                    context += seq.num_computed_tokens
+        return num_seqs, context + num_seqs
+
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
         """Advance every scheduled sequence by the step's work; returns the records of
-        requests that finished or were rejected in this step. O(scheduled sequences)."""
+        requests that finished or were rejected in this step. O(listed sequences +
+        batched sequences that finish), or O(all scheduled) when tokens are sampled."""
         t_end = out.now + result.duration_s
         bm, running = self.bm, self.running
         sampled, stopped = result.sampled, result.stopped
@@ -538,7 +755,10 @@ class Scheduler:
         keep_times = self.keep_token_times
         service: dict[int, list[int]] | None = {} if self._charges_service else None
         ended: list[Request] = []
-        for e in out.scheduled:
+        if out.decode_batch is not None:
+            self._update_batch(out.decode_batch, sampled, stopped, ended)
+        joining: list[Request] = []
+        for e in out.listed:
             rid = e.request_id
             req = running.get(rid)
             if req is None:
@@ -574,6 +794,8 @@ class Scheduler:
                     s.finished = True
                     bm.free(s.seq_id)
                     ended.append(req)
+                elif req.n == 1 and self._batching:
+                    joining.append(req)
             if req.first_token_s is None:
                 req.first_token_s = t_end
             if keep_times and seq.seq_id[1] == 0:
@@ -589,10 +811,40 @@ class Scheduler:
                     and all(s.finished for s in req.seqs):
                 req.status = RequestStatus.FINISHED
                 req.finish_s = t_end
-                del running[req.request_id]
-                del self._admit_seq[req.request_id]
+                self._stop_running(req.request_id)
                 self._finished_records.append(self._record(req))
+        for req in joining:
+            self._join(req)
         return self.pop_records()
+
+    def _update_batch(self, batch: DecodeBatch, sampled, stopped, ended: list[Request]) -> None:
+        """Every batched sequence drew a token: advance the tick, take sampled tokens and
+        stops one by one if the executor has them, and finish the sequences whose last
+        token this was (off the heap)."""
+        if batch.tick != self._tick:
+            raise SchedulerError(f"update() for a decode batch of tick {batch.tick}, "
+                                 f"but the scheduler is at tick {self._tick}")
+        self._tick = tick = batch.tick + 1
+        members, bm = self._members, self.bm
+        done: list[_Member] = []
+        if sampled is not None or stopped:
+            for rid, sid, _ in batch.rows:
+                m = members[rid]
+                if sampled is not None:
+                    m.seq.output_token_ids.append(sampled[sid][0])
+                if stopped and sid in stopped and m.finish_tick > tick:
+                    done.append(m)
+        finishes = self._finishes
+        while finishes and finishes[0][0] <= tick:
+            _, join_no, rid = heapq.heappop(finishes)
+            m = members.get(rid)
+            if m is not None and m.join_no == join_no:
+                done.append(m)
+        for m in done:
+            self._leave(m)
+            m.seq.finished = True
+            bm.free(m.seq.seq_id)
+            ended.append(m.req)
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         for i in range(len(req.seqs), req.n):
@@ -612,6 +864,21 @@ class Scheduler:
             reject_reason=req.reject_reason or "", slo_ttft_ms=req.slo_ttft_ms,
             slo_tpot_ms=req.slo_tpot_ms, n=req.n,
             token_times=list(req.token_times) if req.token_times else None)
+
+
+class _Member:
+    """A batched decoding sequence. At tick t (the scheduler's count of batch steps) its
+    Sequence holds num_computed_tokens = base + t, num_tokens = base + t + 1 and
+    num_output_tokens = out_base + t; the fields are written back only when needed.
+    `bm_tokens` is what the block manager holds (it catches up at block boundaries);
+    the update that moves the tick to `finish_tick` draws its last token."""
+
+    __slots__ = ("req", "seq", "base", "out_base", "bm_tokens", "finish_tick", "join_no")
+
+    def __init__(self, req: Request, seq: Sequence, base: int, out_base: int, bm_tokens: int,
+                 finish_tick: int, join_no: int) -> None:
+        self.req, self.seq, self.base, self.out_base = req, seq, base, out_base
+        self.bm_tokens, self.finish_tick, self.join_no = bm_tokens, finish_tick, join_no
 
 
 class _Step:

@@ -40,10 +40,32 @@ class ScheduledSeq(NamedTuple):
         return self.is_prefill and self.num_samples > 0
 
 
+class DecodeBatch(NamedTuple):
+    """Plain decode work of one step in aggregate: single-sample requests that each
+    compute one token. The scheduler advances such sequences together without touching
+    each one per step; this is its O(1) description of them. Row i is
+    (request_id, seq_id, base): that sequence's context length this step is
+    `base + tick`. `entries()` lists them as ScheduledSeqs (O(rows))."""
+
+    rows: tuple[tuple[int, SeqId, int], ...]
+    tick: int
+    num_seqs: int
+    context_sum: int
+    """Σ (context_len + 1) over the rows: KV tokens their decode attention reads."""
+
+    def entries(self) -> list[ScheduledSeq]:
+        t = self.tick
+        return [ScheduledSeq(rid, sid, 1, base + t, 1, False) for rid, sid, base in self.rows]
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     now: float
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    listed: list[ScheduledSeq] = field(default_factory=list)
+    """Work listed sequence by sequence: prefill chunks, samples of multi-sample
+    requests, and every decode the scheduler did not batch."""
+    decode_batch: DecodeBatch | None = None
+    """Plain decodes in aggregate (see DecodeBatch), or None."""
     preempted: list[tuple[int, PreemptionMode]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(gpu_block, cpu_block) pairs to copy GPU → CPU before the step."""
@@ -56,17 +78,28 @@ class SchedulerOutput:
     """Block table of every scheduled sequence (the executor's view of its KV)."""
 
     @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Every sequence's work this step: the batched decodes, then the listed work.
+        Built on each access (O(sequences)): hot paths read `listed` and
+        `decode_batch` instead."""
+        batch = self.decode_batch
+        return batch.entries() + self.listed if batch is not None else list(self.listed)
+
+    @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to move: an executor has no work."""
-        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+        return not (self.listed or self.decode_batch or self.swap_out or self.swap_in
+                    or self.copies)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
+        return sum(s.num_tokens for s in self.listed if s.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
+        batch = self.decode_batch
+        return sum(s.num_tokens for s in self.listed if not s.is_prefill) + \
+            (batch.num_seqs if batch is not None else 0)
 
 
 @dataclass(slots=True)
@@ -105,7 +138,10 @@ class BatchShape:
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> "BatchShape":
         nps = npt = pcs = pqc = pqq = nds = dcs = 0
-        for s in out.scheduled:
+        batch = out.decode_batch
+        if batch is not None:
+            nds, dcs = batch.num_seqs, batch.context_sum
+        for s in out.listed:
             if s.is_prefill:
                 nps += 1
                 npt += s.num_tokens

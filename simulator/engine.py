@@ -144,7 +144,7 @@ class Replica:
             yield _Timeout(env, step.result.duration_s, NORMAL)
             if step.records:
                 self._publish(step.records)
-            if self.fast_forward and not _mid_prefill(step.output.scheduled):
+            if self.fast_forward and not _mid_prefill(step.output.listed):
                 duration = self._decode_run(env.now)
                 if duration is not None:
                     yield _Timeout(env, duration, NORMAL)
@@ -158,14 +158,9 @@ class Replica:
         k = sched.decode_run_bound(now, MAX_RUN_STEPS)
         if k < 2:
             return None
-        num_seqs = context = 0
-        for req in sched.running.values():
-            for seq in req.seqs:
-                if not seq.finished:
-                    num_seqs += 1
-                    context += seq.num_computed_tokens
         # Step j of the run decodes every sequence over its context + j (+1: the new token).
-        shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context + num_seqs)
+        num_seqs, context_sum = sched.decode_shape()
+        shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum)
         cost = self.cost_model
         budget = self.feed.next_s - now
         if budget < math.inf:
@@ -188,8 +183,9 @@ class Replica:
 def _mid_prefill(scheduled) -> bool:
     """Did a step compute a prefill chunk that does not finish its prompt? That request
     prefills again next step, so no decode run can start and asking the scheduler
-    (`decode_run_bound`, which walks every running sequence) can be skipped."""
-    return any(e.is_prefill and not e.num_samples for e in scheduled)
+    (`decode_run_bound`, which walks every running sequence) can be skipped. Prefill
+    chunks come last in a decode-first step, so the scan starts from the end."""
+    return any(e.is_prefill and not e.num_samples for e in reversed(scheduled))
 
 
 class Cluster:

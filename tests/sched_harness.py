@@ -13,22 +13,33 @@ from servelab.request import Request
 
 class FakeExecutor:
     """Every step takes `step_s` seconds plus `per_token_s` per computed token; draws
-    token ids from a counter so outputs are checkable."""
+    token ids from a counter so outputs are checkable. With `stop_every`, a sequence
+    stops early (EOS) on a draw picked by its id and draw count alone, so the stops do
+    not depend on the order of the step's entries."""
 
-    def __init__(self, step_s: float = 0.01, per_token_s: float = 0.0, real_tokens: bool = False):
+    def __init__(self, step_s: float = 0.01, per_token_s: float = 0.0, real_tokens: bool = False,
+                 stop_every: int | None = None):
         self.step_s, self.per_token_s, self.real_tokens = step_s, per_token_s, real_tokens
+        self.stop_every = stop_every
         self._next_token = 0
+        self._draws: dict = {}
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         tokens = sum(e.num_tokens for e in out.scheduled)
         sampled = None
+        stopped = set()
         if self.real_tokens:
             sampled = {}
             for e in out.scheduled:
                 if e.num_samples:
                     sampled[e.seq_id] = list(range(self._next_token, self._next_token + e.num_samples))
                     self._next_token += e.num_samples
-        return StepResult(self.step_s + self.per_token_s * tokens, sampled)
+                    if self.stop_every:
+                        draws = self._draws[e.seq_id] = self._draws.get(e.seq_id, 0) + 1
+                        rid, sample = e.seq_id
+                        if (rid * 7 + sample * 3 + draws) % self.stop_every == 0:
+                            stopped.add(e.seq_id)
+        return StepResult(self.step_s + self.per_token_s * tokens, sampled, stopped)
 
 
 @dataclass
@@ -56,14 +67,16 @@ def make_requests(spec: list[tuple], **common) -> list[Request]:
 def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
              cache: CacheConfig | None = None, policy="fcfs", policy_options=None,
              executor=None, check_every_step: bool = True, max_steps: int = 20_000,
-             on_step=None, on_schedule=None, fast_forward: bool = False) -> Run:
+             on_step=None, on_schedule=None, fast_forward: bool = False,
+             batch_decodes: bool = True) -> Run:
     """Replay `requests` through a real scheduler with a fake clock. `on_schedule(scheduler,
     output)` runs between schedule() and update(); `on_step` after update(). With
     `fast_forward`, runs of plain decode steps allowed by `decode_run_bound` are applied
-    at once (the executor's steps must then take a constant, exactly representable time)."""
+    at once (the executor's steps must then take a constant, exactly representable time).
+    `batch_decodes=False` makes the scheduler list every decode one by one."""
     sched = sched or SchedulerConfig()
     cache = cache or CacheConfig()
-    scheduler = build_scheduler(sched, cache, policy, policy_options)
+    scheduler = build_scheduler(sched, cache, policy, policy_options, batch_decodes=batch_decodes)
     executor = executor or FakeExecutor()
     if on_schedule is not None:
         executor = _Spy(executor, lambda out: on_schedule(scheduler, out))

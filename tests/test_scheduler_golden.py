@@ -1,6 +1,7 @@
 """Golden timelines: for each policy, a tiny hand-written trace whose per-step schedule is
 written out. Every step takes 1 s (FakeExecutor(step_s=1.0)); each row is
-(step start, [(request id, tokens computed)], [(preempted id, mode)])."""
+(step start, [(request id, tokens computed)], [(preempted id, mode)]). A step's work is
+a set (batched decodes are listed before the rest), so it is written in request order."""
 from __future__ import annotations
 
 from servelab.config import CacheConfig, SchedulerConfig
@@ -27,7 +28,7 @@ def test_fcfs_chunked_prefill_decode_first():
                    executor=FakeExecutor(step_s=1.0))
     assert timeline(run) == [
         (0, [(0, 4), (1, 4)], []),           # both prompts start; request 1's completes
-        (1, [(0, 2), (1, 1)], []),           # decode first (1), then 0's last chunk
+        (1, [(1, 1), (0, 2)], []),           # decode first (1, batched), then 0's last chunk
         (2, [(0, 1), (2, 4)], []),           # 1 finished at t=2; 2 admitted, chunk of 4
         (3, [(0, 1), (2, 4)], []),
         (4, [(2, 1)], []),

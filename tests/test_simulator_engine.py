@@ -122,7 +122,7 @@ def test_long_decodes_are_fast_forwarded_into_few_rows():
 
 
 def test_simulated_executor_prices_the_step_and_draws_no_tokens():
-    out = SchedulerOutput(0.0, scheduled=[ScheduledSeq(0, (0, 0), 128, 0, 1, True),
+    out = SchedulerOutput(0.0, listed=[ScheduledSeq(0, (0, 0), 128, 0, 1, True),
                                           ScheduledSeq(1, (1, 0), 1, 700, 1, False)],
                           swap_in=[(3, 4)])
     result = SimulatedExecutor(COST).execute(out)
