@@ -706,8 +706,13 @@ class Scheduler:
         bm, policy = self.bm, self.policy
         if self._members:
             # every running sequence is batched (decode_run_bound unbatched the rest)
-            self._tick = tick = self._tick + num_steps
-            for m in self._members.values():
+            start = self._tick
+            self._tick = tick = start + num_steps
+            bs = self.block_size
+            # only sequences whose slots crossed a block boundary during the run grow now
+            growing = self._members.values() if num_steps >= bs else [
+                m for j in range(num_steps) for m in self._buckets[(start + j) % bs].values()]
+            for m in growing:
                 target = m.base + tick   # the slots of the run's last step
                 if target > m.bm_tokens:
                     if bm.append_slots(m.seq.seq_id, target - m.bm_tokens):

@@ -52,7 +52,7 @@ def engine_step(scheduler, executor: Executor, now: float, kv_blocks_total: int,
         return EngineStep(output, None, scheduler.pop_records(), None)
     result = executor.execute(output)
     records = scheduler.update(output, result)
-    shape = BatchShape.from_output(output)
+    shape = result.shape or BatchShape.from_output(output)
     step = StepRecord(
         start_s=now, duration_s=result.duration_s,
         num_prefill_tokens=shape.num_prefill_tokens, num_decode_tokens=shape.num_decode_seqs,

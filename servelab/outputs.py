@@ -111,6 +111,8 @@ class StepResult:
     executor produces no real tokens (simulation): the scheduler then counts tokens."""
     stopped: set[SeqId] = field(default_factory=set)
     """Sequences whose last drawn token ends them (EOS) before their target length."""
+    shape: BatchShape | None = None
+    """The step's BatchShape, if the executor computed it (the engine step reuses it)."""
 
 
 @dataclass(slots=True, frozen=True)

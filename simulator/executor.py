@@ -22,4 +22,5 @@ class SimulatedExecutor:
         self.cost_model = cost_model
 
     def execute(self, output: SchedulerOutput) -> StepResult:
-        return StepResult(self.cost_model.step_time(BatchShape.from_output(output)))
+        shape = BatchShape.from_output(output)
+        return StepResult(self.cost_model.step_time(shape), shape=shape)

@@ -94,11 +94,25 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every):
     never what is decided: every step and every record equals the one-by-one path's."""
     reqs, sched, cache, policy, options = w
     real = stop_every is not None
+    states = {True: [], False: []}
+
+    def snapshot(batched):
+        def on_step(scheduler, out):
+            scheduler.sync()  # batched lengths written back (they stay batched)
+            bm = scheduler.bm
+            states[batched].append(sorted(
+                (s.seq_id, s.num_tokens, s.num_computed_tokens, s.num_output_tokens,
+                 len(bm.block_table(s.seq_id)))
+                for r in scheduler.running.values() for s in r.seqs if not s.finished))
+        return on_step
+
     a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every))
+                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every), on_step=snapshot(True))
     b = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every), batch_decodes=False)
+                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every), batch_decodes=False,
+                 on_step=snapshot(False))
     assert _decisions(a) == _decisions(b)
+    assert states[True] == states[False]
     by_id = lambda run: sorted(run.records, key=lambda r: r.request_id)  # noqa: E731
     assert by_id(a) == by_id(b)  # requests ending in one step may come out in any order
     assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
