@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Iterator
 
 from servelab.cli import CLIError
+from servelab.simulator.gpus import DTYPE_BYTES
 
 ROUTER_NAMES = ("round-robin", "least-outstanding", "prefix-affinity")
-DTYPES = ("bf16", "fp16", "fp8")
+DTYPES = tuple(DTYPE_BYTES)
+"""--weight-dtype / --kv-dtype choices: every dtype the cost model prices."""
 
 
 def register(subparsers) -> None:

@@ -30,12 +30,15 @@ from servelab import __version__
 from servelab._validate import check_choice, check_float, check_int
 from servelab.config import BLOCK_MANAGERS, CacheConfig, SchedulerConfig
 from servelab.records import RequestRecord, StepRecord
+from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
 
 CONFIG_FORMAT = "servelab.simulation/1"
 _OWNER = "SimulationConfig"
 _TRACE_FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
-_DTYPES = ("bf16", "fp16", "fp8")
+_DTYPES = tuple(DTYPE_BYTES)
+"""Weight and KV-cache dtypes a simulation accepts: every dtype the cost model prices
+(fp32 included, which is what the real backend runs on a CPU, so CPU runs replay)."""
 
 
 @dataclass(frozen=True)

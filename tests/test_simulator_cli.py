@@ -10,6 +10,7 @@ import pytest
 from servelab.cli import main
 from servelab.reports.runio import read_requests_csv, read_steps_csv
 from servelab.simulator.cli import ProgressBar
+from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.run import SimulationConfig, load_config, run_simulation
 from servelab.traces import TraceRecord, Trace, write_csv
 
@@ -129,6 +130,36 @@ def test_config_validation_names_the_field():
         SimulationConfig(policy_options={"aging_rate": 1.0})
     with pytest.raises(ValueError, match="unknown simulation config key"):
         SimulationConfig.from_dict({"replica": 2})
+
+
+def test_every_dtype_the_cost_model_prices_simulates(tmp_path, trace_file):
+    """fp32 too (what the real backend runs on a CPU, so `validate --simulate` replays CPU
+    runs); the KV capacity derived from GPU memory follows the dtype's bytes."""
+    blocks = {}
+    for dtype in DTYPE_BYTES:
+        out = tmp_path / dtype
+        assert simulate("--trace", str(trace_file), "--num-requests", "8",
+                        "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
+                        "--weight-dtype", dtype, "--kv-dtype", dtype,
+                        "--out", str(out)) == 0
+        config = load_config(out / "config.json")
+        assert (config.weight_dtype, config.kv_dtype) == (dtype, dtype)
+        assert json.loads((out / "summary.json").read_text())["completed"] == 8
+        derived = json.loads((out / "config.json").read_text())["derived"]
+        blocks[dtype] = derived["kv_blocks_per_replica"]
+    assert blocks["fp8"] > blocks["bf16"] == blocks["fp16"] > blocks["fp32"] > 0
+
+
+def test_unknown_dtypes_are_refused_with_the_known_ones(capsys):
+    with pytest.raises(ValueError, match="SimulationConfig.kv_dtype must be one of 'bf16', "
+                                         "'fp16', 'fp8', 'fp32', got 'int4'"):
+        SimulationConfig(kv_dtype="int4")
+    with pytest.raises(SystemExit) as exc:
+        simulate("--weight-dtype", "int4", "--out", "unused")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --weight-dtype" in err and "'int4'" in err
+    assert all(f"'{dtype}'" in err for dtype in DTYPE_BYTES), err
 
 
 def test_progress_bar_shows_requests_and_simulated_time():
