@@ -80,8 +80,10 @@ class Scheduler:
         self._pending_rejects: list[tuple[int, str]] = []
         self._finished_records: list[RequestRecord] = []
         self.num_preemptions = 0
+        # A static batch runs until all its members finish: nothing preempts it for a
+        # waiting request (which could not join it anyway).
         self._may_preempt = type(policy).may_preempt_for is not Policy.may_preempt_for \
-            and bool(getattr(policy, "preemptive", True))
+            and bool(getattr(policy, "preemptive", True)) and config.batching != "static"
         # Batched decodes (see the module docstring): off when the executor needs block
         # tables or token times per sequence, or the policy charges service per request.
         self._batching = (batch_decodes and block_manager.grows_by_block and not emit_block_tables

@@ -80,6 +80,23 @@ def test_sjf_orders_by_prediction_and_guard_bounds_waits(w, max_wait):
     simulate(reqs, sched, cache, "sjf", {"max_wait_s": max_wait}, on_schedule=_newly_admitted_checker(check))
 
 
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_static_batch_is_not_preempted_for_a_waiting_request(preemption):
+    # Preemptive priority, static batching: request 1 (priority 0) arrives at t=1 and
+    # does not fit beside request 0's batch (3 of 5 blocks). It waits for the batch to
+    # end instead of evicting it — a swapped-out victim would hold the batch open and
+    # keep request 1 out forever (a livelock found by the termination property test).
+    reqs = make_requests([(0, 8, 6, {"priority": 3}), (1, 12, 2, {"priority": 0})])
+    run = simulate(reqs, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, chunked_prefill=None,
+                                         max_model_len=64, batching="static", preemption=preemption),
+                   CacheConfig(block_size=4, num_gpu_blocks=5, num_cpu_blocks=16, watermark=0),
+                   "priority", {"preemptive": True}, executor=FakeExecutor(step_s=1.0))
+    assert not any(o.preempted for o in run.outputs)
+    rec = {r.request_id: r for r in run.records}
+    assert rec[0].status == rec[1].status == "finished"
+    assert rec[1].scheduled_s == rec[0].finish_s
+
+
 def test_sjf_starvation_guard_bounds_the_wait_of_a_long_request():
     # One slot; a long request at t=0 behind a short one, and a short one every 0.5 s. Without the
     # guard the long one waits for the whole stream; with max_wait_s=5 it is admitted as
