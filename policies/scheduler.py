@@ -214,9 +214,9 @@ class Scheduler:
         with no preemption; otherwise they are unbatched and scheduled one by one."""
         bm = self.bm
         if self._members:
-            if prefill is True:
+            if prefill is True and self._batch_fits(step, run_batch=False):
                 order = self._running_order(self._eager)  # batched ones never prefill
-            elif self._batch_fits(step):
+            elif prefill is not True and self._batch_fits(step, run_batch=True):
                 self._schedule_batch(out, step)
                 order = self._running_order(self._eager)
             else:
@@ -329,12 +329,19 @@ class Scheduler:
         return entries or None
 
     # ------------------------------------------------------------------ batched decodes
-    def _batch_fits(self, step: "_Step") -> bool:
+    def _batch_fits(self, step: "_Step", run_batch: bool) -> bool:
         """Would the one-by-one path give every running request its whole work this step
-        (every batched decode its token, every other request its full next chunk or
-        decodes) with no preemption? Then the batch may run as one. Conservative: an
-        unbatched decode is counted as needing two blocks (a copy-on-write and a new one).
-        O(unbatched sequences)."""
+        (every batched decode its token if `run_batch`, every other request its full next
+        chunk or decodes) with no preemption? Then the batched sequences need not be in
+        the order victims are taken from. Conservative: an unbatched decode is counted as
+        needing two blocks (a copy-on-write and a new one). O(unbatched sequences)."""
+        if not run_batch:
+            # A prefill-only pass: the budget goes to unbatched requests alone, as in the
+            # one-by-one path; only a sample that decodes beside its prefilling siblings
+            # (multi-sample recompute) can need memory and preempt.
+            need = sum(2 for r in self._eager.values() for s in r.seqs
+                       if not s.finished and not s.is_prefilling)
+            return need <= self.bm.num_free_blocks
         n = len(self._members)
         tokens = seqs = blocks = 0
         chunk = self._chunk
