@@ -76,7 +76,9 @@ class BlockManager(abc.ABC):
     time its length crosses a block boundary and none otherwise, whatever else it
     holds, and appending the same slots in one call or in several takes the same
     blocks. The scheduler then grows plain decodes lazily: it calls `append_slots` only
-    at boundaries, with every slot since the last call (paging: yes; reservations: no)."""
+    at boundaries, with every slot since the last call (paging: yes; reservations: no).
+    Block counts then stay exact, but between boundaries a batched sequence's token
+    count here (and `usage().token_slots_used`) lags until `Scheduler.sync()`."""
 
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,

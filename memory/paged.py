@@ -420,6 +420,11 @@ class PagedBlockManager(BlockManager):
         """Cached blocks nobody references, least recently used (next evicted) first."""
         return self._cache.evictable_blocks() if self._cache is not None else []
 
+    def evictable_hashes(self) -> list[int]:
+        """The chain hashes of `evictable_blocks()`, in the same order: what is cached
+        and in which eviction order, independent of which block ids hold it."""
+        return [self._cache.block_hash(b) for b in self.evictable_blocks()]
+
     def usage(self) -> BlockUsage:
         cached = self._cache.num_evictable if self._cache is not None else 0
         used = self.num_gpu_blocks - len(self._free) - cached

@@ -118,6 +118,10 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return self._hash[block] is not None
 
+    def block_hash(self, block: int) -> int | None:
+        """The chain hash a block is cached under, or None."""
+        return self._hash[block]
+
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)

@@ -150,7 +150,9 @@ class Policy(abc.ABC):
 
     def may_preempt_for(self, head: Request, running: Request) -> bool:
         """May `running` be preempted so that the waiting `head` can be admitted?
-        Only preemptive policies say yes."""
+        Only preemptive policies say yes. Decide on request-level fields (priority,
+        arrival, tenant): the sequence lengths of a running request may lag while the
+        scheduler batches its decodes."""
         return False
 
     # --- accounting ----------------------------------------------------------------

@@ -17,7 +17,8 @@ class PriorityPolicy(Policy):
 
     Victim: the lowest priority (largest value), latest arrival — vLLM's
     max(priority, arrival). With `preemptive=True`, a waiting request that does not fit
-    may preempt running requests of strictly lower priority (larger value).
+    may preempt running requests of strictly lower priority (larger value) — under
+    continuous batching only: a static batch is never preempted for a waiting request.
     """
 
     def __init__(self, aging_rate: float = 0.0, preemptive: bool = False) -> None:

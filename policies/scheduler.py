@@ -97,6 +97,7 @@ class Scheduler:
         self._tick = 0
         self._base_sum = 0
         self._joins = 0
+        self._pending_batch: DecodeBatch | None = None  # scheduled, not yet updated
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -333,13 +334,14 @@ class Scheduler:
         """Would the one-by-one path give every running request its whole work this step
         (every batched decode its token if `run_batch`, every other request its full next
         chunk or decodes) with no preemption? Then the batched sequences need not be in
-        the order victims are taken from. Conservative: an unbatched decode is counted as
-        needing two blocks (a copy-on-write and a new one). O(unbatched sequences)."""
+        the order victims are taken from. A one-token append takes at most one block (a
+        new one at a boundary, or the copy of a shared partial last block).
+        O(unbatched sequences)."""
         if not run_batch:
             # A prefill-only pass: the budget goes to unbatched requests alone, as in the
             # one-by-one path; only a sample that decodes beside its prefilling siblings
             # (multi-sample recompute) can need memory and preempt.
-            need = sum(2 for r in self._eager.values() for s in r.seqs
+            need = sum(1 for r in self._eager.values() for s in r.seqs
                        if not s.finished and not s.is_prefilling)
             return need <= self.bm.num_free_blocks
         n = len(self._members)
@@ -354,7 +356,7 @@ class Scheduler:
                     tokens += min(s.num_tokens - s.num_computed_tokens, chunk)
                 else:
                     tokens += 1
-                    blocks += 2
+                    blocks += 1
         blocks += len(self._buckets[self._tick % self.block_size])
         return n + tokens <= step.tokens and n + seqs <= step.seqs \
             and blocks <= self.bm.num_free_blocks
@@ -373,7 +375,8 @@ class Scheduler:
         if rows is None:
             rows = self._rows_tuple = tuple(self._rows.values())
         n = len(rows)
-        out.decode_batch = DecodeBatch(rows, tick, n, self._base_sum + n * (tick + 1))
+        out.decode_batch = self._pending_batch = DecodeBatch(rows, tick, n,
+                                                             self._base_sum + n * (tick + 1))
         step.tokens -= n
         step.seqs -= n
 
@@ -421,6 +424,7 @@ class Scheduler:
 
     def _unbatch(self) -> None:
         """Write every batched sequence back and list them one by one again."""
+        self._pending_batch = None  # a batch scheduled before this cannot be updated
         for m in self._members.values():
             self._write_back(m)
             self._eager[m.req.request_id] = m.req
@@ -479,7 +483,8 @@ class Scheduler:
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
-        if head is None or not self.running or self._fits(head):
+        if head is None or not self.running or self._fits(head) or not any(
+                self.policy.may_preempt_for(head, r) for r in self.running.values()):
             return False
         self._unbatch()  # victim keys and preemption read every Sequence
         key, adm = self.policy.victim_key, self._admit_seq
@@ -620,7 +625,11 @@ class Scheduler:
         steps — every running sequence decodes one token, and nothing is admitted,
         swapped, preempted, copied or finished — whatever time they take. Such a run can
         be advanced in closed form by `advance_decodes`, with exactly the effect of
-        scheduling it step by step. Cost: O(running sequences + waiting candidates)."""
+        scheduling it step by step. Call it between update() and the next schedule().
+        Cost: O(block_size + waiting candidates) when every running sequence is batched;
+        otherwise O(running sequences), and batched sequences are unbatched when
+        unbatched ones decode beside them (multi-sample requests)."""
+        self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self.running or limit <= 0:
             return 0
         if self._members:
@@ -712,9 +721,11 @@ class Scheduler:
     def advance_decodes(self, num_steps: int) -> None:
         """Apply `num_steps` plain decode steps at once (see `decode_run_bound`, which
         must have allowed at least that many). Per-sequence cost O(1), not O(steps)."""
+        self._check_between_steps("advance_decodes")
         bm, policy = self.bm, self.policy
         if self._members:
-            # every running sequence is batched (decode_run_bound unbatched the rest)
+            # every running sequence is batched: decode_run_bound allows a run with
+            # batched sequences only when nothing else runs
             start = self._tick
             self._tick = tick = start + num_steps
             bs = self.block_size
@@ -742,6 +753,11 @@ class Scheduler:
                 live += 1
             policy.on_service(req, 0, live * num_steps)
 
+    def _check_between_steps(self, op: str) -> None:
+        if self._pending_batch is not None:
+            raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
+                                 "step must be updated first")
+
     def decode_shape(self) -> tuple[int, int]:
         """(sequences, Σ (context + 1)) of the next step if every running sequence
         decodes one token: the first step of a decode run. O(1) when all are batched."""
@@ -760,7 +776,10 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
         """Advance every scheduled sequence by the step's work; returns the records of
         requests that finished or were rejected in this step. O(listed sequences +
-        batched sequences that finish), or O(all scheduled) when tokens are sampled."""
+        batched sequences that finish), or O(all scheduled) when the executor returns
+        sampled tokens or stops. Sequences that finish in one step free their blocks in
+        seq-id order (with prefix caching, that order is the LRU order of their blocks),
+        however the step listed them."""
         t_end = out.now + result.duration_s
         bm, running = self.bm, self.running
         sampled, stopped = result.sampled, result.stopped
@@ -769,8 +788,9 @@ class Scheduler:
         keep_times = self.keep_token_times
         service: dict[int, list[int]] | None = {} if self._charges_service else None
         ended: list[Request] = []
+        freed: list = []
         if out.decode_batch is not None:
-            self._update_batch(out.decode_batch, sampled, stopped, ended)
+            self._update_batch(out.decode_batch, sampled, stopped, ended, freed)
         joining: list[Request] = []
         for e in out.listed:
             rid = e.request_id
@@ -806,7 +826,7 @@ class Scheduler:
                 if s.num_output_tokens >= req.output_len or s.num_tokens >= max_len \
                         or (stopped and s.seq_id in stopped):
                     s.finished = True
-                    bm.free(s.seq_id)
+                    freed.append(s.seq_id)
                     ended.append(req)
                 elif req.n == 1 and self._batching:
                     joining.append(req)
@@ -816,6 +836,9 @@ class Scheduler:
                 if req.token_times is None:
                     req.token_times = []
                 req.token_times.append(t_end)
+        if freed:
+            for sid in sorted(freed) if len(freed) > 1 else freed:
+                bm.free(sid)
         if service:
             requests, on_service = self.requests, self.policy.on_service
             for rid, (pre, drawn) in service.items():
@@ -831,15 +854,17 @@ class Scheduler:
             self._join(req)
         return self.pop_records()
 
-    def _update_batch(self, batch: DecodeBatch, sampled, stopped, ended: list[Request]) -> None:
+    def _update_batch(self, batch: DecodeBatch, sampled, stopped, ended: list[Request],
+                      freed: list) -> None:
         """Every batched sequence drew a token: advance the tick, take sampled tokens and
         stops one by one if the executor has them, and finish the sequences whose last
-        token this was (off the heap)."""
-        if batch.tick != self._tick:
-            raise SchedulerError(f"update() for a decode batch of tick {batch.tick}, "
-                                 f"but the scheduler is at tick {self._tick}")
+        token this was (off the heap; their seq ids go to `freed`)."""
+        if batch is not self._pending_batch:
+            raise SchedulerError("update() for a decode batch that is not the one the last "
+                                 "schedule() made, or whose sequences were unbatched since")
+        self._pending_batch = None
         self._tick = tick = batch.tick + 1
-        members, bm = self._members, self.bm
+        members = self._members
         done: list[_Member] = []
         if sampled is not None or stopped:
             for rid, sid, _ in batch.rows:
@@ -857,7 +882,7 @@ class Scheduler:
         for m in done:
             self._leave(m)
             m.seq.finished = True
-            bm.free(m.seq.seq_id)
+            freed.append(m.seq.seq_id)
             ended.append(m.req)
 
     def _fork(self, req: Request, parent: Sequence) -> None:

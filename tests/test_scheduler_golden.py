@@ -1,7 +1,7 @@
 """Golden timelines: for each policy, a tiny hand-written trace whose per-step schedule is
 written out. Every step takes 1 s (FakeExecutor(step_s=1.0)); each row is
-(step start, [(request id, tokens computed)], [(preempted id, mode)]). A step's work is
-a set (batched decodes are listed before the rest), so it is written in request order."""
+(step start, [(request id, tokens computed)], [(preempted id, mode)]), the work in the
+order SchedulerOutput.scheduled lists it: batched decodes first, then the rest."""
 from __future__ import annotations
 
 from servelab.config import CacheConfig, SchedulerConfig

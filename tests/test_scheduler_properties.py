@@ -88,10 +88,11 @@ def _decisions(run):
 
 
 @SETTINGS
-@given(workloads(), st.sampled_from([None, 5]))
-def test_batched_decodes_decide_as_one_by_one(w, stop_every):
+@given(workloads(), st.sampled_from([None, 5]), st.booleans())
+def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
     """Batching plain decodes (the default) changes how they are represented and grown,
-    never what is decided: every step and every record equals the one-by-one path's."""
+    never what is decided: every step, every record, every running sequence's lengths
+    and the prefix cache's eviction order equal the one-by-one path's."""
     reqs, sched, cache, policy, options = w
     real = stop_every is not None
     states = {True: [], False: []}
@@ -100,21 +101,25 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every):
         def on_step(scheduler, out):
             scheduler.sync()  # batched lengths written back (they stay batched)
             bm = scheduler.bm
-            states[batched].append(sorted(
+            states[batched].append((sorted(
                 (s.seq_id, s.num_tokens, s.num_computed_tokens, s.num_output_tokens,
                  len(bm.block_table(s.seq_id)))
-                for r in scheduler.running.values() for s in r.seqs if not s.finished))
+                for r in scheduler.running.values() for s in r.seqs if not s.finished),
+                bm.evictable_hashes()))
         return on_step
 
-    a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every), on_step=snapshot(True))
-    b = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                 executor=FakeExecutor(real_tokens=real, stop_every=stop_every), batch_decodes=False,
-                 on_step=snapshot(False))
+    runs = {}
+    for batched in (True, False):
+        runs[batched] = simulate(
+            [r.fresh_copy() for r in reqs], sched, cache, policy, options,
+            executor=FakeExecutor(real_tokens=real, stop_every=stop_every),
+            batch_decodes=batched, on_step=snapshot(batched), fast_forward=fast_forward)
+    a, b = runs[True], runs[False]
     assert _decisions(a) == _decisions(b)
     assert states[True] == states[False]
     by_id = lambda run: sorted(run.records, key=lambda r: r.request_id)  # noqa: E731
-    assert by_id(a) == by_id(b)  # requests ending in one step may come out in any order
+    assert by_id(a) == by_id(b)  # requests ending in one step come out in listing order
+    assert a.fast_forwarded == b.fast_forwarded
     assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
 
 
