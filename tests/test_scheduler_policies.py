@@ -11,6 +11,7 @@ from servelab.config import CacheConfig, SchedulerConfig
 from servelab.memory.base import AllocStatus
 from servelab.memory.paged import PagedBlockManager
 from servelab.policies import Policy, Scheduler, SchedulerError, build_scheduler, make_policy, register_policy
+from servelab.outputs import StepResult
 from servelab.request import Request
 
 from sched_harness import FakeExecutor, make_requests, simulate
@@ -260,6 +261,26 @@ def test_update_with_a_foreign_output_is_an_error():
     out = a.schedule(0.0)
     with pytest.raises(SchedulerError, match="not running"):
         b.update(out, FakeExecutor().execute(out))
+
+
+def test_a_decode_batch_is_updated_once_and_only_by_its_own_step():
+    sched = build_scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_gpu_blocks=16))
+    for i in range(3):
+        sched.add_request(Request(i, 0.0, 4, 10), 0.0)
+    out = sched.schedule(0.0)
+    sched.update(out, StepResult(0.01))          # prefills: the three now decode batched
+    out = sched.schedule(0.01)
+    assert out.decode_batch is not None and out.decode_batch.num_seqs == 3 and not out.listed
+    with pytest.raises(SchedulerError, match="between schedule"):
+        sched.decode_run_bound(0.01, 100)        # would move the batch under the step
+    with pytest.raises(SchedulerError, match="between schedule"):
+        sched.advance_decodes(2)
+    sched.update(out, StepResult(0.01))
+    with pytest.raises(SchedulerError, match="not the one the last schedule"):
+        sched.update(out, StepResult(0.01))      # twice: the tokens would count twice
+    assert [s.num_output_tokens for r in sched.running.values() for s in r.seqs] == [1, 1, 1]
+    sched.sync()
+    assert [s.num_output_tokens for r in sched.running.values() for s in r.seqs] == [2, 2, 2]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
