@@ -12,16 +12,15 @@ from servelab.request import Request
 
 
 class FakeExecutor:
-    """Every step takes `step_s` seconds plus `per_token_s` per computed token; draws
-    token ids from a counter so outputs are checkable. With `stop_every`, a sequence
-    stops early (EOS) on a draw picked by its id and draw count alone, so the stops do
-    not depend on the order of the step's entries."""
+    """Every step takes `step_s` seconds plus `per_token_s` per computed token. With
+    `real_tokens`, it draws token ids, and with `stop_every` it stops a sequence early
+    (EOS) on some draws: both are functions of the sequence id and its draw count, so
+    they do not depend on the order of the step's entries (batched decodes come first)."""
 
     def __init__(self, step_s: float = 0.01, per_token_s: float = 0.0, real_tokens: bool = False,
                  stop_every: int | None = None):
         self.step_s, self.per_token_s, self.real_tokens = step_s, per_token_s, real_tokens
         self.stop_every = stop_every
-        self._next_token = 0
         self._draws: dict = {}
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -32,13 +31,12 @@ class FakeExecutor:
             sampled = {}
             for e in out.scheduled:
                 if e.num_samples:
-                    sampled[e.seq_id] = list(range(self._next_token, self._next_token + e.num_samples))
-                    self._next_token += e.num_samples
-                    if self.stop_every:
-                        draws = self._draws[e.seq_id] = self._draws.get(e.seq_id, 0) + 1
-                        rid, sample = e.seq_id
-                        if (rid * 7 + sample * 3 + draws) % self.stop_every == 0:
-                            stopped.add(e.seq_id)
+                    draws = self._draws[e.seq_id] = self._draws.get(e.seq_id, 0) + 1
+                    rid, sample = e.seq_id
+                    sampled[e.seq_id] = [10_000_000 + ((rid * 8 + sample + i) * 4096 + draws)
+                                         for i in range(e.num_samples)]
+                    if self.stop_every and (rid * 7 + sample * 3 + draws) % self.stop_every == 0:
+                        stopped.add(e.seq_id)
         return StepResult(self.step_s + self.per_token_s * tokens, sampled, stopped)
 
 
