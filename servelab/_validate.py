@@ -25,6 +25,13 @@ def check_choice(owner: str, name: str, value, choices) -> None:
         raise ValueError(f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
+def check_known_keys(data: dict, known, what: str) -> None:
+    """Reject keys of `data` outside `known`: "<what> a, b; known: ..."."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{what} {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
 def _check_range(owner, name, value, lo, hi) -> None:
     if lo is not None and value < lo:
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"

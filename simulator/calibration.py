@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from servelab._validate import check_known_keys
 from servelab.simulator.gpus import DTYPE_BYTES
 
 FORMAT = "servelab.calibration/1"
@@ -100,11 +101,7 @@ class Efficiencies:
     def from_dict(cls, data: dict, source: str = "efficiencies") -> "Efficiencies":
         if not isinstance(data, dict):
             raise ValueError(f"{source} must be an object of efficiencies, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        check_known_keys(data, {f.name for f in fields(cls)}, f"{source}: unknown field(s)")
         try:
             return cls(**data)
         except ValueError as exc:
@@ -217,10 +214,7 @@ class CalibrationProfile:
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise ValueError(f"{source}: field 'format' must be {FORMAT!r}, got {data.get('format')!r}")
-        allowed = {f.name for f in fields(cls)} | {"format"}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}")
+        check_known_keys(data, {f.name for f in fields(cls)} | {"format"}, f"{source}: unknown field(s)")
         for required in ("device", "model", "efficiencies"):
             if required not in data:
                 raise ValueError(f"{source}: missing field {required!r}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab import __version__
-from servelab._validate import check_choice, check_float, check_int
+from servelab._validate import check_choice, check_float, check_int, check_known_keys
 from servelab.config import BLOCK_MANAGERS, CacheConfig, SchedulerConfig
 from servelab.records import RequestRecord, StepRecord
 from servelab.simulator.gpus import DTYPE_BYTES
@@ -157,21 +157,14 @@ class SimulationConfig:
         """The inverse of `to_dict`; absent keys take their defaults, unknown keys are errors."""
         if not isinstance(data, dict):
             raise ValueError(f"a simulation config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown simulation config key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        check_known_keys(data, {f.name for f in fields(cls)}, "unknown simulation config key(s)")
         values = dict(data)
         if "scheduler" in values:
             sched = values["scheduler"]
             if not isinstance(sched, dict):
                 raise ValueError(f"'scheduler' must be an object, got {sched!r}")
-            sched_known = {f.name for f in fields(SchedulerConfig)}
-            bad = sorted(set(sched) - sched_known)
-            if bad:
-                raise ValueError(f"unknown scheduler config key(s) {', '.join(bad)}; "
-                                 f"known: {', '.join(sorted(sched_known))}")
+            check_known_keys(sched, {f.name for f in fields(SchedulerConfig)},
+                             "unknown scheduler config key(s)")
             values["scheduler"] = SchedulerConfig(**sched)
         return cls(**values)
 
