@@ -18,7 +18,7 @@ import sys
 
 from servelab.cli import CLIError
 from servelab.options import (add_scheduler_options, add_workload_options, configs_from_args,
-                              non_negative_int, positive_float)
+                              non_negative_float, non_negative_int, positive_float)
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
@@ -27,16 +27,6 @@ def _top_p(text: str) -> float:
     value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
@@ -74,7 +64,7 @@ def register(subparsers) -> None:
     b.add_argument("--gpu-memory-utilization", type=_top_p, default=0.9, metavar="F",
                    help="fraction of GPU memory the run may use when --kv-blocks is not given "
                         "(default %(default)s)")
-    b.add_argument("--temperature", type=_temperature, default=0.0,
+    b.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 = greedy (default %(default)s)")
     b.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default)")
     b.add_argument("--top-p", type=_top_p, default=1.0, help="1 = off (default)")

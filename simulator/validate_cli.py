@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 
 from servelab.cli import CLIError
-from servelab.options import non_negative_int
+from servelab.options import non_negative_int, positive_float
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
+    value = positive_float(text)
+    if not value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
     return value
 
