@@ -21,3 +21,15 @@ def traces_dir() -> Path:
     if not TRACES.is_dir():
         raise FileNotFoundError(f"shared traces not found at {TRACES}; set SERVELAB_SHARED")
     return TRACES
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Torch on one thread for a module (deterministic CPU timings and results); a module
+    opts in with `pytestmark = pytest.mark.usefixtures("torch_one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,12 +35,7 @@ MIN_MARGIN = 1e-3
 """Smallest top-1 minus top-2 logit gap allowed along HF's greedy paths (logits agree to ~1e-6)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

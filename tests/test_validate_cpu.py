@@ -54,12 +54,7 @@ MAX_HELD_OUT_MAPE = 60.0
 MAX_RATIO_TO_UNCALIBRATED = 0.8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,9 @@ from servelab.simulator.replay import METRICS
 from servelab.simulator.run import load_config
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate
-from test_validate_cpu import one_thread  # noqa: F401  (module fixture: torch on one thread)
 from test_validate_report import brute_tau_b
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 POLICIES = ("fcfs", "sjf", "priority")
 WORKLOAD = WorkloadSpec((TenantSpec("short", 130.0, Uniform(8, 48), Uniform(4, 16), priority=1),
