@@ -124,6 +124,25 @@ class BlockManager(abc.ABC):
         (after a fork) and partially filled, it is first copied: the returned
         (src, dst) GPU block pairs are copies the executor must perform."""
 
+    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """`append_slots(seq_id, num_new_tokens)` for each pair in turn (each sequence at
+        most once), returning all copies. This default checks each sequence first
+        (`can_append_slots`), so bad input and a sequence with no room change nothing;
+        only growths that fit one at a time but not together (they compete for the same
+        free blocks) can fail halfway. Managers override it with one pass over the batch
+        that checks the whole batch first (paging does)."""
+        ids = [seq_id for seq_id, _ in growth]
+        if len(set(ids)) != len(ids):
+            raise BlockManagerError(f"append_slots_many: a sequence is listed twice in {ids!r}")
+        for seq_id, num_new_tokens in growth:
+            if not self.can_append_slots(seq_id, num_new_tokens):
+                raise BlockManagerError(f"append_slots_many: no room for {num_new_tokens} more "
+                                        f"tokens of sequence {seq_id!r}")
+        copies: list[tuple[int, int]] = []
+        for seq_id, num_new_tokens in growth:
+            copies += self.append_slots(seq_id, num_new_tokens)
+        return copies
+
     def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
         """The largest k <= limit such that every listed sequence can append k slots,
         one at a time and all together, with no failure and no copy-on-write. May

@@ -229,6 +229,66 @@ class PagedBlockManager(BlockManager):
         self._slots_used += num_new_tokens
         return copies
 
+    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """`append_slots` for several sequences (each at most once) in one pass, all or
+        nothing: the same blocks, in the same order, as calling it for each in turn.
+        O(sequences + new blocks). The scheduler grows its batched decodes with it."""
+        seqs = self._seqs
+        bs = self.block_size
+        refcount = self._refcount
+        plan = []
+        total = 0
+        for seq_id, n in growth:
+            seq = seqs.get(seq_id)
+            if seq is None or not seq.on_gpu or type(n) is not int or n < 0:
+                self._reject_append("append_slots_many", seq_id, n)
+            t = seq.num_tokens
+            blocks = seq.blocks
+            if n and t % bs and refcount[blocks[-1]] > 1:
+                break  # a copy-on-write: take the general path
+            need = (t + n + bs - 1) // bs - len(blocks)
+            total += need
+            plan.append((seq, n, need))
+        else:
+            if len({seq_id for seq_id, _ in growth}) != len(plan):
+                raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
+                                        f"{[seq_id for seq_id, _ in growth]!r}")
+            free = self._free
+            if total <= len(free):  # no eviction: blocks come straight off the free stack
+                slots = 0
+                for seq, n, need in plan:
+                    if need:
+                        blocks = seq.blocks
+                        for _ in range(need):
+                            b = free.pop()
+                            refcount[b] = 1
+                            blocks.append(b)
+                    seq.num_tokens += n
+                    slots += n
+                self._slots_used += slots
+                return []
+        return self._append_slots_each(growth)
+
+    def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """append_slots_many's general path (copies, eviction), checked as a whole first."""
+        ids = unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
+        need = 0
+        refcount = self._refcount
+        bs = self.block_size
+        for seq_id, n in growth:
+            seq = self._gpu_seq("append_slots_many", seq_id)
+            check_count("append_slots_many", "num_new_tokens", n, 0)
+            t = seq.num_tokens
+            need += (t + n + bs - 1) // bs - len(seq.blocks)
+            need += bool(n and t % bs and refcount[seq.blocks[-1]] > 1)
+        if need > self.num_free_blocks:
+            raise BlockManagerError(f"append_slots_many: no room to grow {ids!r}: needs "
+                                    f"{need} blocks, {self.num_free_blocks} free")
+        copies: list[tuple[int, int]] = []
+        for seq_id, n in growth:
+            copies += self.append_slots(seq_id, n)
+        return copies
+
     def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
         """Exact, in O(n log n) for n sequences: 0 if any has a shared partial last
         block (its next token is copied first); otherwise, with `room` the free slots in
@@ -486,22 +546,24 @@ class PagedBlockManager(BlockManager):
         """Drop one reference to each of a sequence's GPU blocks, last block first."""
         refcount = self._refcount
         bs = self.block_size
-        released = 0
         if self._cache is None:
             free = self._free
+            start = len(free)
             for b in reversed(blocks):
-                r = refcount[b] - 1
-                refcount[b] = r
-                if not r:
+                if refcount[b] == 1:
+                    refcount[b] = 0
                     free.append(b)
-                    released += bs
+                else:
+                    refcount[b] -= 1
+            released = (len(free) - start) * bs
         else:
             unreferenced = []
             for b in reversed(blocks):
-                r = refcount[b] - 1
-                refcount[b] = r
-                if not r:
+                if refcount[b] == 1:
+                    refcount[b] = 0
                     unreferenced.append(b)
+                else:
+                    refcount[b] -= 1
             released = len(unreferenced) * bs
             self._cache.release(unreferenced, self._free)
         if not refcount[blocks[-1]]:  # the last block was only partly filled

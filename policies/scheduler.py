@@ -98,6 +98,10 @@ class Scheduler:
         self._base_sum = 0
         self._joins = 0
         self._pending_batch: DecodeBatch | None = None  # scheduled, not yet updated
+        # The last request whose allocation was LATER: (request, tokens, free blocks then).
+        # Only where LATER is monotone in free blocks (see `_known_later`).
+        self._memo_later = block_manager.grows_by_block and not enable_prefix_caching
+        self._later_memo: tuple[Request, int, int] | None = None
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -364,13 +368,15 @@ class Scheduler:
     def _schedule_batch(self, out: SchedulerOutput, step: "_Step") -> None:
         """Every batched sequence decodes one token; those whose token starts a new block
         get their slots since they last grew, in one `append_slots`."""
-        tick, bm = self._tick, self.bm
-        for m in self._buckets[tick % self.block_size].values():
-            target = m.base + tick + 1
-            copies = bm.append_slots(m.seq.seq_id, target - m.bm_tokens)
+        tick = self._tick
+        bucket = self._buckets[tick % self.block_size].values()
+        if bucket:
+            growth = [(m.seq.seq_id, m.base + tick + 1 - m.bm_tokens) for m in bucket]
+            copies = self.bm.append_slots_many(growth)
             if copies:
                 out.copies.extend(copies)
-            m.bm_tokens = target
+            for m in bucket:
+                m.bm_tokens = m.base + tick + 1
         rows = self._rows_tuple
         if rows is None:
             rows = self._rows_tuple = tuple(self._rows.values())
@@ -571,7 +577,12 @@ class Scheduler:
             if req is None:
                 return
             live = sum(1 for s in req.seqs if not s.finished)
-            if live > seats or self._plan(req, step, allocated=False) is None:
+            if live > seats:
+                return
+            if self._later_memo is not None and (self.running or self.swapped) \
+                    and self._known_later(req):
+                return  # still waiting for memory: allocating would say LATER again
+            if self._plan(req, step, allocated=False) is None:
                 return
             status = self._allocate(req)
             if status is AllocStatus.LATER and (self.running or self.swapped):
@@ -604,11 +615,26 @@ class Scheduler:
                 for d in done:
                     bm.free(d.seq_id)
                     d.num_computed_tokens = 0
+                if status is AllocStatus.LATER and not done and self._memo_later:
+                    self._later_memo = (req, s.num_tokens, bm.num_free_blocks)
                 return status
             s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents, **reserve)
             s.prefill_len = s.num_tokens
             done.append(s)
         return AllocStatus.OK
+
+    def _known_later(self, req: Request) -> bool:
+        """Is `req` known not to fit (LATER) with the memory free now? True when its
+        allocation already failed with as many free blocks or more and it has not grown
+        since (with paging and no prefix caching, LATER means free < need + watermark:
+        fewer free blocks cannot make it fit). Single-sequence requests only. Saves the
+        repeated check in an engine whose waiting head waits for memory step after step.
+        O(1)."""
+        memo_req, tokens, free = self._later_memo
+        if memo_req is not req or len(req.seqs) != 1:
+            return False
+        seq = req.seqs[0]
+        return seq.num_tokens == tokens and not seq.finished and self.bm.num_free_blocks <= free
 
     def _stalled(self, now: float) -> None:
         """A step with nothing to run while requests remain would spin forever: with
@@ -707,7 +733,10 @@ class Scheduler:
         if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
             return True  # decodes take the whole budget before admission is tried
         bs = self.block_size
+        memo = self._later_memo
         for head in candidates:
+            if memo is not None and self._known_later(head):
+                continue
             reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
                            expected_total_tokens=head.prompt_len + head.output_len)
             for s in head.seqs:
@@ -732,12 +761,12 @@ class Scheduler:
             # only sequences whose slots crossed a block boundary during the run grow now
             growing = self._members.values() if num_steps >= bs else [
                 m for j in range(num_steps) for m in self._buckets[(start + j) % bs].values()]
+            growing = [m for m in growing if m.base + tick > m.bm_tokens]
+            # the slots of the run's last step
+            if bm.append_slots_many([(m.seq.seq_id, m.base + tick - m.bm_tokens) for m in growing]):
+                raise SchedulerError("a fast-forward needed a block copy")
             for m in growing:
-                target = m.base + tick   # the slots of the run's last step
-                if target > m.bm_tokens:
-                    if bm.append_slots(m.seq.seq_id, target - m.bm_tokens):
-                        raise SchedulerError(f"fast-forward of {m.seq.seq_id} needed a block copy")
-                    m.bm_tokens = target
+                m.bm_tokens = m.base + tick
             return
         for req in self.running.values():
             live = 0

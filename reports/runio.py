@@ -50,6 +50,8 @@ STEP_COLUMNS: tuple[str, ...] = tuple(StepRecord.field_names())
 _CHUNK_ROWS = 65_536
 """Rows converted at once: bounds memory while keeping the per-cell loops in C."""
 _INT = re.compile(r"[+-]?[0-9]+")
+_QUOTED_CHARS = (",", '"', "\n", "\r")
+"""A text cell holding one of these goes through the csv module (quoted as it decides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +127,10 @@ def _parse_all_ints(cells: list[str]) -> list | None:
 
 
 def _format_all_floats(values: list) -> list[str] | None:
-    if set(map(type, values)) <= {float} and all(map(math.isfinite, values)):
-        return list(map(repr, values))
+    types = set(map(type, values))
+    if types <= {float, int} and all(map(math.isfinite, values)):
+        # an int (a clock that starts at 0) is written as the float it stands for
+        return list(map(repr, values if int not in types else map(float, values)))
     return None
 
 
@@ -139,10 +143,16 @@ def _parse_all_floats(cells: list[str]) -> list | None:
 
 
 def _format_all_optional_floats(values: list) -> list[str] | None:
-    if set(map(type, values)) <= {float, type(None)} and all(
-            map(math.isfinite, [v for v in values if v is not None])):
-        return ["" if v is None else repr(v) for v in values]
-    return None
+    types = set(map(type, values))
+    if not types <= {float, int, type(None)}:
+        return None
+    if type(None) not in types:
+        return _format_all_floats(values)
+    present = [v for v in values if v is not None]
+    if not all(map(math.isfinite, present)):
+        return None
+    cells = iter(map(repr, present if int not in types else map(float, present)))
+    return ["" if v is None else next(cells) for v in values]
 
 
 def _parse_all_optional_floats(cells: list[str]) -> list | None:
@@ -302,12 +312,12 @@ def _write_csv(path: PathLike, columns: Sequence[str], codecs: dict[str, _Codec]
                         except (TypeError, ValueError) as e:
                             raise ValueError(f"{describe(start + i, record)}: {name} {e}") from None
                 cells.append(formatted)
-            if not any(codecs[n].text for n in columns):
-                # numbers only: no cell can need quoting, so skip the csv module's checks
+            texts = ["".join(column) for name, column in zip(columns, cells) if codecs[name].text]
+            if not any(c in text for text in texts for c in _QUOTED_CHARS):
+                # no cell needs quoting (numbers cannot): skip the csv module's checks
                 f.write("".join(",".join(row) + "\n" for row in zip(*cells)))
                 continue
-            has_cr = any(codec.text and "\r" in "".join(column)
-                         for codec, column in zip((codecs[n] for n in columns), cells))
+            has_cr = any("\r" in text for text in texts)
             if not has_cr:
                 writer.writerows(zip(*cells))
                 continue
