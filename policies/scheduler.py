@@ -160,6 +160,13 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def charges_service(self) -> bool:
+        """Does the policy account each step's service (fair share)? Then what a request
+        arriving during a step finds depends on the steps completed by then, and a
+        fast-forward run must not extend past an arrival."""
+        return self._charges_service
+
     def has_unfinished(self) -> bool:
         return bool(self.running or self.swapped or len(self.policy))
 

@@ -16,9 +16,10 @@ instant, in trace order.
 
 Fast-forward. After each step the engine asks the scheduler how many of the next steps
 are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
-the steps that end by the next arrival this replica can receive (`decode_run_steps_within`
-on the run's `BatchShape`), applies them at once (`advance_decodes`) and sleeps the run's
-closed-form duration (`decode_run_duration`), writing one steps.csv row with `num_steps`
+the steps that start before the next arrival this replica can receive (those that end by
+then, from `decode_run_steps_within` on the run's `BatchShape`, and the one under way
+when it comes: an arrival only joins the step after), applies them at once
+(`advance_decodes`) and sleeps the run's closed-form duration (`decode_run_duration`), writing one steps.csv row with `num_steps`
 = k. The scheduler's state and every request record come out as if the k steps had run
 one by one (`fast_forward=False` does that; a property test compares the two), up to
 float rounding of the summed step times — and so, in principle, up to which side of a
@@ -166,7 +167,15 @@ class Replica:
         if budget < math.inf:
             if budget <= 0:
                 return None
-            k = cost.decode_run_steps_within(shape, budget, k)
+            # Steps that start before the next arrival cannot see it: the run takes those
+            # ending by then and the one under way when it comes (unless that one would
+            # start at the arrival itself, which then joins it) — but only the former
+            # when the policy accounts service, which the arrival may read.
+            m = cost.decode_run_steps_within(shape, budget, k)
+            if m < k and not sched.charges_service \
+                    and cost.decode_run_duration(shape, m)[0] < budget:
+                m += 1
+            k = m
             if k < 2:
                 return None
         sched.advance_decodes(k)
