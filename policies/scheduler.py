@@ -227,10 +227,11 @@ class Scheduler:
         bm = self.bm
         if self._members:
             if prefill is True and self._batch_fits(step, run_batch=False):
-                order = self._running_order(self._eager)  # batched ones never prefill
+                # batched ones never prefill
+                order = self._running_order(self._eager) if self._eager else []
             elif prefill is not True and self._batch_fits(step, run_batch=True):
                 self._schedule_batch(out, step)
-                order = self._running_order(self._eager)
+                order = self._running_order(self._eager) if self._eager else []
             else:
                 self._unbatch()
                 order = self._running_order(self.running)
@@ -576,13 +577,15 @@ class Scheduler:
         if self.config.batching == "static" and (self.running or self.swapped):
             return
         policy = self.policy
-        # max_num_seqs bounds the running sequences, scheduled this step or not
-        seats = self.config.max_num_seqs - len(self._members) - sum(
-            1 for r in self._eager.values() for s in r.seqs if not s.finished)
+        seats = None
         while step.tokens > 0 and step.seqs > 0:
             req = policy.peek(now)
             if req is None:
                 return
+            if seats is None:
+                # max_num_seqs bounds the running sequences, scheduled this step or not
+                seats = self.config.max_num_seqs - len(self._members) - sum(
+                    1 for r in self._eager.values() for s in r.seqs if not s.finished)
             live = sum(1 for s in req.seqs if not s.finished)
             if live > seats:
                 return
@@ -611,13 +614,13 @@ class Scheduler:
         """Allocate blocks for every live sequence of a request, all or nothing."""
         bm, bs = self.bm, self.block_size
         done: list[Sequence] = []
-        reserve = dict(max_total_tokens=req.prompt_len + req.max_tokens,
-                       expected_total_tokens=req.prompt_len + req.output_len)
+        max_total, expected_total = req.prompt_len + req.max_tokens, req.prompt_len + req.output_len
         for s in req.seqs:
             if s.finished:
                 continue
             contents = req.block_contents(s, bs) if self.prefix_caching else ()
-            status = bm.can_allocate(s.num_tokens, contents, **reserve)
+            status = bm.can_allocate(s.num_tokens, contents, max_total_tokens=max_total,
+                                     expected_total_tokens=expected_total)
             if status is not AllocStatus.OK:
                 for d in done:
                     bm.free(d.seq_id)
@@ -625,7 +628,9 @@ class Scheduler:
                 if status is AllocStatus.LATER and not done and self._memo_later:
                     self._later_memo = (req, s.num_tokens, bm.num_free_blocks)
                 return status
-            s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents, **reserve)
+            s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents,
+                                                max_total_tokens=max_total,
+                                                expected_total_tokens=expected_total)
             s.prefill_len = s.num_tokens
             done.append(s)
         return AllocStatus.OK
@@ -715,6 +720,8 @@ class Scheduler:
         # first r buckets of the cycle.
         bs, buckets = self.block_size, self._buckets
         q, spare = divmod(self.bm.num_free_blocks, n)
+        if k <= q * bs:
+            return k  # memory for q whole cycles: the finish comes first
         r = 0
         while r < bs - 1:
             spare -= len(buckets[(tick + r) % bs])

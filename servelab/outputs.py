@@ -115,9 +115,11 @@ class StepResult:
     """The step's BatchShape, if the executor computed it (the engine step reuses it)."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BatchShape:
     """The aggregate composition of a step: what a cost model needs to price it.
+    A value: nothing changes one after it is made (it is not frozen only because a
+    frozen dataclass costs microseconds more to build, and one is built every step).
 
     For attention, a prefill chunk of q tokens over a cached context c does causal work
     proportional to q·c + q(q+1)/2, so the sums below are sufficient statistics.

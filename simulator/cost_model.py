@@ -287,7 +287,29 @@ class CostModel:
             raise ValueError(f"budget_s must be >= 0, got {budget_s!r}")
         if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 0):
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
-        fixed, a, b, c, d = self._run_lines(shape)
+        return self._steps_within(self._run_lines(shape), budget_s, max_steps)
+
+    def decode_run_until(self, shape: BatchShape, max_steps: int, budget_s: float,
+                         ) -> tuple[int, float]:
+        """(k, seconds) of the decode run (see `decode_run_duration`) of at most `max_steps`
+        steps that start before `budget_s`: those that end within it, and the one under
+        way at `budget_s` if it starts strictly before. What a simulator engine can run
+        before an arrival at `budget_s` could change the batch. One pricing of `shape`."""
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
+            raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
+        if not budget_s > 0:
+            raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
+        lines = self._run_lines(shape)
+        k = self._steps_within(lines, budget_s, max_steps)
+        total = self._run_total(*lines, k)
+        if k < max_steps and total < budget_s:
+            k += 1
+            total = self._run_total(*lines, k)
+        return k, total
+
+    def _steps_within(self, lines: tuple[float, float, float, float, float], budget_s: float,
+                      max_steps: int | None) -> int:
+        fixed, a, b, c, d = lines
         first = fixed + max(a, c)
         if first <= 0 or budget_s == math.inf:
             if max_steps is None:

@@ -164,22 +164,22 @@ class Replica:
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum)
         cost = self.cost_model
         budget = self.feed.next_s - now
-        if budget < math.inf:
-            if budget <= 0:
-                return None
+        if budget == math.inf:
+            duration = cost.decode_run_duration(shape, k)[0]
+        elif budget <= 0:
+            return None
+        elif sched.charges_service:
+            # the policy accounts service, which an arrival may read: the run ends by it
+            k = cost.decode_run_steps_within(shape, budget, k)
+            duration = cost.decode_run_duration(shape, k)[0]
+        else:
             # Steps that start before the next arrival cannot see it: the run takes those
             # ending by then and the one under way when it comes (unless that one would
-            # start at the arrival itself, which then joins it) — but only the former
-            # when the policy accounts service, which the arrival may read.
-            m = cost.decode_run_steps_within(shape, budget, k)
-            if m < k and not sched.charges_service \
-                    and cost.decode_run_duration(shape, m)[0] < budget:
-                m += 1
-            k = m
-            if k < 2:
-                return None
+            # start at the arrival itself, which then joins it).
+            k, duration = cost.decode_run_until(shape, k, budget)
+        if k < 2:
+            return None
         sched.advance_decodes(k)
-        duration = cost.decode_run_duration(shape, k)[0]
         bm = sched.bm
         self.steps.append(StepRecord(
             start_s=now, duration_s=duration, num_prefill_tokens=0, num_decode_tokens=num_seqs,

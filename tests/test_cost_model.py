@@ -324,6 +324,36 @@ def test_steps_within_budget_is_the_largest_fitting_run(setup, shape, frac, hori
     assert capped == min(k, horizon // 2)
 
 
+@settings(max_examples=150, deadline=None)
+@given(setup=st.sampled_from(sorted(SETUPS)), shape=shapes(), frac=st.floats(0.001, 1.5),
+       horizon=st.integers(1, 2000), cap=st.integers(0, 2500))
+def test_run_until_takes_every_step_that_starts_before_the_budget(setup, shape, frac, horizon, cap):
+    cm = SETUPS[setup]
+    if cm.step_time(shape) <= 0:
+        return
+    budget = frac * cm.decode_run_duration(shape, horizon)[0]
+    k, total = cm.decode_run_until(shape, cap, budget)
+    assert total == cm.decode_run_duration(shape, k)[0]
+    assert k <= cap
+    if k:   # its last step starts before the budget ...
+        assert cm.decode_run_duration(shape, k - 1)[0] < budget
+    if k < cap:   # ... and the next one would not
+        assert total >= budget
+
+
+def test_run_until_edges(llama7b_a100):
+    shape = decode(16, 1000)
+    first = llama7b_a100.step_time(shape)
+    assert llama7b_a100.decode_run_until(shape, 10, first * 0.5) == (1, first)  # under way
+    k, total = llama7b_a100.decode_run_until(shape, 10, first)  # the second starts at the budget
+    assert (k, total) == (1, first)
+    assert llama7b_a100.decode_run_until(shape, 0, first)[0] == 0
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        llama7b_a100.decode_run_until(shape, 5, 0.0)
+    with pytest.raises(ValueError, match="max_steps must be an integer >= 0"):
+        llama7b_a100.decode_run_until(shape, -1, 1.0)
+
+
 def test_steps_within_edges(llama7b_a100):
     shape = decode(16, 1000)
     first = llama7b_a100.step_time(shape)
