@@ -96,6 +96,28 @@ def test_an_arrival_at_a_step_end_joins_the_next_step(fast_forward):
     assert (step.start_s, step.num_prefill_tokens, step.num_decode_tokens) == (d0, 32, 1)
 
 
+def test_a_run_takes_the_step_under_way_at_an_arrival_and_publishes_a_reject_with_it():
+    """An arrival in the middle of a decode step only joins the next one, so the run
+    ends with that step, not before it; a request rejected on arrival then is
+    published (what a router sees) when the next step ends, as stepping one by one."""
+    d0 = prefill(64)
+    at = d0 + 20.5 * decode(65)   # halfway through the 21st decode step
+    runs = {}
+    for fast_forward in (True, False):
+        c = cluster([Request(0, 0.0, 64, 100), Request(1, at, 5000, 4)], fast_forward=fast_forward)
+        published = None
+        while c.env.peek() < math.inf:
+            c.env.step()
+            if published is None and c.replicas[0].records:
+                published = c.env.now
+        runs[fast_forward] = published, [(s.start_s, s.num_steps) for s in c.step_records()]
+    (fast_published, fast_rows), (slow_published, slow_rows) = runs[True], runs[False]
+    assert fast_rows[1][1] == 21               # 20 whole decode steps + the one under way
+    assert math.isclose(fast_rows[2][0], slow_rows[22][0], rel_tol=1e-12)
+    assert slow_published == pytest.approx(slow_rows[23][0], rel=1e-12)  # the next step's end
+    assert fast_published == pytest.approx(slow_published, rel=1e-12)
+
+
 def test_a_request_that_can_never_run_is_rejected_at_arrival():
     reqs = [Request(0, 0.5, 5000, 4), Request(1, 0.7, 10, 4)]
     c = cluster(reqs)
