@@ -19,6 +19,8 @@ or a clock or keeps state between calls, so runs in one process (a sweep) are in
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import sys
@@ -195,6 +197,23 @@ def load_config(path: str | Path) -> SimulationConfig:
 
 
 # --------------------------------------------------------------------------- building a run
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector. Loading a trace and simulating create
+    millions of long-lived, acyclic objects (requests, records, block tables), and the
+    collector's passes over them cost 3-5 % of a run; the few cycles made meanwhile
+    (hundreds per 10,000 requests) are collected when it resumes. Nested pauses and
+    an already disabled collector are left as they were."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 @dataclass(frozen=True)
 class SimulationResult:
     config: SimulationConfig
@@ -223,7 +242,8 @@ class Simulation:
         from servelab.simulator.router import make_router
 
         self.config = c = config
-        self.trace = load_workload(c)
+        with _gc_paused():
+            self.trace = load_workload(c)
         model = load_model_spec(c.model)
         cost = CostModel(model, get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
                          kv_dtype=c.kv_dtype, block_size=c.block_size)
@@ -241,8 +261,10 @@ class Simulation:
                             enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager)
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
                       for _ in range(c.replicas)]
-        self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas),
-                               self.trace.to_requests(c.seed), fast_forward=c.fast_forward)
+        with _gc_paused():
+            requests = self.trace.to_requests(c.seed)
+        self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
+                               fast_forward=c.fast_forward)
 
     def derived(self) -> dict[str, Any]:
         cost, trace = self.cost_model, self.trace
@@ -263,11 +285,12 @@ class Simulation:
         from servelab.reports.metrics import summarize
 
         cluster = self.cluster
-        cluster.run(progress)
-        requests, steps = cluster.request_records(), cluster.step_records()
-        c = self.config
-        summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms, slo_tpot_ms=c.slo_tpot_ms,
-                            tenant_weights=c.tenant_weights)
+        with _gc_paused():
+            cluster.run(progress)
+            requests, steps = cluster.request_records(), cluster.step_records()
+            c = self.config
+            summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms,
+                                slo_tpot_ms=c.slo_tpot_ms, tenant_weights=c.tenant_weights)
         return SimulationResult(c, requests, steps, summary, self.derived())
 
 
@@ -317,8 +340,9 @@ def write_run_dir(result: SimulationResult, out_dir: Path) -> None:
                                          "config": result.config.to_dict(),
                                          "derived": result.derived})
     write_json(out_dir / "summary.json", result.summary)
-    write_requests_csv(out_dir / "requests.csv", result.requests)
-    write_steps_csv(out_dir / "steps.csv", result.steps)
+    with _gc_paused():  # formatting makes a tuple per row: all garbage without cycles
+        write_requests_csv(out_dir / "requests.csv", result.requests)
+        write_steps_csv(out_dir / "steps.csv", result.steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,3 +168,31 @@ def test_progress_bar_shows_requests_and_simulated_time():
     bar(12.5, 3, 10)
     bar.close()
     assert stream.getvalue() == "\r[###.......] 3/10 requests  simulated 12.5 s\n"
+
+
+def test_the_collector_is_paused_while_simulating_and_restored_after(tmp_path, trace_file):
+    """Loading, simulating and writing run with the cyclic collector paused (a speed-up);
+    it is on again afterwards, and a caller that disabled it keeps it disabled."""
+    import gc
+
+    from servelab.simulator import run as run_module
+
+    seen = []
+    config = SimulationConfig(trace=str(trace_file), model="tiny-llama", gpu="h100-sxm")
+    sim = run_module.build_simulation(config)
+    cluster_run = sim.cluster.run
+    sim.cluster.run = lambda progress=None: seen.append(gc.isenabled()) or cluster_run(progress)
+    assert gc.isenabled()
+    sim.run()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        sim = run_module.build_simulation(config)
+        sim.run()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError):
+        with run_module._gc_paused():
+            raise RuntimeError("a failing run")
+    assert gc.isenabled()
