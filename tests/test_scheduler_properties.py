@@ -1,10 +1,13 @@
 """Property tests of the scheduler core: random traces × random configurations."""
 from __future__ import annotations
 
+import contextlib
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
+from servelab.policies.scheduler import Scheduler
 from servelab.request import Request
 
 from sched_harness import FakeExecutor, simulate
@@ -121,6 +124,53 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
     assert by_id(a) == by_id(b)  # requests ending in one step come out in listing order
     assert a.fast_forwarded == b.fast_forwarded
     assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
+
+
+@contextlib.contextmanager
+def _no_admission_memo():
+    """A scheduler that re-checks a waiting head's allocation every time."""
+    original = Scheduler._known_later
+    Scheduler._known_later = lambda self, req: False
+    try:
+        yield
+    finally:
+        Scheduler._known_later = original
+
+
+@SETTINGS
+@given(workloads(), st.booleans())
+def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
+    """The scheduler skips re-checking a waiting head that could not get memory until
+    more blocks are free than then (`_known_later`); that never changes a decision:
+    every step and record equal those of a scheduler that checks every time."""
+    reqs, sched, cache, policy, options = w
+    a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
+                 fast_forward=fast_forward)
+    with _no_admission_memo():
+        b = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
+                     fast_forward=fast_forward)
+    assert _decisions(a) == _decisions(b)
+    assert sorted(a.records, key=lambda r: r.request_id) == \
+        sorted(b.records, key=lambda r: r.request_id)
+    assert a.fast_forwarded == b.fast_forwarded
+
+
+def test_admission_memo_at_the_boundary():
+    """A waiting head that needs one block more than were free when it was refused, then
+    one block freed: it must be admitted at once. Swept over sizes so that some case
+    frees exactly the block that makes the head fit."""
+    diverged = []
+    for num_blocks in range(6, 14):
+        for head_prompt in range(9, 40, 2):
+            reqs = [Request(0, 0.0, 12, 30), Request(1, 0.0, 3, 2), Request(2, 0.001, 5, 9),
+                    Request(3, 0.002, head_prompt, 3)]
+            cache = CacheConfig(block_size=4, num_gpu_blocks=num_blocks)
+            a = simulate([r.fresh_copy() for r in reqs], SchedulerConfig(), cache)
+            with _no_admission_memo():
+                b = simulate([r.fresh_copy() for r in reqs], SchedulerConfig(), cache)
+            if _decisions(a) != _decisions(b):
+                diverged.append((num_blocks, head_prompt))
+    assert not diverged
 
 
 @SETTINGS
