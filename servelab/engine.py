@@ -53,15 +53,10 @@ def engine_step(scheduler, executor: Executor, now: float, kv_blocks_total: int,
     result = executor.execute(output)
     records = scheduler.update(output, result)
     shape = result.shape or BatchShape.from_output(output)
-    step = StepRecord(
-        start_s=now, duration_s=result.duration_s,
-        num_prefill_tokens=shape.num_prefill_tokens, num_decode_tokens=shape.num_decode_seqs,
-        num_prefill_seqs=shape.num_prefill_seqs, num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting, num_swapped=scheduler.num_swapped,
-        kv_blocks_used=kv_blocks_used(), kv_blocks_total=kv_blocks_total,
-        num_preempted=len(output.preempted), num_steps=1,
-        prefill_context_sum=shape.prefill_context_sum,
-        prefill_q_context_sum=shape.prefill_q_context_sum,
-        prefill_q_sq_sum=shape.prefill_q_sq_sum, decode_context_sum=shape.decode_context_sum,
-        num_swap_blocks=shape.num_swap_blocks, num_copy_blocks=shape.num_copy_blocks)
+    step = StepRecord(  # positional, in field order (see StepRecord)
+        now, result.duration_s, shape.num_prefill_tokens, shape.num_decode_seqs,
+        shape.num_prefill_seqs, scheduler.num_running, scheduler.num_waiting,
+        scheduler.num_swapped, kv_blocks_used(), kv_blocks_total, len(output.preempted), 1,
+        shape.prefill_context_sum, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
+        shape.decode_context_sum, shape.num_swap_blocks, shape.num_copy_blocks)
     return EngineStep(output, result, records, step)

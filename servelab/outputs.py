@@ -109,7 +109,7 @@ class StepResult:
     sampled: dict[SeqId, list[int]] | None = None
     """Tokens drawn per scheduled sequence (num_samples of them); None when the
     executor produces no real tokens (simulation): the scheduler then counts tokens."""
-    stopped: set[SeqId] = field(default_factory=set)
+    stopped: set[SeqId] | frozenset[SeqId] = frozenset()
     """Sequences whose last drawn token ends them (EOS) before their target length."""
     shape: BatchShape | None = None
     """The step's BatchShape, if the executor computed it (the engine step reuses it)."""

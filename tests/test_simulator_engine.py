@@ -200,3 +200,14 @@ def test_least_outstanding_spreads_a_burst_over_replicas():
     assert all(r.outstanding == 0 for r in c.replicas)
     starts = [s.start_s for s in c.step_records()]
     assert starts == sorted(starts)
+
+
+def test_step_record_field_order_is_what_the_positional_builders_assume():
+    """engine_step and the fast-forward build StepRecords positionally: a reordered
+    field would silently swap columns, so the order is pinned here."""
+    from servelab.records import StepRecord
+    assert StepRecord.field_names() == [
+        "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+        "num_running", "num_waiting", "num_swapped", "kv_blocks_used", "kv_blocks_total",
+        "num_preempted", "num_steps", "prefill_context_sum", "prefill_q_context_sum",
+        "prefill_q_sq_sum", "decode_context_sum", "num_swap_blocks", "num_copy_blocks"]
