@@ -80,6 +80,11 @@ class BlockManager(abc.ABC):
     Block counts then stay exact, but between boundaries a batched sequence's token
     count here (and `usage().token_slots_used`) lags until `Scheduler.sync()`."""
 
+    later_is_monotone: bool = False
+    """True if, for a sequence without cached prefix contents, `can_allocate` answering
+    LATER means it stays LATER while `num_free_blocks` does not grow (paging: yes). The
+    scheduler then does not re-check a waiting head until memory is freed."""
+
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,

@@ -82,6 +82,7 @@ class PagedBlockManager(BlockManager):
     """
 
     grows_by_block = True
+    later_is_monotone = True
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
                  "_seqs", "_refcount", "_free", "_cache", "_cpu_refcount", "_cpu_free",

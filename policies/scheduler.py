@@ -99,8 +99,9 @@ class Scheduler:
         self._joins = 0
         self._pending_batch: DecodeBatch | None = None  # scheduled, not yet updated
         # The last request whose allocation was LATER: (request, tokens, free blocks then).
-        # Only where LATER is monotone in free blocks (see `_known_later`).
-        self._memo_later = block_manager.grows_by_block and not enable_prefix_caching
+        # Only where LATER is monotone in free blocks (see `_known_later`): prefix hits
+        # make a request's need depend on what is cached.
+        self._use_later_memo = block_manager.later_is_monotone and not enable_prefix_caching
         self._later_memo: tuple[Request, int, int] | None = None
 
     # ------------------------------------------------------------------ arrivals
@@ -375,7 +376,7 @@ class Scheduler:
 
     def _schedule_batch(self, out: SchedulerOutput, step: "_Step") -> None:
         """Every batched sequence decodes one token; those whose token starts a new block
-        get their slots since they last grew, in one `append_slots`."""
+        get their slots since they last grew, together in one `append_slots_many`."""
         tick = self._tick
         bucket = self._buckets[tick % self.block_size].values()
         if bucket:
@@ -625,7 +626,7 @@ class Scheduler:
                 for d in done:
                     bm.free(d.seq_id)
                     d.num_computed_tokens = 0
-                if status is AllocStatus.LATER and not done and self._memo_later:
+                if status is AllocStatus.LATER and not done and self._use_later_memo:
                     self._later_memo = (req, s.num_tokens, bm.num_free_blocks)
                 return status
             s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents,
@@ -638,8 +639,9 @@ class Scheduler:
     def _known_later(self, req: Request) -> bool:
         """Is `req` known not to fit (LATER) with the memory free now? True when its
         allocation already failed with as many free blocks or more and it has not grown
-        since (with paging and no prefix caching, LATER means free < need + watermark:
-        fewer free blocks cannot make it fit). Single-sequence requests only. Saves the
+        since (the block manager declares `later_is_monotone`: with paging and no prefix
+        caching, LATER means free < need + watermark, and fewer free blocks cannot make it
+        fit). Single-sequence requests only. Saves the
         repeated check in an engine whose waiting head waits for memory step after step.
         O(1)."""
         memo_req, tokens, free = self._later_memo
