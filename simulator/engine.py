@@ -17,10 +17,11 @@ instant, in trace order.
 Fast-forward. After each step the engine asks the scheduler how many of the next steps
 are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
 the steps that start before the next arrival this replica can receive (those that end by
-then, from `decode_run_steps_within` on the run's `BatchShape`, and the one under way
-when it comes: an arrival only joins the step after), applies them at once
-(`advance_decodes`) and sleeps the run's closed-form duration (`decode_run_duration`), writing one steps.csv row with `num_steps`
-= k. The scheduler's state and every request record come out as if the k steps had run
+then and the one under way when it comes, which it cannot join: `decode_run_until` on
+the run's `BatchShape`; under a policy that accounts service, which an arrival may read,
+only those that end by then), applies them at once (`advance_decodes`) and sleeps the
+run's closed-form duration, writing one steps.csv row with `num_steps` = k. The
+scheduler's state and every request record come out as if the k steps had run
 one by one (`fast_forward=False` does that; a property test compares the two), up to
 float rounding of the summed step times — and so, in principle, up to which side of a
 float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
