@@ -315,7 +315,7 @@ def _write_csv(path: PathLike, columns: Sequence[str], codecs: dict[str, _Codec]
             texts = ["".join(column) for name, column in zip(columns, cells) if codecs[name].text]
             if not any(c in text for text in texts for c in _QUOTED_CHARS):
                 # no cell needs quoting (numbers cannot): skip the csv module's checks
-                f.write("".join(",".join(row) + "\n" for row in zip(*cells)))
+                f.write("\n".join(map(",".join, zip(*cells))) + "\n")  # a chunk has >= 1 row
                 continue
             has_cr = any("\r" in text for text in texts)
             if not has_cr:
