@@ -135,7 +135,8 @@ class BlockManager(abc.ABC):
         (`can_append_slots`), so bad input and a sequence with no room change nothing;
         only growths that fit one at a time but not together (they compete for the same
         free blocks) can fail halfway. Managers override it with one pass over the batch
-        that checks the whole batch first (paging does)."""
+        that checks the whole batch first (paging does, counting copy-on-write copies as
+        the calls in turn make them: a manager that shares blocks should override it)."""
         ids = [seq_id for seq_id, _ in growth]
         if len(set(ids)) != len(ids):
             raise BlockManagerError(f"append_slots_many: a sequence is listed twice in {ids!r}")

@@ -271,17 +271,24 @@ class PagedBlockManager(BlockManager):
         return self._append_slots_each(growth)
 
     def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """append_slots_many's general path (copies, eviction), checked as a whole first."""
+        """append_slots_many's general path (copies, eviction), checked as a whole first.
+        The blocks needed are counted as the calls in turn will take them: a sequence
+        that copies a shared partial block drops a reference to it, so the last of its
+        holders in the batch may write in place."""
         ids = unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
         need = 0
         refcount = self._refcount
+        copied: dict[int, int] = {}   # shared block -> holders that copied it so far
         bs = self.block_size
         for seq_id, n in growth:
             seq = self._gpu_seq("append_slots_many", seq_id)
             check_count("append_slots_many", "num_new_tokens", n, 0)
             t = seq.num_tokens
             need += (t + n + bs - 1) // bs - len(seq.blocks)
-            need += bool(n and t % bs and refcount[seq.blocks[-1]] > 1)
+            last = seq.blocks[-1]
+            if n and t % bs and refcount[last] - copied.get(last, 0) > 1:
+                copied[last] = copied.get(last, 0) + 1
+                need += 1
         if need > self.num_free_blocks:
             raise BlockManagerError(f"append_slots_many: no room to grow {ids!r}: needs "
                                     f"{need} blocks, {self.num_free_blocks} free")

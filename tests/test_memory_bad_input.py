@@ -111,6 +111,19 @@ def test_paged_append_many_checks_the_batch_as_a_whole():
     assert m.append_slots_many([("x", 4), ("y", 4)]) == [] and m.num_free_blocks == 0
 
 
+def test_paged_append_many_counts_copies_as_one_by_one_does():
+    """Three holders of a shared partial block all grow: the first two copy it, the last
+    writes in place (it is the only holder by then). Two free blocks are enough."""
+    m = PagedBlockManager(4, 4)
+    alloc(m, "p", 6)                    # 2 blocks, the last half full
+    m.fork("p", "c1")
+    m.fork("p", "c2")
+    assert m.num_free_blocks == 2
+    copies = m.append_slots_many([("p", 1), ("c1", 1), ("c2", 1)])
+    assert len(copies) == 2 and m.num_free_blocks == 0
+    m.check_invariants()
+
+
 def test_append_without_room(m):
     assert_rejected(m, lambda: m.append_slots("a", 64),
                     "append_slots: no room for 64 more tokens of sequence 'a'")
