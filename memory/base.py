@@ -66,6 +66,14 @@ class BlockUsage:
         return 1.0 - self.token_slots_used / self.token_slots_allocated
 
 
+def unique_ids(op: str, seq_ids: Iterable[Hashable]) -> list[Hashable]:
+    """The ids as a list, or BlockManagerError if one is listed twice."""
+    ids = list(seq_ids)
+    if len(set(ids)) != len(ids):
+        raise BlockManagerError(f"{op}: a sequence is listed twice in {ids!r}")
+    return ids
+
+
 class BlockManager(abc.ABC):
     block_size: int
     num_gpu_blocks: int
@@ -137,9 +145,7 @@ class BlockManager(abc.ABC):
         free blocks) can fail halfway. Managers override it with one pass over the batch
         that checks the whole batch first (paging does, counting copy-on-write copies as
         the calls in turn make them: a manager that shares blocks should override it)."""
-        ids = [seq_id for seq_id, _ in growth]
-        if len(set(ids)) != len(ids):
-            raise BlockManagerError(f"append_slots_many: a sequence is listed twice in {ids!r}")
+        unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
         for seq_id, num_new_tokens in growth:
             if not self.can_append_slots(seq_id, num_new_tokens):
                 raise BlockManagerError(f"append_slots_many: no room for {num_new_tokens} more "

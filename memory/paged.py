@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
-from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
+from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
@@ -60,13 +60,6 @@ def check_count(op: str, name: str, value: object, lo: int) -> None:
     """Method argument check: an int >= lo, else BlockManagerError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise BlockManagerError(f"{op}: {name} must be an integer >= {lo}, got {value!r}")
-
-
-def unique_ids(op: str, seq_ids: Iterable[Hashable]) -> list[Hashable]:
-    ids = list(seq_ids)
-    if len(set(ids)) != len(ids):
-        raise BlockManagerError(f"{op}: a sequence is listed twice in {ids!r}")
-    return ids
 
 
 class PagedBlockManager(BlockManager):
