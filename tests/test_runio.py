@@ -92,6 +92,27 @@ def test_steps_round_trip(tmp_path):
     assert read_steps_csv(path) == STEPS
 
 
+@pytest.mark.parametrize("values", [
+    [0, 1, 2, 32767],              # all small: formatted from the table of small ints
+    [0, 32768], [-1, 5], [3, 2**40, 7], [True, 1],
+])
+def test_int_columns_are_written_as_str(tmp_path, values):
+    """An int cell is str(int) whether it comes from the small-int table or not; a bool
+    is not an int cell."""
+    records = [RequestRecord(i, 0.0, 1, 0, "rejected", priority=v) for i, v in enumerate(values)]
+    path = tmp_path / "r.csv"
+    if any(type(v) is bool for v in values):
+        with pytest.raises(ValueError, match="priority"):
+            write_requests_csv(path, records)
+        assert not path.exists()
+        return
+    write_requests_csv(path, records)
+    column = REQUEST_COLUMNS.index("priority")
+    cells = [line.split(",")[column] for line in path.read_text().splitlines()[1:]]
+    assert cells == [str(v) for v in values]
+    assert [r.priority for r in read_requests_csv(path)] == values
+
+
 def test_empty_files_round_trip(tmp_path):
     write_requests_csv(tmp_path / "r.csv", [])
     write_steps_csv(tmp_path / "s.csv", [])
