@@ -12,7 +12,11 @@ group to a CPU pool with its own capacity and back.
 
 Costs. Free blocks sit on a LIFO stack (a Python list): taking n blocks is one slice and
 giving one back is an append, O(1) per block, and the most recently freed block is reused
-first, which keeps the working set compact. Every operation works per block, never per
+first, which keeps the working set compact. Without a prefix cache a free block's
+reference count is *parked* at 1, the count a block gets when it is taken, and the
+manager keeps the total of references beyond the first (`_extra_refs`, from forks and
+swaps): while that is 0, taking blocks and freeing a sequence write no count at all, and
+a free is one `extend` of the free stack. Every operation works per block, never per
 token: appending k tokens costs O(1 + new blocks), `can_append_slots` is O(1).
 Allocation, free and swap are O(blocks of the sequences involved); a prefix-cache lookup
 adds one hash and one content comparison per looked-up block.
@@ -78,7 +82,8 @@ class PagedBlockManager(BlockManager):
     later_is_monotone = True
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
-                 "_seqs", "_refcount", "_free", "_cache", "_cpu_refcount", "_cpu_free",
+                 "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache", "_cpu_refcount",
+                 "_cpu_free",
                  "_slots_used", "_prefix_queries", "_prefix_hits")
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
@@ -95,9 +100,15 @@ class PagedBlockManager(BlockManager):
             raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
                              f"got {enable_prefix_caching!r}")
         self._seqs: dict[Hashable, _SeqBlocks] = {}
-        self._refcount = [0] * num_gpu_blocks
         self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
         self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
+        self._parked = 0 if enable_prefix_caching else 1
+        """What a free block's count reads: 1 (see the module docstring), or 0 with a
+        prefix cache, where 0 is how an evictable cached block is told from a used one."""
+        self._refcount = [self._parked] * num_gpu_blocks
+        """GPU block-table references of each used block; free blocks read `_parked`."""
+        self._extra_refs = 0
+        """Sum over GPU blocks of (references - 1) where above 1: 0 means nothing is shared."""
         self._cpu_refcount = [0] * num_cpu_blocks
         self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
         self._slots_used = 0
@@ -143,10 +154,13 @@ class PagedBlockManager(BlockManager):
                 if not refcount[b]:
                     cache.touch(b)
                     self._slots_used += bs
+                else:
+                    self._extra_refs += 1
                 refcount[b] += 1
         new = self._take(num_blocks - len(hits))
-        for b in new:
-            refcount[b] = 1
+        if not self._parked:
+            for b in new:
+                refcount[b] = 1
         self._slots_used += num_tokens - len(hits) * bs
         self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
                                         len(hits), match.last_hash, match.last_entry_id)
@@ -210,14 +224,16 @@ class PagedBlockManager(BlockManager):
                 src = blocks[-1]
                 dst, = self._take(1)
                 refcount[src] -= 1
+                self._extra_refs -= 1
                 refcount[dst] = 1
                 blocks[-1] = dst
                 copies.append((src, dst))
                 self._slots_used += filled
             if need:
                 new = self._take(need)
-                for b in new:
-                    refcount[b] = 1
+                if not self._parked:
+                    for b in new:
+                        refcount[b] = 1
                 blocks += new
         seq.num_tokens = t + num_new_tokens
         self._slots_used += num_new_tokens
@@ -250,13 +266,20 @@ class PagedBlockManager(BlockManager):
             free = self._free
             if total <= len(free):  # no eviction: blocks come straight off the free stack
                 slots = 0
+                parked = self._parked
                 for seq, n, need in plan:
-                    if need:
-                        blocks = seq.blocks
-                        for _ in range(need):
-                            b = free.pop()
+                    if need == 1:
+                        b = free.pop()
+                        if not parked:
                             refcount[b] = 1
-                            blocks.append(b)
+                        seq.blocks.append(b)
+                    elif need:
+                        new = free[:-need - 1:-1]  # top of the stack first, as _take
+                        del free[-need:]
+                        if not parked:
+                            for b in new:
+                                refcount[b] = 1
+                        seq.blocks += new
                     seq.num_tokens += n
                     slots += n
                 self._slots_used += slots
@@ -326,6 +349,7 @@ class PagedBlockManager(BlockManager):
         refcount = self._refcount
         for b in parent.blocks:
             refcount[b] += 1
+        self._extra_refs += len(parent.blocks)
         self._seqs[child_seq_id] = _SeqBlocks(
             list(parent.blocks), parent.num_tokens, True,
             parent.contents[:parent.num_tokens // self.block_size], parent.num_committed,
@@ -372,8 +396,13 @@ class PagedBlockManager(BlockManager):
         refcount = self._refcount
         released = []
         for gpu_block, (refs, filled) in moving.items():
-            refcount[gpu_block] -= refs
-            if not refcount[gpu_block]:
+            left = refcount[gpu_block] - refs
+            if left:
+                refcount[gpu_block] = left
+                self._extra_refs -= refs
+            else:
+                refcount[gpu_block] = self._parked
+                self._extra_refs -= refs - 1
                 released.append(gpu_block)
                 self._slots_used -= filled
         if self._cache is None:
@@ -408,6 +437,7 @@ class PagedBlockManager(BlockManager):
         mapping = {}
         for (cpu_block, (refs, filled)), gpu_block in zip(moving.items(), gpu_blocks):
             refcount[gpu_block] = refs
+            self._extra_refs += refs - 1
             self._slots_used += filled
             mapping[cpu_block] = gpu_block
             cpu_refcount[cpu_block] -= refs
@@ -544,30 +574,33 @@ class PagedBlockManager(BlockManager):
         return taken
 
     def _release(self, blocks: list[int], num_tokens: int) -> None:
-        """Drop one reference to each of a sequence's GPU blocks, last block first."""
+        """Drop one reference to each of a sequence's GPU blocks, last block first.
+        O(1) Python steps when nothing is shared and no prefix cache is kept: every
+        block goes back, its count parked at 1 already."""
+        if self._parked and not self._extra_refs:
+            self._free.extend(reversed(blocks))
+            self._slots_used -= num_tokens
+            return
         refcount = self._refcount
         bs = self.block_size
-        if self._cache is None:
-            free = self._free
-            start = len(free)
-            for b in reversed(blocks):
-                if refcount[b] == 1:
-                    refcount[b] = 0
-                    free.append(b)
-                else:
-                    refcount[b] -= 1
-            released = (len(free) - start) * bs
+        last_released = refcount[blocks[-1]] == 1
+        unreferenced = []
+        extra = 0
+        for b in reversed(blocks):
+            if refcount[b] == 1:
+                unreferenced.append(b)
+            else:
+                refcount[b] -= 1
+                extra += 1
+        self._extra_refs -= extra
+        released = len(unreferenced) * bs
+        if self._parked:
+            self._free += unreferenced
         else:
-            unreferenced = []
-            for b in reversed(blocks):
-                if refcount[b] == 1:
-                    refcount[b] = 0
-                    unreferenced.append(b)
-                else:
-                    refcount[b] -= 1
-            released = len(unreferenced) * bs
+            for b in unreferenced:
+                refcount[b] = 0
             self._cache.release(unreferenced, self._free)
-        if not refcount[blocks[-1]]:  # the last block was only partly filled
+        if last_released:  # the last block was only partly filled
             released -= len(blocks) * bs - num_tokens
         self._slots_used -= released
 
@@ -594,7 +627,12 @@ class PagedBlockManager(BlockManager):
             if seq.on_gpu and seq.num_tokens % bs and self._cache is not None:
                 _require(not self._cache.is_cached(blocks[-1]),
                          f"sequence {seq_id!r}: partial block {blocks[-1]} is cached")
-        _require(refs == self._refcount, "GPU reference counts differ from the block tables")
+        parked = list(refs)
+        for b in self._free:
+            parked[b] = self._parked
+        _require(parked == self._refcount, "GPU reference counts differ from the block tables")
+        _require(self._extra_refs == sum(r - 1 for r in refs if r > 1),
+                 f"extra reference total {self._extra_refs} differs from the block tables")
         _require(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
         _check_pool("GPU", self._free, refs)
         _check_pool("CPU", self._cpu_free, cpu_refs)
