@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from servelab.traces import loaders
 from servelab.traces.loaders import FAILED_REASON, detect_format, load_trace
@@ -293,3 +295,67 @@ def test_ties_are_in_order_and_kept(tmp_path):
 def test_on_bad_row_must_be_known(tmp_path):
     with pytest.raises(ValueError, match="on_bad_row"):
         load_trace(_write(tmp_path, SPLIT + "1,1,1\n"), on_bad_row="skip")
+
+
+# ----------------------------------------------------------------------------- bulk servelab path
+_SERVELAB_HEAD = "arrival_s,prompt_tokens,output_tokens,tenant,priority,slo_ttft_ms,slo_tpot_ms,prefix_block_size,prefix_hashes"
+_CELLS = {  # per column: clean values the bulk path takes, and odd ones it must leave to the row parser
+    "arrival_s": ["0", "0.5", "1e2", "3.25", "-0.0", "-1", " 2", "nan", "1e999", "+4", ".5", "7."],
+    "prompt_tokens": ["1", "12", "4096", "0", "12.0", "2147483648", " 9", "x"],
+    "output_tokens": ["1", "7", "300", "-3", "1e3", "2147483648"],
+    "tenant": ["", "a", "team b", "\u00e9t\u00e9", "x\ty", "\u2028"],
+    "priority": ["", "0", "-2", "15", "1.0", " 3", "+1", "p"],
+    "slo_ttft_ms": ["", "500", "0.5", "0", "-1", "inf", " 9"],
+    "slo_tpot_ms": ["", "50", "1e1", "nan"],
+    "prefix_block_size": ["", "", "", "16"],
+    "prefix_hashes": ["", "", "", "1 2"],
+}
+
+
+@st.composite
+def _servelab_files(draw):
+    columns = _SERVELAB_HEAD.split(",")
+    keep = draw(st.lists(st.sampled_from(columns[3:]), unique=True))
+    required = [c for c in columns[:3] if c != draw(st.sampled_from([None, None, None, *columns[:3]]))]
+    header = required + [c for c in columns[3:] if c in keep] + draw(st.sampled_from([[], ["note"]]))
+    rows = []
+    for _ in range(draw(st.integers(1, 6))):
+        odd = draw(st.sampled_from([None, *header]))  # at most one odd cell a row
+        row = [draw(st.sampled_from(_CELLS[c] if c == odd else _CELLS[c][:3])) if c in _CELLS else "n"
+               for c in header]
+        rows.append(",".join(row))
+    if draw(st.booleans()):
+        rows.sort(key=lambda r: r.split(",")[0])
+    return ",".join(header) + "\n" + "\n".join(rows) + "\n"
+
+
+def _load_or_error(path, on_bad_row):
+    try:
+        t = load_trace(path, "servelab", on_bad_row=on_bad_row)
+    except TraceError as exc:
+        return type(exc), str(exc)
+    return t.records, t.source_rows, t.dropped, t.notes
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_servelab_files(), on_bad_row=st.sampled_from(["error", "drop"]))
+def test_servelab_bulk_path_agrees_with_the_row_parser(tmp_path, monkeypatch, text, on_bad_row):
+    """The bulk path for servelab's own format gives what the row parser gives, or leaves
+    the file to it: same records, counts and notes, or the same error."""
+    path = _write(tmp_path, text)
+    fast = _load_or_error(path, on_bad_row)
+    with monkeypatch.context() as m:
+        m.setattr(loaders, "fast_servelab", lambda *a, **k: None)
+        slow = _load_or_error(path, on_bad_row)
+    assert fast == slow
+
+
+def test_servelab_bulk_path_is_taken_for_a_clean_file(tmp_path, monkeypatch):
+    text = (_SERVELAB_HEAD + "\n0.5,10,3,a,-2,500,,,\n1.5,4,2,,,,1e1,,\n")
+    taken = []
+    real = loaders.fast_servelab
+    monkeypatch.setattr(loaders, "fast_servelab", lambda *a: taken.append(1) or real(*a))
+    a, b = load_trace(_write(tmp_path, text)).records
+    assert taken and (a.tenant, a.priority, a.slo_ttft_ms, a.slo_tpot_ms) == ("a", -2, 500.0, None)
+    assert (b.tenant, b.priority, b.slo_ttft_ms, b.slo_tpot_ms) == ("default", 0, None, 10.0)
+    assert real([line for line in text.splitlines()[1:]], _SERVELAB_HEAD.split(",")) is not None

@@ -63,6 +63,53 @@ def fast_columns(lines: list[str], names: list[str], roles: dict[str, int], azur
     return times, prompts, outputs
 
 
+_SERVELAB_CELLS = {  # the canonical format's columns; any other column is read as text
+    "arrival_s": _DECIMAL, "prompt_tokens": _LENGTH, "output_tokens": _LENGTH,
+    "tenant": r"([^,\n\"]*)", "priority": r"(-?\d{1,12})?",
+    "slo_ttft_ms": _DECIMAL + "?", "slo_tpot_ms": _DECIMAL + "?",
+    "prefix_block_size": "", "prefix_hashes": "",  # empty cells only: hashes go row by row
+}
+
+
+def fast_servelab(lines: list[str], names: list[str]):
+    """(times, prompts, outputs, extra fields per row) of a clean file in servelab's own
+    format (`traces.canonical`), or None to parse row by row. Accepted cells are those the
+    row parser reads without trimming or rounding: plain decimals, digit lengths, integer
+    priorities, printable tenants, positive SLOs, no prefix hashes."""
+    lowered = [n.lower() for n in names]
+    groups = [name for name in lowered if _SERVELAB_CELLS.get(name, _OTHER) not in ("", _OTHER)]
+    pattern = "^" + ",".join(_SERVELAB_CELLS.get(name, _OTHER) for name in lowered) + "$"
+    matches = re.compile(pattern, re.MULTILINE | re.ASCII).findall("\n".join(lines))
+    if len(matches) != sum(1 for line in lines if line and not line.isspace()):
+        return None
+    if len(groups) == 1:  # findall gives bare strings for a single group
+        matches = [(m,) for m in matches]
+    col = {name: [m[g] for m in matches] for g, name in enumerate(groups)}
+    prompts = list(map(int, col["prompt_tokens"]))
+    outputs = list(map(int, col["output_tokens"]))
+    times = list(map(float, col["arrival_s"]))
+    if prompts and (min(prompts) < 1 or min(outputs) < 1 or max(prompts) > MAX_LENGTH
+                    or max(outputs) > MAX_LENGTH or not min(times) >= 0
+                    or not math.isfinite(max(times))):
+        return None
+    if any(times[i] > times[i + 1] for i in range(len(times) - 1)):
+        return None
+    n = len(matches)
+    tenants = [t or "default" for t in col["tenant"]] if "tenant" in col else ["default"] * n
+    if not all(map(str.isprintable, tenants)):
+        return None
+    priorities = [int(p) if p else 0 for p in col["priority"]] if "priority" in col else [0] * n
+    slos = []
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        values = [float(v) if v else None for v in col[name]] if name in col else [None] * n
+        present = [v for v in values if v is not None]
+        if present and not (min(present) > 0 and math.isfinite(max(present))):
+            return None
+        slos.append(values)
+    extras = [(None, None, t, p, a, b) for t, p, a, b in zip(tenants, priorities, *slos)]
+    return times, prompts, outputs, extras
+
+
 def _azure_ns(matches: list[tuple], g: int) -> list[int] | None:
     """Integer ns since 0001-01-01: each distinct whole second is parsed once (an hour-long
     trace has at most 3,600), then only the fraction is converted per row."""

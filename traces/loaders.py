@@ -24,7 +24,7 @@ import os
 import re
 from typing import Callable
 
-from servelab.traces._fast import fast_columns, fast_mooncake
+from servelab.traces._fast import fast_columns, fast_mooncake, fast_servelab
 from servelab.traces._rows import (BadRow, RowSink, enforce_order, parse_int, parse_length,
                                    parse_number, read_lines, split_cells)
 from servelab.traces.record import MAX_HASH, Trace, TraceError, TraceFormatError, TraceRecord
@@ -140,6 +140,13 @@ def _parse(path: str, lines: list[str | None], header_no: int, header: str, fmt:
     if columns is not None:
         times, prompts, outputs = columns
         return times, prompts, outputs, None, len(prompts)
+    names = _clean_header(header)
+    if fmt == "servelab" and names is not None and None not in lines \
+            and set(_CSV_COLUMNS[fmt].values()) <= {name.lower() for name in names}:
+        columns = fast_servelab(lines[header_no:], names)
+        if columns is not None:
+            times, prompts, outputs, extras = columns
+            return times, prompts, outputs, extras, len(prompts)
     if fmt == "mooncake" and None not in lines:
         columns = fast_mooncake(lines[header_no - 1:])
         if columns is not None:
@@ -165,14 +172,23 @@ def _first_nonblank(lines: list[str | None]) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _clean_header(header: str) -> list[str] | None:
+    """The header's column names if the bulk paths can use them (no quotes, no name
+    twice), else None."""
+    if '"' in header:
+        return None
+    names = [c.strip() for c in header.split(",")]
+    return names if len({name.lower() for name in names}) == len(names) else None
+
+
 def _fast_columns(lines: list[str | None], header_no: int, header: str, fmt: str):
     """(times, prompts, outputs) of a clean CSV file via the bulk regex path (`_fast`), or
     None to parse row by row."""
-    if fmt not in ("azure", "splitwise", "lengths") or '"' in header or None in lines:
+    names = _clean_header(header)
+    if fmt not in ("azure", "splitwise", "lengths") or names is None or None in lines:
         return None
-    names = [c.strip() for c in header.split(",")]
     index = {name.lower(): i for i, name in enumerate(names)}
-    if len(index) != len(names) or not set(_CSV_COLUMNS[fmt].values()) <= index.keys():
+    if not set(_CSV_COLUMNS[fmt].values()) <= index.keys():
         return None
     roles = {role: index[name] for role, name in _CSV_COLUMNS[fmt].items()}
     return fast_columns(lines[header_no:], names, roles, azure_time=fmt == "azure")
