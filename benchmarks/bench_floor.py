@@ -3,11 +3,11 @@
 The simulator runs the shared scheduler, one engine step at a time, in SimPy. So a
 run costs at least
 
-    start-up + load + summarize + write + (engine steps that ran one by one) x (the
-    cheapest engine step there is)
+    start-up + load + write + (engine steps that ran one by one) x (the cheapest
+    engine step there is)
 
-Everything else a run does (admissions, prefill steps, finishes, fast-forward runs
-beyond their first step) only adds to that. This script measures each term:
+Everything else a run does (admissions, prefill steps, finishes, fast-forward runs,
+computing the summary) only adds to that. This script measures each term:
 
 - the fixed phases of the run itself (case (a), or a slice of case (b)'s trace), timed
   in-process in the order `servelab simulate` runs them; start-up is a fresh

@@ -82,9 +82,8 @@ class PagedBlockManager(BlockManager):
     later_is_monotone = True
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
-                 "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache", "_cpu_refcount",
-                 "_cpu_free",
-                 "_slots_used", "_prefix_queries", "_prefix_hits")
+                 "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache",
+                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits")
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  watermark_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
