@@ -77,13 +77,13 @@ def fast_servelab(lines: list[str], names: list[str]):
     row parser reads without trimming or rounding: plain decimals, digit lengths, integer
     priorities, printable tenants, positive SLOs, no prefix hashes."""
     lowered = [n.lower() for n in names]
+    if not {"arrival_s", "prompt_tokens", "output_tokens"} <= set(lowered):
+        return None  # the row parser names what is missing
     groups = [name for name in lowered if _SERVELAB_CELLS.get(name, _OTHER) not in ("", _OTHER)]
     pattern = "^" + ",".join(_SERVELAB_CELLS.get(name, _OTHER) for name in lowered) + "$"
     matches = re.compile(pattern, re.MULTILINE | re.ASCII).findall("\n".join(lines))
     if len(matches) != sum(1 for line in lines if line and not line.isspace()):
         return None
-    if len(groups) == 1:  # findall gives bare strings for a single group
-        matches = [(m,) for m in matches]
     col = {name: [m[g] for m in matches] for g, name in enumerate(groups)}
     prompts = list(map(int, col["prompt_tokens"]))
     outputs = list(map(int, col["output_tokens"]))

@@ -141,8 +141,7 @@ def _parse(path: str, lines: list[str | None], header_no: int, header: str, fmt:
         times, prompts, outputs = columns
         return times, prompts, outputs, None, len(prompts)
     names = _clean_header(header)
-    if fmt == "servelab" and names is not None and None not in lines \
-            and set(_CSV_COLUMNS[fmt].values()) <= {name.lower() for name in names}:
+    if fmt == "servelab" and names is not None and None not in lines:
         columns = fast_servelab(lines[header_no:], names)
         if columns is not None:
             times, prompts, outputs, extras = columns
