@@ -136,11 +136,11 @@ def _parse(path: str, lines: list[str | None], header_no: int, header: str, fmt:
            clips: RowSink, keep_failed: bool):
     """(raw times, prompts, outputs, extra fields per row or None, data rows) in file order,
     bad rows already raised or dropped, times checked for order."""
-    columns = _fast_columns(lines, header_no, header, fmt)
+    names = _clean_header(header)
+    columns = _fast_columns(lines, header_no, names, fmt)
     if columns is not None:
         times, prompts, outputs = columns
         return times, prompts, outputs, None, len(prompts)
-    names = _clean_header(header)
     if fmt == "servelab" and names is not None and None not in lines:
         columns = fast_servelab(lines[header_no:], names)
         if columns is not None:
@@ -180,10 +180,9 @@ def _clean_header(header: str) -> list[str] | None:
     return names if len({name.lower() for name in names}) == len(names) else None
 
 
-def _fast_columns(lines: list[str | None], header_no: int, header: str, fmt: str):
+def _fast_columns(lines: list[str | None], header_no: int, names: list[str] | None, fmt: str):
     """(times, prompts, outputs) of a clean CSV file via the bulk regex path (`_fast`), or
-    None to parse row by row."""
-    names = _clean_header(header)
+    None to parse row by row. `names`: the header's `_clean_header`."""
     if fmt not in ("azure", "splitwise", "lengths") or names is None or None in lines:
         return None
     index = {name.lower(): i for i, name in enumerate(names)}
