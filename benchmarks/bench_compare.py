@@ -17,7 +17,7 @@ from servelab.config import SchedulerConfig
 from servelab.reports import plots
 from servelab.reports.report import Image, build_document, load_comparison
 from servelab.simulator.run import SimulationConfig
-from servelab.simulator.sweep import expand_grid, override_builder, run_sweep
+from servelab.sweeps.sweep import expand_grid, override_builder, run_sweep
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import test_validate_cpu_replay as t  # noqa: E402
-from servelab.simulator.replay import METRICS  # noqa: E402
+from servelab.validation.replay import METRICS  # noqa: E402
 
 
 def one_round(root: Path) -> dict:

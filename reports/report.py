@@ -38,7 +38,7 @@ from servelab.reports import plots
 from servelab.reports.metrics import VTC_INPUT_WEIGHT, VTC_OUTPUT_WEIGHT
 from servelab.reports.runio import read_json, read_requests_csv, read_steps_csv
 
-# The sweep layout `servelab.simulator.sweep` writes (reports do not import the simulator).
+# The sweep layout `servelab.sweeps.sweep` writes (reports do not import the simulator).
 SWEEP_FILE, RUNS_DIR, DONE_MARKER = "sweep.json", "runs", "done.json"
 SWEEP_FORMAT = "servelab.sweep/1"
 MIN_ATTAINMENT = 0.9

@@ -15,9 +15,9 @@ from servelab import __version__
 #: Modules that contribute subcommands, in the order they appear in --help.
 COMMAND_MODULES = (
     "servelab.simulator.cli",
-    "servelab.simulator.compare_cli",
+    "servelab.sweeps.cli",
     "servelab.backends.cli",
-    "servelab.simulator.validate_cli",
+    "servelab.validation.cli",
     "servelab.traces.cli",
 )
 

@@ -95,7 +95,7 @@ _CATALOG: dict[str, GPUSpec] = {
     "b200": GPUSpec("b200", 2250.0, 4500.0, 7700.0, 180.0, 900.0, 64.0),
     # A generic server CPU running the PyTorch reference path: an order-of-magnitude
     # placeholder (a few-core fp32/BF16 matmul, DDR bandwidth), meant to be replaced by a
-    # probed figure (`servelab.simulator.probe`, stored in CalibrationProfile.gpu_overrides).
+    # probed figure (`servelab.validation.probe`, stored in CalibrationProfile.gpu_overrides).
     # It errs high on purpose: a fit bounds every efficiency by 1, so a peak below the
     # machine's would cap the fit. "Swap" is a memcpy here.
     "cpu": GPUSpec("cpu", 1.0, None, 50.0, 64.0, None, 20.0),

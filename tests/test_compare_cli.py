@@ -8,7 +8,7 @@ import pytest
 
 from servelab.cli import CLIError, build_parser
 from servelab.simulator.cli import config_from_args
-from servelab.simulator.compare_cli import build_points
+from servelab.sweeps.cli import build_points
 
 COMMON = ["--trace", "default", "--num-requests", "40", "--kv-blocks", "300"]
 

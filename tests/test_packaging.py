@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMPONENTS = ("memory", "policies", "simulator", "backends", "traces", "reports")
+COMPONENTS = ("memory", "policies", "simulator", "backends", "traces", "reports", "validation",
+              "sweeps")
 
 
 def _source_packages() -> set[str]:

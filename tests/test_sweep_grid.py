@@ -11,7 +11,7 @@ import pytest
 from servelab.config import SchedulerConfig
 from servelab.reports.runio import read_requests_csv, read_steps_csv
 from servelab.simulator.run import SimulationConfig
-from servelab.simulator.sweep import (DONE_MARKER, LOCK_FILE, RUNS_DIR, SweepError, SweepPoint,
+from servelab.sweeps.sweep import (DONE_MARKER, LOCK_FILE, RUNS_DIR, SweepError, SweepPoint,
                                       commit_point, expand_grid, is_done, override_builder, run_sweep)
 
 BASE = SimulationConfig(trace="default", model="llama-2-7b", kv_blocks=300, num_requests=20,

@@ -9,7 +9,7 @@ import sys
 
 from servelab.config import SchedulerConfig
 from servelab.simulator.run import SimulationConfig
-from servelab.simulator.sweep import SweepPoint, config_key
+from servelab.sweeps.sweep import SweepPoint, config_key
 
 BASE = SimulationConfig(trace="default", model="llama-2-7b", rate=10.0, num_requests=40, policy="sjf")
 
@@ -68,7 +68,7 @@ def test_equal_configs_share_a_key():
 
 def test_key_is_the_same_in_another_process():
     code = ("from servelab.simulator.run import SimulationConfig; "
-            "from servelab.simulator.sweep import config_key; "
+            "from servelab.sweeps.sweep import config_key; "
             "print(config_key(SimulationConfig(trace='default', model='llama-2-7b', rate=10.0, "
             "num_requests=40, policy='sjf')))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

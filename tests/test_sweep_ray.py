@@ -9,7 +9,7 @@ import pytest
 
 from servelab.config import SchedulerConfig
 from servelab.simulator.run import SimulationConfig
-from servelab.simulator.sweep import (RAY_INSTALL_HINT, RUNS_DIR, SweepError, expand_grid,
+from servelab.sweeps.sweep import (RAY_INSTALL_HINT, RUNS_DIR, SweepError, expand_grid,
                                       override_builder, run_sweep)
 
 BASE = SimulationConfig(trace="default", model="llama-2-7b", kv_blocks=300, num_requests=30,

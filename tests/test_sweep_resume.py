@@ -12,7 +12,7 @@ from pathlib import Path
 
 from servelab.reports.metrics import summarize
 from servelab.reports.runio import read_requests_csv, read_steps_csv
-from servelab.simulator.sweep import DONE_MARKER, RUNS_DIR
+from servelab.sweeps.sweep import DONE_MARKER, RUNS_DIR
 
 POLICIES, RATES = ("fcfs", "sjf"), ("10", "20", "30")
 N_POINTS = len(POLICIES) * len(RATES)

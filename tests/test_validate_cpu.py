@@ -40,8 +40,8 @@ from servelab.backends.run import RealRunConfig, run_real
 from servelab.cli import main
 from servelab.config import SchedulerConfig
 from servelab.simulator.calibration import CalibrationProfile
-from servelab.simulator.probe import probe_cpu
-from servelab.simulator.validate import (ValidateOptions, error_summary, load_real_run,
+from servelab.validation.probe import probe_cpu
+from servelab.validation.validate import (ValidateOptions, error_summary, load_real_run,
                                          predict_steps, run_cost_model, split_steps, validate)
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate

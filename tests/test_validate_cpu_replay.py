@@ -51,7 +51,7 @@ from servelab.backends.run import RealRunConfig, run_real
 from servelab.cli import main
 from servelab.config import SchedulerConfig
 from servelab.simulator.calibration import CalibrationProfile
-from servelab.simulator.replay import METRICS
+from servelab.validation.replay import METRICS
 from servelab.simulator.run import load_config
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from servelab.outputs import BatchShape
 from servelab.simulator.calibration import CalibrationProfile, Efficiencies
 from servelab.simulator.cost_model import CostModel
-from servelab.simulator.fit import fit_calibration, identify, lower_bounds, nnls
+from servelab.validation.fit import fit_calibration, identify, lower_bounds, nnls
 from servelab.simulator.gpus import get_gpu
 
 TRUTH = Efficiencies(gemm_compute=0.62, gemm_memory=0.71, attn_prefill_compute=0.5,

@@ -23,9 +23,9 @@ from servelab.models import load_model_spec
 from servelab.outputs import BatchShape
 from servelab.records import StepRecord
 from servelab.simulator.calibration import CalibrationProfile, Efficiencies
-from servelab.simulator.replay import kendall_tau_b
+from servelab.validation.replay import kendall_tau_b
 from servelab.simulator.run import SimulationConfig, run_simulation
-from servelab.simulator.validate import (ValidateOptions, catalog_gpu, error_summary,
+from servelab.validation.validate import (ValidateOptions, catalog_gpu, error_summary,
                                          load_real_run, split_steps, step_error_report,
                                          step_shape, step_type, validate)
 from servelab.traces.canonical import write_csv

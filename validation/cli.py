@@ -65,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from servelab.simulator.validate import (ValidateOptions, catalog_gpu, load_real_run,
+    from servelab.validation.validate import (ValidateOptions, catalog_gpu, load_real_run,
                                              validate)
 
     try:
@@ -78,7 +78,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if probe:
         if gpu != "cpu":
             raise CLIError(f"--probe measures this CPU; the runs are priced on {gpu}")
-        from servelab.simulator.probe import probe_cpu
+        from servelab.validation.probe import probe_cpu
 
         measured = probe_cpu(dtype=runs[0].derived["dtype"])
         overrides = measured.gpu_overrides()

@@ -266,7 +266,7 @@ class ValidateOptions:
     plots: bool = True
 
     def __post_init__(self) -> None:
-        from servelab.simulator.fit import LOSSES
+        from servelab.validation.fit import LOSSES
 
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
@@ -320,7 +320,7 @@ def validate(runs: Sequence[RealRun], options: ValidateOptions,
                                      np.array([s.duration_s for s in run.steps]))
         for run in runs}
     if options.simulate:
-        from servelab.simulator.replay import compare_runs
+        from servelab.validation.replay import compare_runs
 
         report["simulate"] = compare_runs(runs, profile_path, base.gpu.name, out / "replay")
     if out is not None and options.plots:
@@ -343,7 +343,7 @@ def _fit(report: dict, runs: Sequence[RealRun], start: CostModel, base: CostMode
          out: Path | None) -> tuple[CostModel, np.ndarray]:
     """Fit on the training split; fill report's fit, held_out, train and <start>_held_out
     sections; save the profile into out. Returns (fitted model, held-out indices)."""
-    from servelab.simulator.fit import fit_calibration, with_fit_stats
+    from servelab.validation.fit import fit_calibration, with_fit_stats
 
     steps = [s for run in runs for s in run.steps]
     if any(s.num_steps != 1 for s in steps):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from servelab.simulator.run import SimulationConfig
-    from servelab.simulator.validate import RealRun
+    from servelab.validation.validate import RealRun
     from servelab.traces.record import Trace
 
 __all__ = ["METRICS", "compare_runs", "kendall_tau_b", "replay_config", "trace_from_requests"]

@@ -9,7 +9,7 @@ it), --block-sizes, --chunk-sizes (tokens or off), --preemptions, --block-manage
 builds it (its run directory's config.json reruns it), and a policy flag such as
 --sjf-predictor applies to that policy's points only.
 
-DIR receives runs/<point>/ (the simulate layout, see `simulator/sweep.py`), sweep.json,
+DIR receives runs/<point>/ (the simulate layout, see `sweeps/sweep.py`), sweep.json,
 index.html (self-contained) and report.md with figures/. Rerunning the command skips the
 points already done, so an interrupted sweep resumes. Importing this module is cheap.
 """
@@ -177,7 +177,7 @@ def point_config(args: argparse.Namespace, parser: argparse.ArgumentParser, valu
 
 
 def build_points(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    from servelab.simulator.sweep import expand_grid
+    from servelab.sweeps.sweep import expand_grid
 
     axes = grid_axes(args, parser)
     try:
@@ -208,7 +208,7 @@ def _plural(n: int, noun: str, suffix: str = "s") -> str:
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.report import write_report
-    from servelab.simulator.sweep import SweepError, default_workers, run_sweep
+    from servelab.sweeps.sweep import SweepError, default_workers, run_sweep
 
     axes, points = build_points(args, parser)
     out = Path(args.out)
