@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from servelab.cli import CLIError
-from servelab.simulator.gpus import DTYPE_BYTES
+from servelab.simulator.gpus import DTYPE_BYTES, gpu_names
 
 ROUTER_NAMES = ("round-robin", "least-outstanding", "prefix-affinity")
 DTYPES = tuple(DTYPE_BYTES)
@@ -46,7 +46,8 @@ def register(subparsers) -> None:
                         "llama-3.1-70b, mistral-7b, qwen2.5-7b, tiny-llama) or a config.json path "
                         "(default %(default)s)")
     h.add_argument("--gpu", default="h100-sxm", metavar="G",
-                   help="a100-80gb, h100-sxm, h200, l40s, b200 or cpu (default %(default)s)")
+                   help=f"catalog GPU ({', '.join(gpu_names())}) or a GPU spec .json file "
+                        f"(default %(default)s)")
     h.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel GPUs per replica (default %(default)s)")
     h.add_argument("--weight-dtype", choices=DTYPES, default="bf16", help="default %(default)s")

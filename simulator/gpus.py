@@ -1,8 +1,10 @@
-"""GPU catalog: the datasheet peaks a roofline cost model divides by.
+"""GPU catalog: the datasheet figures a roofline cost model divides by.
 
-Figures are dense (NVIDIA quotes "with sparsity" at 2×) and come from the vendor
-datasheets as summarised in the shared REFERENCE.md. A peak is an upper bound, never a
-prediction: the cost model multiplies each peak by an efficiency (see `calibration.py`).
+One JSON file per GPU in `simulator/data/gpus/<name>.json` is the whole entry: adding a
+GPU is adding a file (see docs/extending.md). Figures are dense (NVIDIA quotes "with
+sparsity" at 2×) and come from the vendor datasheets as summarised in the shared
+REFERENCE.md. A peak is an upper bound, never a prediction: the cost model's kernel
+parameters (`calibration.py`) say which fraction of it each kernel reaches.
 
 Units are chosen so a reader can check them against a datasheet at a glance: TFLOP/s,
 GB/s (10^9 bytes per second) and GB of memory. Link bandwidths are *per direction*, which is
@@ -11,7 +13,14 @@ bidirectional total, so the catalog stores half the quoted figure.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from servelab._validate import check_known_keys
 
 GIB = 1 << 30
 
@@ -19,6 +28,10 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 """Bytes per element of the weight / KV-cache dtypes the cost model prices. fp32 is what
 the real backend runs on a CPU; its GEMMs are priced at the `bf16_tflops` figure (see
 `GPUSpec.peak_flops`)."""
+
+_NUMBERS = ("bf16_tflops", "fp8_tflops", "hbm_bandwidth_gbps", "memory_gb", "nvlink_gbps",
+            "pcie_gbps", "sm_count", "l2_mb")
+_OPTIONAL = ("fp8_tflops", "nvlink_gbps", "l2_mb")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +53,36 @@ class GPUSpec:
     None where the GPU has no NVLink, and tensor-parallel traffic then crosses PCIe."""
     pcie_gbps: float
     """Host link bandwidth per direction, GB/s: what a swap to or from CPU memory crosses."""
+    sm_count: int = 1
+    """Streaming multiprocessors: how many thread blocks run at once, one per SM (what
+    decides whether a small kernel can use the whole chip)."""
+    l2_mb: float | None = None
+    """L2 cache, MB (informational: the cost model prices weights as read from HBM)."""
+    architecture: str = ""
+    """GPU family ("ampere", "hopper", ...): which measured profile a GPU without
+    measurements of its own borrows (see `calibration`)."""
+    calibration: str | None = None
+    """Name of the packaged calibration profile this GPU uses by default (its own, or the
+    nearest measured architecture's); None: the bare roofline."""
+    description: str = ""
+    source: str = ""
+    """Where the figures come from, and how a borrowed calibration is justified."""
+    device_names: tuple[str, ...] = field(default=())
+    """Regular expressions matched against `torch.cuda.get_device_name()` to recognise
+    this GPU in a real run's metadata."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("GPUSpec.name must be a non-empty string")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "name" or (value is None and f.name in ("fp8_tflops", "nvlink_gbps")):
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"GPUSpec({self.name}).{f.name} must be a positive number, "
+                raise ValueError(f"GPUSpec({self.name}).{name} must be a positive number, "
                                  f"got {value!r}")
+        if isinstance(self.sm_count, float) and not self.sm_count.is_integer():
+            raise ValueError(f"GPUSpec({self.name}).sm_count must be an integer, got {self.sm_count!r}")
 
     @property
     def memory_bytes(self) -> int:
@@ -76,39 +108,87 @@ class GPUSpec:
 
     def with_overrides(self, **values: float) -> "GPUSpec":
         """A copy with measured figures replacing datasheet ones (e.g. a probed CPU)."""
-        known = {f.name for f in fields(self)} - {"name"}
+        known = set(_NUMBERS)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown GPUSpec field(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
         return replace(self, **values)
 
+    def matches_device_name(self, device_name: str) -> bool:
+        return any(re.search(p, device_name) for p in self.device_names)
 
-_CATALOG: dict[str, GPUSpec] = {
-    # name: BF16 TFLOP/s, FP8 TFLOP/s, HBM GB/s, memory GB, NVLink GB/s per dir., PCIe GB/s per dir.
-    "a100-80gb": GPUSpec("a100-80gb", 312.0, None, 2039.0, 80.0, 300.0, 32.0),   # NVLink3 600 bidir., Gen4
-    "h100-sxm": GPUSpec("h100-sxm", 989.0, 1979.0, 3350.0, 80.0, 450.0, 64.0),   # NVLink4 900 bidir., Gen5
-    "h200": GPUSpec("h200", 989.0, 1979.0, 4800.0, 141.0, 450.0, 64.0),          # H200 SXM
-    "l40s": GPUSpec("l40s", 362.0, 733.0, 864.0, 48.0, None, 32.0),              # no NVLink, Gen4
-    # HGX B200: NVLink5 1.8 TB/s bidir.; host link taken as Gen5 (the conservative reading
-    # of "Gen5/6").
-    "b200": GPUSpec("b200", 2250.0, 4500.0, 7700.0, 180.0, 900.0, 64.0),
-    # A generic server CPU running the PyTorch reference path: an order-of-magnitude
-    # placeholder (a few-core fp32/BF16 matmul, DDR bandwidth), meant to be replaced by a
-    # probed figure (`servelab.validation.probe`, stored in CalibrationProfile.gpu_overrides).
-    # It errs high on purpose: a fit bounds every efficiency by 1, so a peak below the
-    # machine's would cap the fit. "Swap" is a memcpy here.
-    "cpu": GPUSpec("cpu", 1.0, None, 50.0, 64.0, None, 20.0),
-}
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "GPU spec") -> "GPUSpec":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        check_known_keys(data, {f.name for f in fields(cls)}, f"{source}: unknown field(s)")
+        missing = sorted({"name", "bf16_tflops", "hbm_bandwidth_gbps", "memory_gb",
+                          "pcie_gbps"} - set(data))
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+        kwargs = dict(data)
+        names = kwargs.get("device_names", [])
+        if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
+            raise ValueError(f"{source}: 'device_names' must be a list of regular expressions")
+        for pattern in names:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{source}: bad device_names pattern {pattern!r}: {exc}") from None
+        kwargs["device_names"] = tuple(names)
+        kwargs.setdefault("fp8_tflops", None)
+        kwargs.setdefault("nvlink_gbps", None)
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+def _catalog_folder():
+    return resources.files("servelab.simulator") / "data" / "gpus"
+
+
+@cache
+def _catalog() -> dict[str, GPUSpec]:
+    """Every packaged GPU file, read once (the catalog is immutable data)."""
+    specs: dict[str, GPUSpec] = {}
+    for entry in sorted(_catalog_folder().iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        spec = GPUSpec.from_dict(json.loads(entry.read_text()), source=f"gpus/{entry.name}")
+        if spec.name != entry.name[:-len(".json")]:
+            raise ValueError(f"gpus/{entry.name}: 'name' must match the file name, got {spec.name!r}")
+        specs[spec.name] = spec
+    return specs
 
 
 def gpu_names() -> list[str]:
-    return sorted(_CATALOG)
+    return sorted(_catalog())
 
 
 def get_gpu(name: str) -> GPUSpec:
-    """The catalog entry `name` (e.g. "h100-sxm"); unknown names list the known ones."""
-    try:
-        return _CATALOG[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown GPU {name!r}; the catalog has {', '.join(gpu_names())}") from None
+    """The catalog entry `name` (e.g. "h100-sxm") or a GPU spec JSON file's path; unknown
+    names list the known ones."""
+    catalog = _catalog()
+    if isinstance(name, str) and name in catalog:
+        return catalog[name]
+    if isinstance(name, str) and name.endswith(".json"):
+        path = Path(name)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read GPU spec {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return GPUSpec.from_dict(data, source=str(path))
+    raise ValueError(f"unknown GPU {name!r}; the catalog has {', '.join(gpu_names())} "
+                     f"(or pass a GPU spec .json file)")
+
+
+def gpu_for_device_name(device_name: str) -> str | None:
+    """The catalog GPU whose `device_names` match a CUDA device name; None if none does."""
+    for spec in _catalog().values():
+        if spec.matches_device_name(device_name):
+            return spec.name
+    return None

@@ -19,7 +19,6 @@ device peaks come from `probe.py` only when the caller passes them in.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,9 +42,6 @@ BATCH_TOKEN_EDGES = (1, 2, 8, 32, 128, 512, 2048, 8192)
 CONTEXT_EDGES = (0, 256, 1024, 4096, 16384, 65536)
 """Left edges of the context bins, in KV tokens the step's attention reads."""
 _TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# (pattern in torch.cuda.get_device_name, catalog entry); first match wins.
-_DEVICE_NAMES = ((r"H200", "h200"), (r"H100.*(HBM3|SXM)", "h100-sxm"),
-                 (r"A100.*80\s*GB", "a100-80gb"), (r"L40S", "l40s"), (r"B200", "b200"))
 
 
 # --------------------------------------------------------------------------- real runs
@@ -130,9 +126,11 @@ def catalog_gpu(device: str, device_name: str | None) -> str:
     """The catalog entry for a torch device ("cpu", "cuda:0") and its reported name."""
     if device.split(":")[0] == "cpu":
         return "cpu"
-    for pattern, name in _DEVICE_NAMES:
-        if device_name and re.search(pattern, device_name):
-            return name
+    from servelab.simulator.gpus import gpu_for_device_name
+
+    name = gpu_for_device_name(device_name) if device_name else None
+    if name is not None:
+        return name
     raise ValueError(f"cannot map device {device!r} ({device_name!r}) to a catalog GPU; "
                      f"pass --gpu with one of the catalog's names")
 
