@@ -18,6 +18,8 @@ COMMAND_MODULES = (
     "servelab.sweeps.cli",
     "servelab.backends.cli",
     "servelab.validation.cli",
+    "servelab.validation.calibrate_cli",
+    "servelab.simulator.cost_cli",
     "servelab.traces.cli",
 )
 

@@ -52,7 +52,10 @@ def register(subparsers) -> None:
                    help="tensor-parallel GPUs per replica (default %(default)s)")
     h.add_argument("--weight-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
     h.add_argument("--kv-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
-    h.add_argument("--calibration", metavar="FILE", help="calibration profile (JSON) for this GPU")
+    h.add_argument("--calibration", metavar="FILE",
+                   help="calibration profile for this GPU: a JSON file, a packaged profile name, "
+                        "or 'none' for the bare roofline (default: the GPU's packaged profile, "
+                        "fitted to measured kernel times; see `servelab cost`)")
     h.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9, metavar="F",
                    help="fraction of GPU memory the engine may use (default %(default)s)")
     add_scheduler_options(p, policies=policy_names())

@@ -1,42 +1,43 @@
-"""Roofline step-time model: what one engine step costs on a GPU.
+"""Step-time model: what one engine step costs on a GPU.
 
 A step runs the layer stack once over every scheduled token (prefill chunks and decode
-tokens together, flattened without padding). Each op is priced at
+tokens together, flattened without padding). Each kernel of the stack is priced by its own
+analytic model (`kernels.py`: a roofline with a time floor, partial overlap of compute and
+memory traffic, and shape-dependent efficiency), with parameters from a calibration
+profile (`calibration.py`; by default the GPU's packaged profile fitted to measured kernel
+times). The step time is
 
-    max(FLOPs / (peak · eff_compute), bytes / (bandwidth · eff_memory))
+    step_overhead + Σ_class scale[class] · Σ_kernels-of-class calls · kernel_time
 
-and the step time is a fixed overhead plus the sum over ops. Shapes are per GPU under
-tensor parallelism (heads, intermediate and vocab split tp ways; KV heads replicated when
-tp exceeds them, as engines do). Weights are read once per step, which is why decode is
-bandwidth-bound until the batch is large.
+Kernels and their classes, per layer unless marked once:
 
-Ops and their classes (each class has its own efficiencies, see `calibration.Efficiencies`):
+    qkv_proj, o_proj, mlp_gate_up, mlp_down; lm_head (once, one row per sequence)   gemm
+    attn_prefill   causal attention of the prefill chunks                          attn_prefill
+    attn_decode    one query token per decoding sequence over its cached context   attn_decode
+    input_norm, rotary, kv_cache_write, post_attention_norm, silu_mul;
+        embedding, final_norm, sampler (once)                                      elementwise
+    allreduce (2 per layer under TP); logits all-gather (once)                     collective
+    swap           KV blocks over PCIe                                             host_link
+    block_copy     copy-on-write block copies in HBM                               elementwise
 
-    qkv_proj, o_proj, mlp_gate_up, mlp_down, lm_head    gemm
-    attn_prefill   causal attention of prefill chunks     attn_prefill
-    attn_decode    one query token over a cached context  attn_decode
-    elementwise    norms, SiLU·mul, rotary, embedding     elementwise (memory only)
-    collective     2 all-reduces per layer + logits gather under TP   collective (link)
-    swap           KV blocks over PCIe                    swap (link)
-    block_copy     copy-on-write block copies in HBM      elementwise (memory only)
+Shapes are per GPU under tensor parallelism (`footprint.py`). Weights are read once per
+step, which is why decode is bandwidth-bound until the batch is large. Simplifications,
+stated once: activations are BF16 whatever the weight dtype (FP8 weights run W8A8 at the
+FP8 peak where the GPU has one, weight-only otherwise); the LM head and embeddings stay
+BF16; the LM head runs for every sequence in the batch (BatchShape does not say which
+prefill chunks complete); sliding windows are ignored.
 
-Simplifications, stated once: activations are BF16 whatever the weight dtype; under FP8
-weights the LM head and embeddings stay BF16 (as FP8 checkpoints ship them); attention
-computes at the BF16 peak; the LM head runs for every sequence in the batch (BatchShape
-does not say which prefill chunks complete); flash attention's re-reads of K/V per query
-tile are ignored (prefill attention is compute-bound where they would matter); sliding
-windows are ignored.
-
-Cost. `step_time` is the hot path (called once per simulated step): every per-model
-constant is folded in `__init__`, so a call is one bisection and ~30 float operations, with
-no allocation. `breakdown` and `features` build the same sum op by op, for reports and
-fitting. Runs of decode steps are priced in closed form (`decode_run_duration`). Per-GPU
-shapes, weight bytes and the KV capacity an engine would derive live in `footprint.py`.
+Cost. `step_time` is the hot path (called once per simulated step). Everything that
+depends only on the number of tokens (GEMMs, element-wise kernels, all-reduces) or of
+sequences (LM head, sampler, logits gather) is tabulated per count the first time a count
+is seen — the kernel models are evaluated once per count, not once per step — and decode
+attention's coefficients per batch size. A call is then two list lookups and a dozen float
+operations. Runs of decode steps are priced in closed form (`decode_run_duration`).
+`breakdown` and `class_times` build the same sum kernel by kernel, for reports and fitting.
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,75 +45,62 @@ import numpy as np
 
 from servelab.models import ModelSpec, load_model_spec
 from servelab.outputs import BatchShape
-from servelab.simulator.calibration import (
-    DEFAULT_STEP_OVERHEAD_S, CalibrationProfile, Efficiencies, coefficients,
-    default_efficiencies)
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import OP_CLASSES, CalibrationProfile, resolve
 from servelab.simulator.footprint import ACT_BYTES, ShardedShapes
 from servelab.simulator.footprint import kv_capacity_blocks
-from servelab.simulator.gpus import GPUSpec, get_gpu
+from servelab.simulator.gpus import DTYPE_BYTES, GPUSpec, get_gpu
 
 __all__ = ["CostModel", "OpCost", "kv_capacity_blocks"]
 
-_CLASS_EFF = {  # op class -> (compute efficiency field, memory efficiency field, memory feature)
-    "gemm": ("gemm_compute", "gemm_memory", "gemm.memory"),
-    "attn_prefill": ("attn_prefill_compute", "attn_prefill_memory", "attn_prefill.memory"),
-    "attn_decode": ("attn_decode_compute", "attn_decode_memory", "attn_decode.memory"),
-    "elementwise": (None, "elementwise_memory", "elementwise.memory"),
-    "collective": (None, "collective_link", "collective.link"),
-    "swap": (None, "swap_link", "swap.link"),
-}
+_TABLE_CHUNK = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class OpCost:
-    """One op of one step. `bound` says which roofline side set `time_s`: "compute",
-    "memory" (bytes over HBM, NVLink or PCIe), or "fixed" (the step overhead)."""
+    """One kernel of one step. `time_s` is for all `calls` of it, scaled; `bound` says
+    which side of its roofline dominates: "compute", "memory" (bytes over HBM, NVLink or
+    PCIe), "floor" (the kernel's time floor or fixed latency) or "fixed" (step overhead)."""
 
+    op_class: str
+    calls: int
     flops: float
     bytes: float
     time_s: float
     bound: str
-    op_class: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Term:
-    """An op at efficiency 1: the raw roofline terms `features` exposes to a fitter."""
-
-    name: str
-    op_class: str
-    flops: float
-    bytes: float
-    compute_s: float     # flops / peak
-    memory_s: float      # bytes / bandwidth of the link the op is bound by
-    per_seq_s: float = 0.0   # decode attention: one token of KV per sequence, / bandwidth
-    latency_count: float = 0.0   # collective launches
+    per_layer: bool = False
 
 
 class CostModel:
     """Prices `BatchShape`s for one (model, GPU, tp, dtypes) setup.
 
-    `model` and `gpu` take a spec or a catalog name. `block_size` (tokens per KV block)
-    prices swaps and block copies. Efficiencies default to the device's published anchors
-    (`calibration.default_efficiencies`).
+    `model` and `gpu` take a spec or a catalog name. `calibration` is a profile, a profile
+    file, a packaged profile name or "none" (the bare roofline); by default the GPU's own
+    packaged profile (`GPUSpec.calibration`). `block_size` (tokens per KV block) prices
+    swaps and block copies. `step_overhead_s` overrides the profile's.
     """
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                 efficiencies: Efficiencies | None = None,
-                 step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, block_size: int = 16) -> None:
+                 calibration: CalibrationProfile | str | Path | None = None,
+                 block_size: int = 16, step_overhead_s: float | None = None) -> None:
         self.model = load_model_spec(model) if isinstance(model, str) else model
-        self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+        self.catalog_gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+        self.profile = resolve(self.catalog_gpu, calibration)
+        overrides = self.profile.gpu_overrides
+        self.gpu = self.catalog_gpu.with_overrides(**overrides) if overrides else self.catalog_gpu
         self.shapes = ShardedShapes.of(self.model, tp, weight_dtype, kv_dtype)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if isinstance(step_overhead_s, bool) or not isinstance(step_overhead_s, (int, float)) \
-                or not 0 <= step_overhead_s < math.inf:
-            raise ValueError(f"step_overhead_s must be a finite number >= 0, got {step_overhead_s!r}")
+        overhead = self.profile.step_overhead_s if step_overhead_s is None else step_overhead_s
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) \
+                or not 0 <= overhead < math.inf:
+            raise ValueError(f"step_overhead_s must be a finite number >= 0, got {overhead!r}")
         self.tp, self.weight_dtype, self.kv_dtype = tp, weight_dtype, kv_dtype
         self.block_size = block_size
-        self.efficiencies = efficiencies if efficiencies is not None else default_efficiencies(self.gpu.name)
-        self.step_overhead_s = float(step_overhead_s)
+        self.kernels = self.profile.kernels
+        self.step_overhead_s = float(overhead)
+        self.scales = {c: self.profile.scale(c) for c in OP_CLASSES}
         self._fold_constants()
 
     # --- construction helpers ---------------------------------------------------------------
@@ -120,131 +108,170 @@ class CostModel:
     @classmethod
     def from_calibration(cls, profile: CalibrationProfile | str | Path,
                          block_size: int = 16) -> "CostModel":
-        """The setup a profile describes (device, model, tp, dtypes) with its parameters."""
+        """The setup a run-fitted profile describes (device, model, tp, dtypes)."""
         if not isinstance(profile, CalibrationProfile):
             profile = CalibrationProfile.load(profile)
-        gpu = get_gpu(profile.device)
-        if profile.gpu_overrides:
-            gpu = gpu.with_overrides(**profile.gpu_overrides)
-        return cls(profile.model, gpu, tp=profile.tp, weight_dtype=profile.weight_dtype,
-                   kv_dtype=profile.kv_dtype, efficiencies=profile.efficiencies,
-                   step_overhead_s=profile.step_overhead_s, block_size=block_size)
+        if profile.model is None:
+            raise ValueError("this calibration profile describes a GPU, not a setup: "
+                             "build CostModel(model, gpu, calibration=profile)")
+        return cls(profile.model, profile.device, tp=profile.tp, weight_dtype=profile.weight_dtype,
+                   kv_dtype=profile.kv_dtype, calibration=profile, block_size=block_size)
 
     def with_calibration(self, profile: CalibrationProfile | str | Path) -> "CostModel":
-        """This setup with a profile's efficiencies, overhead and device overrides.
-
-        The profile must be for this device (efficiencies are fractions of *its* peaks);
-        another model, tp or dtype is allowed: efficiencies transfer approximately.
-        """
-        if not isinstance(profile, CalibrationProfile):
-            profile = CalibrationProfile.load(profile)
-        if profile.device != self.gpu.name:
-            raise ValueError(f"calibration profile is for device {profile.device!r}, "
-                             f"this cost model prices {self.gpu.name!r}")
-        gpu = self.gpu.with_overrides(**profile.gpu_overrides) if profile.gpu_overrides else self.gpu
-        return CostModel(self.model, gpu, self.tp, self.weight_dtype, self.kv_dtype,
-                         profile.efficiencies, profile.step_overhead_s, self.block_size)
-
-    def with_efficiencies(self, efficiencies: Efficiencies,
-                          step_overhead_s: float | None = None) -> "CostModel":
-        overhead = self.step_overhead_s if step_overhead_s is None else step_overhead_s
-        return CostModel(self.model, self.gpu, self.tp, self.weight_dtype, self.kv_dtype,
-                         efficiencies, overhead, self.block_size)
+        """This setup priced with another profile (which must be for this GPU)."""
+        return CostModel(self.model, self.catalog_gpu, self.tp, self.weight_dtype,
+                         self.kv_dtype, profile, self.block_size)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block on one GPU."""
         return self.block_size * self.shapes.kv_bytes_per_token
 
+    # --- the kernels of the stack ---------------------------------------------------------
+
+    def _gemm_setup(self, name: str) -> tuple[str, K.GemmParams, float, float]:
+        """(dtype the GEMM computes in, its parameters, weight bytes, input bytes)."""
+        if name == "lm_head" or self.weight_dtype != "fp8":
+            wb = DTYPE_BYTES[self.weight_dtype] if name != "lm_head" else ACT_BYTES
+            return ("bf16" if self.weight_dtype != "fp32" or name == "lm_head" else "fp32",
+                    self.kernels.gemm, wb, ACT_BYTES)
+        if self.gpu.fp8_tflops is not None:          # W8A8 on FP8 tensor cores
+            return "fp8", self.kernels.gemm_fp8, 1.0, 1.0
+        return "bf16", self.kernels.gemm, 1.0, ACT_BYTES   # weight-only FP8
+
+    def _gemm_time(self, gm, rows) -> np.ndarray:
+        dtype, params, wb, ib = self._gemm_setup(gm.name)
+        t = K.gemm_time(rows, gm.n, gm.k, self.gpu, params, dtype, wb, ib, ACT_BYTES)
+        if gm.weight_bytes > gm.weight_elems * wb:          # attention bias
+            t = t + (gm.weight_bytes - gm.weight_elems * wb) / (self.gpu.hbm_bandwidth_gbps * 1e9)
+        return np.where(np.asarray(rows) > 0, t, 0.0)
+
+    def _row_ops(self, rows: np.ndarray, per_seq: bool) -> list[tuple[str, str, int, np.ndarray]]:
+        """(name, class, calls per step, seconds per call) of every kernel whose cost
+        depends only on the step's token count (per_seq False) or sequence count."""
+        s, g, kp = self.shapes, self.gpu, self.kernels
+        rows = np.asarray(rows, dtype=np.float64)
+        ops = []
+        for gm in s.gemms:
+            if (gm.name == "lm_head") == per_seq:
+                ops.append((gm.name, "gemm", gm.repeat, self._gemm_time(gm, rows)))
+        for ew in s.elementwise:
+            if ew.per_seq == per_seq:
+                ops.append((ew.name, "elementwise", ew.repeat,
+                            K.elementwise_time(rows * ew.bytes_per_row, g, kp.elementwise)))
+        if self.tp > 1:
+            if per_seq:
+                # an all-gather moves half an all-reduce's bus traffic for the same bytes
+                ops.append(("logits_gather", "collective", 1, K.allreduce_time(
+                    rows * s.gather_bytes_per_seq / 2, self.tp, g, kp.collective)))
+            else:
+                ops.append(("allreduce", "collective", 2 * s.num_layers, K.allreduce_time(
+                    rows * s.allreduce_bytes_per_token, self.tp, g, kp.collective)))
+        return ops
+
+    def _scaled_rows(self, rows: np.ndarray, per_seq: bool) -> np.ndarray:
+        total = np.zeros(len(rows))
+        for _, op_class, calls, t in self._row_ops(rows, per_seq):
+            total += self.scales[op_class] * calls * t
+        return total
+
+    def _decode_coefficients(self, batch: np.ndarray) -> list[tuple[float, float, float]]:
+        s, sc = self.shapes, self.scales["attn_decode"] * self.shapes.num_layers
+        floor, intercept, slope = K.decode_attention_lines(
+            batch, s.heads, s.kv_heads, s.head_dim, self.gpu, self.kernels.attn_decode,
+            s.kv_elem_bytes)
+        floor = np.broadcast_to(floor, batch.shape)
+        intercept = np.broadcast_to(intercept, batch.shape)
+        slope = np.broadcast_to(slope, batch.shape)
+        return [(sc * f, sc * a, sc * b) for f, a, b in zip(floor.tolist(), intercept.tolist(),
+                                                            slope.tolist())]
+
     # --- the hot path ----------------------------------------------------------------------
 
     def _fold_constants(self) -> None:
-        """Fold shapes, peaks and efficiencies into per-token seconds for `step_time`."""
-        s, g, e = self.shapes, self.gpu, self.efficiencies
-        bw = g.hbm_bandwidth_gbps * 1e9
-        gemm_c = g.peak_flops(self.weight_dtype) * e.gemm_compute
-        lm_c = g.peak_flops("bf16") * e.gemm_compute
-        gemm_m = bw * e.gemm_memory
-        # Per GEMM: (FLOP-seconds per token, weight-read seconds, activation seconds per token).
-        gemms = [(2 * gm.weight_elems * gm.repeat / (lm_c if gm.name == "lm_head" else gemm_c),
-                  gm.weight_bytes * gm.repeat / gemm_m,
-                  gm.act_elems_per_token * ACT_BYTES * gm.repeat / gemm_m) for gm in s.gemms]
-        self._lm_head = gemms[-1]
-        self._layer_gemms = _PiecewiseGemms(gemms[:-1])
-        self._elem = s.elementwise_bytes_per_token / (bw * e.elementwise_memory)
-        attn_c = g.peak_flops("bf16")
-        kv_layer = s.kv_bytes_per_token / s.num_layers          # one token, one layer, K and V
-        q_bytes = 2 * s.q_dim * ACT_BYTES                       # read Q, write O
-        pm = bw * e.attn_prefill_memory
-        self._pa_c = s.attn_flops_per_pair / (attn_c * e.attn_prefill_compute)
-        self._pa_ctx = s.num_layers * kv_layer / pm
-        self._pa_tok = s.num_layers * (2 * kv_layer + q_bytes) / pm   # read own K/V, write it
-        dm = bw * e.attn_decode_memory
-        self._da_c = s.attn_flops_per_pair / (attn_c * e.attn_decode_compute)
-        self._da_kv = s.num_layers * kv_layer / dm
-        self._da_seq = s.num_layers * (kv_layer + q_bytes) / dm       # write new K/V, Q and O
-        self._da_half = e.attn_decode_context_half
-        link = g.interconnect_gbps * 1e9 * e.collective_link
-        self._col_tok = s.allreduce_bytes_per_token / link
-        self._col_lm = s.gather_bytes_per_seq / link
-        self._col_fixed = s.num_collectives * e.collective_latency_s
-        self._swap = self.block_bytes / (g.pcie_gbps * 1e9 * e.swap_link)
-        self._copy = 2 * self.block_bytes / (bw * e.elementwise_memory)
-        # One flat tuple, unpacked once per call: the cheapest way to read ~30 constants.
-        self._k = (self.step_overhead_s, self._layer_gemms.breaks, self._layer_gemms.pieces,
-                   *self._lm_head, self._elem,
-                   self.tp > 1, self._col_tok, self._col_lm, self._col_fixed, self._pa_c, self._pa_ctx,
-                   self._pa_tok, self._da_c, self._da_kv, self._da_seq, self._da_half,
-                   self._swap, self._copy)
+        s, g, kp, sc = self.shapes, self.gpu, self.kernels, self.scales
+        self._tok: list[float] = []
+        self._seq: list[float] = []
+        self._dec: list[tuple[float, float, float]] = []
+        self._grow("_tok", _TABLE_CHUNK)
+        self._grow("_seq", _TABLE_CHUNK)
+        self._grow("_dec", _TABLE_CHUNK)
+        L = s.num_layers * sc["attn_prefill"]
+        floor, pair, tok, ctx, q = K.prefill_attention_coefficients(
+            s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill, s.kv_elem_bytes)
+        self._pa = (L * floor, L * pair, L * tok, L * ctx, q)
+        h, e = kp.host_link, kp.elementwise
+        self._swap = (sc["host_link"] * h.latency_s,
+                      sc["host_link"] * self.block_bytes / (g.pcie_gbps * 1e9 * h.link_eff))
+        self._copy = (sc["elementwise"] * e.floor_s,
+                      sc["elementwise"] * 2 * self.block_bytes
+                      / (g.hbm_bandwidth_gbps * 1e9 * e.memory_eff))
+
+    def _grow(self, table: str, upto: int) -> list:
+        """Extend a per-count table to cover index `upto` (doubling: amortised O(1))."""
+        values = getattr(self, table)
+        start = len(values)
+        stop = max(upto + 1, 2 * start, _TABLE_CHUNK)
+        counts = np.arange(start, stop, dtype=np.float64)
+        if table == "_dec":
+            values.extend(self._decode_coefficients(counts))
+        else:
+            values.extend(self._scaled_rows(counts, per_seq=table == "_seq").tolist())
+        return values
 
     def step_time(self, shape: BatchShape) -> float:
         """Modelled seconds of one engine step of composition `shape`."""
-        (overhead, breaks, pieces, c4, w4, a4, elem,
-         multi_gpu, col_tok, col_lm, col_fixed, pa_c, pa_ctx, pa_tok, da_c, da_kv, da_seq, da_half,
-         swap, copy) = self._k
-        t = overhead
+        t = self.step_overhead_s
         npt = shape.num_prefill_tokens
         nds = shape.num_decode_seqs
         n_tok = npt + nds
         if n_tok:
+            tok = self._tok
+            if n_tok >= len(tok):
+                tok = self._grow("_tok", n_tok)
             n_seq = shape.num_prefill_seqs + nds
-            slope, intercept = pieces[bisect_left(breaks, n_tok)]   # layer GEMMs
-            t += n_tok * slope + intercept
-            x = n_seq * c4                          # LM head: one row per sequence
-            y = w4 + n_seq * a4
-            t += x if x > y else y
-            t += n_tok * elem
-            if multi_gpu:
-                t += n_tok * col_tok + n_seq * col_lm + col_fixed
+            seq = self._seq
+            if n_seq >= len(seq):
+                seq = self._grow("_seq", n_seq)
+            t += tok[n_tok] + seq[n_seq]
             if npt:
-                pairs = shape.prefill_q_context_sum + 0.5 * (shape.prefill_q_sq_sum + npt)
-                x = pairs * pa_c
-                y = shape.prefill_context_sum * pa_ctx + npt * pa_tok
-                t += x if x > y else y
+                floor, pair, per_tok, per_ctx, q = self._pa
+                x = (shape.prefill_q_context_sum + 0.5 * (shape.prefill_q_sq_sum + npt)) * pair
+                y = npt * per_tok + shape.prefill_context_sum * per_ctx
+                if q == math.inf:
+                    t += floor + (x if x > y else y)
+                else:
+                    big = x if x > y else y
+                    t += floor + big * ((x / big) ** q + (y / big) ** q) ** (1.0 / q)
             if nds:
-                ctx = shape.decode_context_sum
-                x = ctx * da_c
-                y = (ctx + nds * da_half) * da_kv + nds * da_seq
-                t += x if x > y else y
+                dec = self._dec
+                if nds >= len(dec):
+                    dec = self._grow("_dec", nds)
+                floor, a, b = dec[nds]
+                x = a + b * shape.decode_context_sum
+                t += x if x > floor else floor
         if shape.num_swap_blocks:
-            t += shape.num_swap_blocks * swap
+            t += self._swap[0] + shape.num_swap_blocks * self._swap[1]
         if shape.num_copy_blocks:
-            t += shape.num_copy_blocks * copy
+            t += self._copy[0] + shape.num_copy_blocks * self._copy[1]
         return t
 
     # --- fast-forward over runs of decode steps --------------------------------------------
 
     def _run_lines(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
-        """Step j of a run costs fixed + max(a + b·j, c + d·j) (compute vs memory line)."""
+        """Step j of a run costs fixed + max(a + b·j, c + d·j): decode attention's floor
+        (a, b = 0) against its context line (c, d grow with the context)."""
         n, ctx = shape.num_decode_seqs, shape.decode_context_sum
         if not n:   # nothing grows: every step is the same
             return self.step_time(shape), 0.0, 0.0, 0.0, 0.0
-        a, b = ctx * self._da_c, n * self._da_c
-        c = (ctx + n * self._da_half) * self._da_kv + n * self._da_seq
+        if n >= len(self._dec):
+            self._grow("_dec", n)
+        floor, a, b = self._dec[n]
+        c = a + b * ctx
         # Everything but decode attention is constant over the run: subtracting the decode
         # term step_time added recovers it to within a rounding or two.
-        fixed = self.step_time(shape) - max(a, c)
-        return fixed, a, b, c, n * self._da_kv
+        fixed = self.step_time(shape) - max(floor, c)
+        return fixed, floor, 0.0, c, b * n
 
     @staticmethod
     def _run_total(fixed: float, a: float, b: float, c: float, d: float, k: int) -> float:
@@ -335,115 +362,99 @@ class CostModel:
             k -= 1
         return k
 
-    # --- slow paths: per-op view and the fitting design row -------------------------------
-
-    def _terms(self, shape: BatchShape) -> list[_Term]:
-        _check_shape(shape)
-        s, g = self.shapes, self.gpu
-        bw = g.hbm_bandwidth_gbps * 1e9
-        terms: list[_Term] = []
-        npt, nds = shape.num_prefill_tokens, shape.num_decode_seqs
-        n_tok, n_seq = npt + nds, shape.num_prefill_seqs + nds
-        if n_tok:
-            for gm in s.gemms:
-                rows = n_seq if gm.name == "lm_head" else n_tok
-                peak = g.peak_flops("bf16" if gm.name == "lm_head" else self.weight_dtype)
-                flops = 2.0 * gm.weight_elems * rows * gm.repeat
-                nbytes = (gm.weight_bytes + rows * gm.act_elems_per_token * ACT_BYTES) * gm.repeat
-                terms.append(_Term(gm.name, "gemm", flops, nbytes, flops / peak, nbytes / bw))
-            nbytes = n_tok * s.elementwise_bytes_per_token
-            terms.append(_Term("elementwise", "elementwise", 0.0, nbytes, 0.0, nbytes / bw))
-            if self.tp > 1:
-                nbytes = n_tok * s.allreduce_bytes_per_token + n_seq * s.gather_bytes_per_seq
-                terms.append(_Term("collective", "collective", 0.0, nbytes, 0.0,
-                                   nbytes / (g.interconnect_gbps * 1e9),
-                                   latency_count=s.num_collectives))
-        kv_layer = s.kv_bytes_per_token / s.num_layers
-        q_bytes = 2 * s.q_dim * ACT_BYTES
-        if npt:
-            pairs = shape.prefill_q_context_sum + 0.5 * (shape.prefill_q_sq_sum + npt)
-            flops = pairs * s.attn_flops_per_pair
-            nbytes = s.num_layers * (shape.prefill_context_sum * kv_layer
-                                     + npt * (2 * kv_layer + q_bytes))
-            terms.append(_Term("attn_prefill", "attn_prefill", flops, nbytes,
-                               flops / g.peak_flops("bf16"), nbytes / bw))
-        if nds:
-            ctx = shape.decode_context_sum
-            flops = ctx * s.attn_flops_per_pair
-            nbytes = s.num_layers * (ctx * kv_layer + nds * (kv_layer + q_bytes))
-            terms.append(_Term("attn_decode", "attn_decode", flops, nbytes,
-                               flops / g.peak_flops("bf16"), nbytes / bw,
-                               per_seq_s=nds * s.num_layers * kv_layer / bw))
-        if shape.num_swap_blocks:
-            nbytes = shape.num_swap_blocks * self.block_bytes
-            terms.append(_Term("swap", "swap", 0.0, nbytes, 0.0, nbytes / (g.pcie_gbps * 1e9)))
-        if shape.num_copy_blocks:
-            nbytes = 2 * shape.num_copy_blocks * self.block_bytes
-            terms.append(_Term("block_copy", "elementwise", 0.0, nbytes, 0.0, nbytes / bw))
-        return terms
-
-    def _priced(self, term: _Term) -> tuple[float, float, float]:
-        """(compute seconds, memory seconds, fixed seconds) of a term at our efficiencies."""
-        e = self.efficiencies
-        c_field, m_field, _ = _CLASS_EFF[term.op_class]
-        compute = term.compute_s / getattr(e, c_field) if c_field else 0.0
-        per_seq = term.per_seq_s * e.attn_decode_context_half
-        memory = (term.memory_s + per_seq) / getattr(e, m_field)
-        return compute, memory, term.latency_count * e.collective_latency_s
+    # --- slow paths: per-kernel view and the fitting design row ---------------------------
 
     def breakdown(self, shape: BatchShape) -> dict[str, OpCost]:
-        """Every op of the step (plus "step_overhead"); the times sum to `step_time`."""
-        out = {"step_overhead": OpCost(0.0, 0.0, self.step_overhead_s, "fixed", "overhead")}
-        for term in self._terms(shape):
-            compute, memory, fixed = self._priced(term)
-            bound = "compute" if compute > memory else "memory"
-            out[term.name] = OpCost(term.flops, term.bytes, max(compute, memory) + fixed,
-                                    bound, term.op_class)
+        """Every kernel of the step (plus "step_overhead"); the times sum to `step_time`."""
+        _check_shape(shape)
+        s, g, kp, sc = self.shapes, self.gpu, self.kernels, self.scales
+        out = {"step_overhead": OpCost("overhead", 1, 0.0, 0.0, self.step_overhead_s, "fixed")}
+        npt, nds = shape.num_prefill_tokens, shape.num_decode_seqs
+        n_tok, n_seq = npt + nds, shape.num_prefill_seqs + nds
+        L = s.num_layers
+        for rows, per_seq in ((n_tok, False), (n_seq, True)):
+            if not rows:
+                continue
+            for name, op_class, calls, t in self._row_ops(np.array([rows], float), per_seq):
+                flops, nbytes, bound = self._row_op_physics(name, rows)
+                out[name] = OpCost(op_class, calls, flops * calls, nbytes * calls,
+                                   sc[op_class] * calls * float(t[0]), bound, calls == L)
+        if npt:
+            t = K.prefill_attention_time(
+                shape.num_prefill_seqs, npt, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
+                shape.prefill_context_sum, s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill,
+                s.kv_elem_bytes)
+            _, pair, per_tok, per_ctx, _ = K.prefill_attention_coefficients(
+                s.heads, s.kv_heads, s.head_dim, g, K.PrefillAttentionParams(), s.kv_elem_bytes)
+            qc, qq = shape.prefill_q_context_sum, shape.prefill_q_sq_sum
+            flops = 4.0 * s.head_dim * s.heads * (qc + 0.5 * (qq + npt))
+            nbytes = (npt * per_tok + shape.prefill_context_sum * per_ctx) \
+                * g.hbm_bandwidth_gbps * 1e9
+            bound = "compute" if (qc + 0.5 * (qq + npt)) * pair / kp.attn_prefill.compute_eff > \
+                nbytes / (g.hbm_bandwidth_gbps * 1e9 * kp.attn_prefill.memory_eff) else "memory"
+            out["attn_prefill"] = OpCost("attn_prefill", L, L * flops, L * nbytes,
+                                         sc["attn_prefill"] * L * float(t), bound, True)
+        if nds:
+            ctx = shape.decode_context_sum
+            t = K.decode_attention_time(nds, ctx, s.heads, s.kv_heads, s.head_dim, g,
+                                        kp.attn_decode, s.kv_elem_bytes)
+            floor, a, b = (float(v) for v in K.decode_attention_lines(
+                nds, s.heads, s.kv_heads, s.head_dim, g, kp.attn_decode, s.kv_elem_bytes))
+            nbytes = ctx * 2.0 * s.kv_heads * s.head_dim * s.kv_elem_bytes
+            out["attn_decode"] = OpCost("attn_decode", L, L * 4.0 * s.head_dim * s.heads * ctx,
+                                        L * nbytes, sc["attn_decode"] * L * float(t),
+                                        "floor" if floor >= a + b * ctx else "memory", True)
+        if shape.num_swap_blocks:
+            nbytes = shape.num_swap_blocks * self.block_bytes
+            out["swap"] = OpCost("host_link", 1, 0.0, nbytes, sc["host_link"] * float(
+                K.host_copy_time(nbytes, g, kp.host_link)), "memory")
+        if shape.num_copy_blocks:
+            nbytes = 2 * shape.num_copy_blocks * self.block_bytes
+            out["block_copy"] = OpCost("elementwise", 1, 0.0, nbytes, sc["elementwise"] * float(
+                K.elementwise_time(nbytes, g, kp.elementwise)), "memory")
         return out
 
-    def features(self, shape: BatchShape) -> dict[str, float]:
-        """The design row of a step: step_time == Σ coefficients()[k] · features[k].
+    def _row_op_physics(self, name: str, rows: int) -> tuple[float, float, str]:
+        """(FLOPs, bytes, bound) of one call of a token- or sequence-count kernel."""
+        s, g, kp = self.shapes, self.gpu, self.kernels
+        for gm in s.gemms:
+            if gm.name == name:
+                dtype, params, wb, ib = self._gemm_setup(name)
+                flops = 2.0 * gm.weight_elems * rows
+                nbytes = gm.weight_bytes + rows * (gm.k * ib + gm.n * ACT_BYTES)
+                compute = flops / (g.peak_flops(dtype) * params.compute_eff)
+                memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * params.memory_eff)
+                return flops, nbytes, _bound(compute, memory, params.floor_s)
+        for ew in s.elementwise:
+            if ew.name == name:
+                nbytes = rows * ew.bytes_per_row
+                memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * kp.elementwise.memory_eff)
+                return 0.0, nbytes, _bound(0.0, memory, kp.elementwise.floor_s)
+        per_row = s.gather_bytes_per_seq if name == "logits_gather" else s.allreduce_bytes_per_token
+        return 0.0, rows * per_row, "memory"
 
-        Each op contributes its efficiency-1 compute seconds to "<class>.compute" or its
-        memory seconds to "<class>.memory" ("collective.link", "swap.link"), whichever side
-        bounds it at the current efficiencies; decode attention adds its per-sequence
-        term to "attn_decode.memory_per_seq"; "collective.latency" counts launches and
-        "overhead" is 1. Refitting coefficients with the bounds held fixed is then linear.
-        """
-        row = dict.fromkeys(coefficients(self.efficiencies, 0.0), 0.0)
-        row["overhead"] = 1.0
-        for term in self._terms(shape):
-            compute, memory, _ = self._priced(term)
-            _, _, mem_feature = _CLASS_EFF[term.op_class]
-            if compute > memory:
-                row[f"{term.op_class}.compute"] += term.compute_s
-            else:
-                row[mem_feature] += term.memory_s
-                if term.op_class == "attn_decode":
-                    row["attn_decode.memory_per_seq"] += term.per_seq_s
-            row["collective.latency"] += term.latency_count
-        return row
+    def class_times(self, shape: BatchShape) -> dict[str, float]:
+        """Seconds per op class at scale 1 (`OP_CLASSES`): step_time == overhead +
+        Σ scale[class] · class_times[class]."""
+        times = dict.fromkeys(OP_CLASSES, 0.0)
+        for name, op in self.breakdown(shape).items():
+            if name != "step_overhead":
+                times[op.op_class] += op.time_s / self.scales[op.op_class]
+        return times
+
+    def features(self, shape: BatchShape) -> dict[str, float]:
+        """The design row of a step for `validation.fit`: "overhead" (1) and each op class's
+        seconds at scale 1; step_time == Σ coefficients()[k] · features[k]."""
+        return {"overhead": 1.0, **self.class_times(shape)}
 
     def coefficients(self) -> dict[str, float]:
-        return coefficients(self.efficiencies, self.step_overhead_s)
+        return {"overhead": self.step_overhead_s, **self.scales}
 
 
-class _PiecewiseGemms:
-    """Σ_i max(n·c_i, w_i + n·a_i) over GEMMs as a convex piecewise-linear function of n.
-
-    GEMM i turns compute-bound above n = w_i / (c_i − a_i) tokens. With those breakpoints
-    sorted, the sum over all GEMMs is `n · slope + intercept` of the piece that n falls in:
-    one bisection instead of a max per GEMM on the hot path.
-    """
-
-    def __init__(self, gemms: list[tuple[float, float, float]]) -> None:
-        points = sorted(((w / (c - a) if c > a else math.inf), c, w, a) for c, w, a in gemms)
-        self.breaks = tuple(p[0] for p in points)
-        # Piece k: GEMMs 0..k-1 (in break order) are compute-bound, the rest memory-bound.
-        self.pieces = tuple(
-            (sum(p[1] for p in points[:k]) + sum(p[3] for p in points[k:]),
-             sum(p[2] for p in points[k:]))
-            for k in range(len(points) + 1))
+def _bound(compute: float, memory: float, floor: float) -> str:
+    if floor > max(compute, memory):
+        return "floor"
+    return "compute" if compute > memory else "memory"
 
 
 def _split_lines(a: float, b: float, c: float, d: float

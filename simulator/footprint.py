@@ -21,16 +21,34 @@ dtype (FP8 checkpoints quantise the linear layers of the blocks only)."""
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """One GEMM of the stack on one GPU (`repeat` times: once per layer, or once)."""
+    """One GEMM of the stack on one GPU, [tokens, k] x [k, n] (`repeat` times: once per
+    layer, or once)."""
 
     name: str
-    weight_elems: int
-    """Multiply-accumulate weights: FLOPs per token = 2 · weight_elems."""
+    n: int
+    """Output features (the weight's columns on this GPU)."""
+    k: int
+    """Reduction dimension (input features)."""
     weight_bytes: int
     """Bytes streamed from HBM per call (weights in their dtype, plus any BF16 bias)."""
-    act_elems_per_token: int
-    """Activation elements read plus written per token."""
     repeat: int
+
+    @property
+    def weight_elems(self) -> int:
+        """Multiply-accumulate weights: FLOPs per token = 2 · weight_elems."""
+        return self.n * self.k
+
+
+@dataclass(frozen=True, slots=True)
+class Elementwise:
+    """One bandwidth-bound kernel of the stack on one GPU (`repeat` times per step)."""
+
+    name: str
+    bytes_per_row: int
+    """Bytes read plus written per token (or per sequence, when `per_seq`)."""
+    repeat: int
+    per_seq: bool = False
+    """Runs over the sampled rows (one per sequence) rather than over every token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,25 +56,30 @@ class ShardedShapes:
     tp: int
     num_layers: int
     hidden: int
+    heads: int
+    """Query heads on one GPU."""
+    kv_heads: int
+    """KV heads on one GPU (replicated when tp exceeds them)."""
+    head_dim: int
     q_dim: int
     """Query width on one GPU: heads/tp · head_dim."""
     kv_dim: int
     """K (or V) width on one GPU: kv heads per GPU · head_dim."""
     intermediate: int
     vocab: int
+    """Vocabulary rows of the LM head on one GPU (padded up to a multiple of tp)."""
+    kv_elem_bytes: int
     kv_bytes_per_token: int
     """K and V of one token across all layers on one GPU, in the KV dtype."""
+    weight_dtype: str
     gemms: tuple[Gemm, ...]
     """qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this order."""
-    elementwise_bytes_per_token: int
-    attn_flops_per_pair: int
-    """FLOPs of one (query, key) pair across all layers: QKᵀ and PV, 2 FLOPs per MAC."""
-    allreduce_bytes_per_token: float
-    """Link bytes per token of the two ring all-reduces per layer: 2(tp−1)/tp of the
-    hidden state each time (zero at tp=1)."""
+    elementwise: tuple[Elementwise, ...]
+    allreduce_bytes_per_token: int
+    """Message bytes per token of one all-reduce of the hidden state (two per layer under
+    TP: after attention and after the MLP)."""
     gather_bytes_per_seq: int
-    """Link bytes per sampled row of the vocab-parallel logits all-gather."""
-    num_collectives: int
+    """Bytes of one sampled row's full-vocabulary logits, all-gathered under TP."""
 
     @classmethod
     def of(cls, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16",
@@ -72,35 +95,44 @@ class ShardedShapes:
         if model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ValueError(f"tp={tp} must divide, or be a multiple of, {model.name}'s "
                              f"{model.num_kv_heads} KV heads")
-        wb, kvb = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+        wb, kvb, a = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype], ACT_BYTES
         L, h, hd = model.num_layers, model.hidden_size, model.head_dim
-        q = model.num_heads // tp * hd
-        kv = max(1, model.num_kv_heads // tp) * hd
+        heads, kv_heads = model.num_heads // tp, max(1, model.num_kv_heads // tp)
+        q, kv = heads * hd, kv_heads * hd
         inter = model.intermediate_size // tp
         vocab = -(-model.vocab_size // tp)          # engines pad the vocabulary to a multiple
         qkv_out = q + 2 * kv
         bias = qkv_out * ACT_BYTES if model.attention_bias else 0
         gemms = (
-            Gemm("qkv_proj", h * qkv_out, h * qkv_out * wb + bias, h + qkv_out, L),
-            Gemm("o_proj", q * h, q * h * wb, q + h, L),
-            Gemm("mlp_gate_up", h * 2 * inter, h * 2 * inter * wb, h + 2 * inter, L),
-            Gemm("mlp_down", inter * h, inter * h * wb, inter + h, L),
-            Gemm("lm_head", h * vocab, h * vocab * ACT_BYTES, h + vocab, 1),
+            Gemm("qkv_proj", qkv_out, h, h * qkv_out * wb + bias, L),
+            Gemm("o_proj", h, q, q * h * wb, L),
+            Gemm("mlp_gate_up", 2 * inter, h, h * 2 * inter * wb, L),
+            Gemm("mlp_down", h, inter, inter * h * wb, L),
+            Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1),
         )
-        # Per layer: two fused residual-add + RMSNorm (read x and residual, write both),
-        # SiLU·mul (read gate and up, write one), rotary on Q and K (read and write);
-        # once: embedding gather (write h) and the final norm (read and write h).
-        per_layer = 8 * h + 3 * inter + 2 * (q + kv)
-        elementwise = (L * per_layer + 3 * h) * ACT_BYTES
-        ring = 2 * (tp - 1) / tp
+        # The fused kernels of a vLLM-style engine, bytes read + written per row:
+        elementwise = (
+            # residual add + RMSNorm: read x and the residual, write both
+            Elementwise("input_norm", 4 * h * a, L),
+            # rotary on Q and K in place, reading cos/sin for the position
+            Elementwise("rotary", (2 * (q + kv) + hd) * a, L),
+            # KV-cache write: read the new K and V, store them in the KV dtype, slot index
+            Elementwise("kv_cache_write", 2 * kv * (a + kvb) + 8, L),
+            Elementwise("post_attention_norm", 4 * h * a, L),
+            # SiLU(gate) * up: read both halves, write one
+            Elementwise("silu_mul", 3 * inter * a, L),
+            # embedding gather: token id, the table row, the output row
+            Elementwise("embedding", 8 + 2 * h * a, 1),
+            Elementwise("final_norm", 4 * h * a, 1),
+            # sampling over the full vocabulary: read the logits, write FP32 probabilities
+            Elementwise("sampler", model.vocab_size * (a + 4), 1, per_seq=True),
+        )
         return cls(
-            tp=tp, num_layers=L, hidden=h, q_dim=q, kv_dim=kv, intermediate=inter, vocab=vocab,
-            kv_bytes_per_token=2 * L * kv * kvb, gemms=gemms,
-            elementwise_bytes_per_token=elementwise,
-            attn_flops_per_pair=4 * q * L,
-            allreduce_bytes_per_token=2 * L * ring * h * ACT_BYTES,
-            gather_bytes_per_seq=(tp - 1) * vocab * ACT_BYTES,
-            num_collectives=2 * L + 1 if tp > 1 else 0,
+            tp=tp, num_layers=L, hidden=h, heads=heads, kv_heads=kv_heads, head_dim=hd,
+            q_dim=q, kv_dim=kv, intermediate=inter, vocab=vocab, kv_elem_bytes=kvb,
+            kv_bytes_per_token=2 * L * kv * kvb, weight_dtype=weight_dtype, gemms=gemms,
+            elementwise=elementwise, allreduce_bytes_per_token=h * a,
+            gather_bytes_per_seq=vocab * tp * a if tp > 1 else 0,
         )
 
 

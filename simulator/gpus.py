@@ -69,7 +69,9 @@ class GPUSpec:
     """Where the figures come from, and how a borrowed calibration is justified."""
     device_names: tuple[str, ...] = field(default=())
     """Regular expressions matched against `torch.cuda.get_device_name()` to recognise
-    this GPU in a real run's metadata."""
+    this GPU in a real run's metadata (and in measurement tables that name the device)."""
+    aliases: tuple[str, ...] = field(default=())
+    """Other names measurement sets use for this GPU, e.g. as folder names ("h100_sxm")."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -118,6 +120,11 @@ class GPUSpec:
     def matches_device_name(self, device_name: str) -> bool:
         return any(re.search(p, device_name) for p in self.device_names)
 
+    def known_as(self, name: str) -> bool:
+        """Whether a measurement set's name for a GPU (a folder, a file prefix) is this one."""
+        name = name.lower()
+        return name == self.name or name in self.aliases
+
     @classmethod
     def from_dict(cls, data: dict, source: str = "GPU spec") -> "GPUSpec":
         if not isinstance(data, dict):
@@ -128,15 +135,17 @@ class GPUSpec:
         if missing:
             raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
         kwargs = dict(data)
-        names = kwargs.get("device_names", [])
-        if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
-            raise ValueError(f"{source}: 'device_names' must be a list of regular expressions")
+        for key in ("device_names", "aliases"):
+            value = kwargs.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+                raise ValueError(f"{source}: {key!r} must be a list of strings")
+            kwargs[key] = tuple(value)
+        names = kwargs["device_names"]
         for pattern in names:
             try:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"{source}: bad device_names pattern {pattern!r}: {exc}") from None
-        kwargs["device_names"] = tuple(names)
         kwargs.setdefault("fp8_tflops", None)
         kwargs.setdefault("nvlink_gbps", None)
         try:

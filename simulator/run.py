@@ -11,7 +11,7 @@ run exactly:
 
     python -m servelab.simulator.run RUN_DIR/config.json --out OTHER_DIR
 
-Values a run derives (KV blocks that fit, the cost model's efficiencies, the trace's
+Values a run derives (KV blocks that fit, the cost model's parameters, the trace's
 provenance) are written beside the config in config.json under "derived", for people;
 loading a config ignores them and derives them again. Nothing here reads the environment
 or a clock or keeps state between calls, so runs in one process (a sweep) are independent.
@@ -72,7 +72,8 @@ class SimulationConfig:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     calibration: str | None = None
-    """A calibration profile (JSON) for this GPU; None: the published default efficiencies."""
+    """A calibration profile for this GPU (a file, a packaged profile name, or "none" for
+    the bare roofline); None: the GPU's packaged profile, fitted to measured kernel times."""
     gpu_memory_utilization: float = 0.9
     # --- scheduler and policy -----------------------------------------------------------
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -246,9 +247,7 @@ class Simulation:
             self.trace = load_workload(c)
         model = load_model_spec(c.model)
         cost = CostModel(model, get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
-                         kv_dtype=c.kv_dtype, block_size=c.block_size)
-        if c.calibration is not None:
-            cost = cost.with_calibration(c.calibration)
+                         kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
         self.cost_model = cost
         sched = c.scheduler
         self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else kv_capacity_blocks(
@@ -273,8 +272,11 @@ class Simulation:
             "kv_blocks_source": "configured (kv_blocks)" if self.config.kv_blocks is not None else
                                 "derived from GPU memory",
             "cost_model": {"model": cost.model.name, "gpu": cost.gpu.name, "tp": cost.tp,
+                           "calibration": self.config.calibration or cost.gpu.calibration or "none",
+                           "calibration_device": cost.profile.device,
                            "step_overhead_s": cost.step_overhead_s,
-                           "efficiencies": cost.efficiencies.to_dict()},
+                           "scales": dict(cost.scales),
+                           "kernels": cost.kernels.to_dict()},
             "trace": {"source": trace.source, "format": trace.format, "requests": len(trace),
                       "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
                       "notes": list(trace.notes)},

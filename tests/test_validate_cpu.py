@@ -90,11 +90,11 @@ def test_fitted_model_predicts_held_out_steps(cpu_run):
     assert held["mape_pct"] < 2 * train["mape_pct"] + 5, summary
     assert held["steps"] + train["steps"] == len(run.steps)
     # tp 1 and no swapping: those parameters are reported, and kept
-    assert {"collective.link", "collective.latency", "swap.link"} <= set(report["fit"]["unidentified"])
+    assert {"collective", "host_link"} <= set(report["fit"]["unidentified"])
     profile = CalibrationProfile.load(cpu_run / "val" / "calibration.json")
     assert (profile.device, profile.weight_dtype, profile.tp) == ("cpu", "fp32", 1)
     assert profile.gpu_overrides == pytest.approx(probe.gpu_overrides())
-    assert profile.software["torch"] == torch.__version__
+    assert profile.source["software.torch"] == torch.__version__
     # the saved profile prices the held-out steps exactly as the reported fit did
     fitted = run_cost_model(run, "cpu").with_calibration(cpu_run / "val" / "calibration.json")
     _, test = split_steps(len(run.steps), 0.5, seed=0)

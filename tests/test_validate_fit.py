@@ -1,30 +1,28 @@
-"""The calibration fit: NNLS, identifiability, and recovery of known parameters.
+"""The step-level calibration fit: identifiability and recovery of known parameters.
 
-Steps are priced by a cost model with known efficiencies and overhead; the fit, started
-from the published defaults, must find those parameters again (exactly on noise-free
-steps, closely under noise), keep what the steps cannot identify at its start and say
-why, and write a profile that prices exactly like the fitted model.
+Steps are priced by a cost model with known per-class scales and step overhead; the fit,
+started from the GPU's packaged profile (scales 1, the default overhead), must find them
+again (exactly on noise-free steps, closely under noise), keep what the steps cannot
+identify at its start and say why, and write a profile that prices exactly like the
+fitted model.
 """
 from __future__ import annotations
 
-import itertools
-import math
-
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from servelab.outputs import BatchShape
-from servelab.simulator.calibration import CalibrationProfile, Efficiencies
+from servelab.simulator.calibration import CalibrationProfile, resolve
 from servelab.simulator.cost_model import CostModel
-from servelab.validation.fit import fit_calibration, identify, lower_bounds, nnls
 from servelab.simulator.gpus import get_gpu
+from servelab.validation.fit import MIN_SCALE, fit_calibration, identify, lower_bounds
 
-TRUTH = Efficiencies(gemm_compute=0.62, gemm_memory=0.71, attn_prefill_compute=0.5,
-                     attn_prefill_memory=0.6, attn_decode_compute=0.3, attn_decode_memory=0.66,
-                     attn_decode_context_half=512.0, elementwise_memory=0.55)
+SCALES = {"gemm": 1.3, "attn_prefill": 0.8, "attn_decode": 1.5, "elementwise": 2.0}
 OVERHEAD = 3e-3
+
+
+def truth_profile(scales=SCALES, overhead=OVERHEAD, gpu="h100-sxm") -> CalibrationProfile:
+    return resolve(gpu).with_fit(scales, overhead, {})
 
 
 def random_shapes(n: int, seed: int = 0, kinds=("decode", "prefill", "mixed")) -> list[BatchShape]:
@@ -43,59 +41,10 @@ def random_shapes(n: int, seed: int = 0, kinds=("decode", "prefill", "mixed")) -
     return out
 
 
-def measured(shapes, efficiencies=TRUTH, overhead=OVERHEAD, noise=0.0, seed=1):
-    truth = CostModel("llama-3.1-8b", "h100-sxm", efficiencies=efficiencies,
-                      step_overhead_s=overhead)
+def measured(shapes, profile=None, noise=0.0, seed=1):
+    truth = CostModel("llama-3.1-8b", "h100-sxm", calibration=profile or truth_profile())
     y = np.array([truth.step_time(s) for s in shapes])
     return y * (1 + noise * np.random.default_rng(seed).standard_normal(len(y)))
-
-
-# --- NNLS ----------------------------------------------------------------------------------
-
-
-def brute_force_nnls(a, b):
-    """The NNLS optimum by enumerating supports: the best feasible unconstrained solve."""
-    n = a.shape[1]
-    best, best_x = math.inf, np.zeros(n)
-    for k in range(n + 1):
-        for support in itertools.combinations(range(n), k):
-            x = np.zeros(n)
-            if support:
-                x[list(support)] = np.linalg.lstsq(a[:, support], b, rcond=None)[0]
-            if (x >= -1e-12).all():
-                cost = float(np.sum((a @ np.maximum(x, 0) - b) ** 2))
-                if cost < best - 1e-12:
-                    best, best_x = cost, np.maximum(x, 0)
-    return best_x, best
-
-
-@settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 12), cols=st.integers(1, 5))
-def test_nnls_reaches_the_brute_force_optimum(seed, rows, cols):
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((rows, cols)) * rng.choice([1e-3, 1.0, 1e3], cols)  # bad scaling
-    b = rng.standard_normal(rows)
-    x = nnls(a, b)
-    _, best = brute_force_nnls(a, b)
-    assert (x >= 0).all()
-    assert np.sum((a @ x - b) ** 2) <= best * (1 + 1e-9) + 1e-12
-    # KKT, scale-free: zero gradient on the support, none pointing inwards elsewhere
-    scale = np.linalg.norm(a, axis=0) * max(float(np.linalg.norm(b)), 1e-300)
-    grad = a.T @ (a @ x - b) / np.where(scale > 0, scale, 1.0)
-    assert (np.abs(grad[x > 0]) < 1e-6).all() and (grad[x == 0] > -1e-6).all()
-
-
-def test_nnls_exact_and_degenerate_cases():
-    a = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
-    assert np.allclose(nnls(a, a @ np.array([3.0, 0.5])), [3.0, 0.5])
-    # b = 3·a0 − 0.5·a1: the best non-negative fit drops a1 and projects b on a0 alone
-    assert np.allclose(nnls(a, a @ np.array([3.0, -0.5])), [2.75, 0.0])
-    assert nnls(np.zeros((3, 2)), np.ones(3)).tolist() == [0.0, 0.0]
-    assert nnls(a, -np.ones(3)).tolist() == [0.0, 0.0]
-    with pytest.raises(ValueError, match="finite"):
-        nnls(a, np.array([1.0, np.nan, 0.0]))
-    with pytest.raises(ValueError, match="2-D matrix"):
-        nnls(a, np.ones(2))
 
 
 # --- identifiability -----------------------------------------------------------------------
@@ -124,17 +73,14 @@ def test_fit_recovers_known_parameters_from_noise_free_steps():
     shapes = random_shapes(240)
     start = CostModel("llama-3.1-8b", "h100-sxm")
     result = fit_calibration(start, shapes, measured(shapes))
-    assert result.converged and result.train_error < 1e-12
-    assert set(result.unidentified) == {"attn_decode.compute", "collective.link",
-                                        "collective.latency", "swap.link"}
-    eff = result.profile.efficiencies
-    for name in ("gemm_compute", "gemm_memory", "attn_prefill_compute", "attn_prefill_memory",
-                 "attn_decode_memory", "attn_decode_context_half", "elementwise_memory"):
-        assert getattr(eff, name) == pytest.approx(getattr(TRUTH, name), rel=1e-9), name
+    assert result.train_error < 1e-12
+    assert set(result.unidentified) == {"collective", "host_link"}
+    for name, value in SCALES.items():
+        assert result.profile.scale(name) == pytest.approx(value, rel=1e-9), name
     assert result.profile.step_overhead_s == pytest.approx(OVERHEAD, rel=1e-9)
     # what the steps cannot see keeps its starting value, exactly
-    for name in ("attn_decode_compute", "collective_link", "collective_latency_s", "swap_link"):
-        assert getattr(eff, name) == getattr(start.efficiencies, name)
+    assert result.profile.scale("collective") == start.scales["collective"] == 1.0
+    assert result.profile.kernels == start.kernels      # kernel parameters are not refitted
 
 
 @pytest.mark.parametrize("loss", ["l1", "l2"])
@@ -166,29 +112,26 @@ def test_l1_ignores_a_minority_of_slowed_steps():
     assert errors["l1"] < 0.01 < errors["l2"]
 
 
-def test_constant_per_sequence_term_keeps_the_context_half_parameter():
-    """Decode steps all of 32 sequences: the per-sequence decode cost is indistinguishable
-    from the overhead, so attn_decode_context_half keeps its start (not its coefficient)."""
+def test_classes_a_workload_never_runs_keep_their_start():
+    """Decode-only steps: prefill attention is zero on every step and keeps its scale."""
     rng = np.random.default_rng(0)
-    shapes = [BatchShape(num_decode_seqs=32, decode_context_sum=int(c))
-              for c in rng.integers(32 * 64, 32 * 4096, 80)]
+    shapes = [BatchShape(num_decode_seqs=int(b), decode_context_sum=int(b * c))
+              for b, c in zip(rng.integers(1, 128, 80), rng.integers(64, 4096, 80))]
     start = CostModel("llama-3.1-8b", "h100-sxm")
     result = fit_calibration(start, shapes, measured(shapes))
-    assert "indistinguishable from the step overhead" in result.unidentified[
-        "attn_decode.memory_per_seq"]
-    assert "attn_prefill.compute" in result.unidentified
-    assert result.profile.efficiencies.attn_decode_context_half == \
-        start.efficiencies.attn_decode_context_half
-    assert result.train_error < 0.01
+    assert result.unidentified["attn_prefill"] == "zero on every training step"
+    assert result.profile.scale("attn_prefill") == 1.0
+    assert result.profile.scale("attn_decode") == pytest.approx(SCALES["attn_decode"], rel=1e-6)
+    assert result.train_error < 1e-9
 
 
-def test_efficiencies_never_exceed_one():
-    """Steps faster than the device's peaks allow: the fit stops at efficiency 1 and says so."""
+def test_scales_never_fall_below_their_bound():
+    """Steps far faster than the kernel models allow: the fit stops at MIN_SCALE and says so."""
     shapes = random_shapes(90, seed=7, kinds=("prefill",))
-    y = measured(shapes) * 0.2
+    y = measured(shapes) * 0.01
     result = fit_calibration(CostModel("llama-3.1-8b", "h100-sxm"), shapes, y)
-    assert "gemm.compute" in result.at_bound
-    assert result.profile.efficiencies.gemm_compute == 1.0
+    assert "gemm" in result.at_bound
+    assert result.profile.scale("gemm") == MIN_SCALE
     assert all(lo <= result.coefficients[k] for k, lo in lower_bounds().items()
                if k not in result.unidentified)
 
@@ -202,7 +145,8 @@ def test_fit_is_deterministic_and_its_profile_prices_like_the_fit(tmp_path):
     assert a.profile.to_dict() == b.profile.to_dict()
     path = a.profile.save(tmp_path / "p.json")
     loaded = CalibrationProfile.load(path)
-    assert loaded == a.profile and loaded.software == {"torch": "2.13"}
+    assert loaded == a.profile and loaded.source["software.torch"] == "2.13"
+    assert loaded.model == "llama-3.1-8b" and loaded.device == "h100-sxm"
     via_file = start.with_calibration(path)
     assert [via_file.step_time(s) for s in shapes] == \
         [a.cost_model(start).step_time(s) for s in shapes]
@@ -213,13 +157,13 @@ def test_fit_records_measured_device_figures():
     probed = CostModel("tiny-llama", get_gpu("cpu").with_overrides(
         bf16_tflops=0.08, hbm_bandwidth_gbps=6.0), weight_dtype="fp32", kv_dtype="fp32")
     shapes = random_shapes(60, seed=2)
-    y = np.array([probed.with_efficiencies(TRUTH, 0.01).step_time(s) for s in shapes])
+    truth = probed.with_calibration(probed.profile.with_fit({"gemm": 3.0}, 0.01, {}))
+    y = np.array([truth.step_time(s) for s in shapes])
     profile = fit_calibration(probed, shapes, y).profile
     assert profile.gpu_overrides == {"bf16_tflops": 0.08, "hbm_bandwidth_gbps": 6.0}
     assert (profile.device, profile.weight_dtype, profile.kv_dtype) == ("cpu", "fp32", "fp32")
-    # elementwise traffic is collinear with the GEMMs for this model (kept at its start),
-    # so the overhead absorbs a sliver of it
-    assert profile.step_overhead_s == pytest.approx(0.01, rel=1e-3)
+    assert profile.scale("gemm") == pytest.approx(3.0, rel=1e-6)
+    assert profile.step_overhead_s == pytest.approx(0.01, rel=1e-6)
 
 
 @pytest.mark.parametrize("durations, message", [

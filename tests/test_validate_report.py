@@ -10,7 +10,9 @@ with measured durations, is in test_validate_cpu.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from servelab.config import SchedulerConfig
 from servelab.models import load_model_spec
 from servelab.outputs import BatchShape
 from servelab.records import StepRecord
-from servelab.simulator.calibration import CalibrationProfile, Efficiencies
+from servelab.simulator.calibration import CalibrationProfile, bare_roofline
 from servelab.validation.replay import kendall_tau_b
 from servelab.simulator.run import SimulationConfig, run_simulation
 from servelab.validation.validate import (ValidateOptions, catalog_gpu, error_summary,
@@ -32,12 +34,12 @@ from servelab.traces.canonical import write_csv
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate
 
-TRUTH = CalibrationProfile(
-    "cpu", "tiny-llama",
-    Efficiencies(gemm_compute=0.3, gemm_memory=0.5, attn_prefill_compute=0.2,
-                 attn_prefill_memory=0.4, attn_decode_memory=0.35,
-                 attn_decode_context_half=900.0),
-    step_overhead_s=4e-3, weight_dtype="bf16", kv_dtype="bf16",
+# What the "real" runs were made with: the bare roofline on a slow CPU, each class of
+# kernels 1.8-5x slower than its roofline, and 4 ms of step overhead. A fit started from
+# the bare roofline can represent it exactly.
+TRUTH = replace(bare_roofline("cpu").with_fit(
+    {"gemm": 3.3, "attn_prefill": 5.0, "attn_decode": 2.9, "elementwise": 1.8}, 4e-3, {},
+    model="tiny-llama", weight_dtype="bf16", kv_dtype="bf16"),
     gpu_overrides={"bf16_tflops": 0.05, "hbm_bandwidth_gbps": 5.0, "pcie_gbps": 5.0})
 POLICIES = ("fcfs", "priority", "sjf")
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96, chunked_prefill=48,
@@ -214,7 +216,7 @@ def test_fit_and_replay_reproduce_the_runs(runs, tmp_path):
     report = validate(real, options, tmp_path)
     assert report["held_out"]["overall"]["mape_pct"] < 1e-6
     assert report["default_held_out"]["overall"]["mape_pct"] > 50
-    assert {"collective.link", "collective.latency", "swap.link"} <= set(report["fit"]["unidentified"])
+    assert {"collective", "host_link"} <= set(report["fit"]["unidentified"])
     profile = CalibrationProfile.load(tmp_path / "calibration.json")
     assert profile.step_overhead_s == pytest.approx(TRUTH.step_overhead_s, rel=1e-6)
     assert profile.gpu_overrides == TRUTH.gpu_overrides
@@ -255,8 +257,10 @@ def test_cli(runs, tmp_path, capsys):
             "--no-probe", "--no-plots", "--train-fraction", "0.6", "--out", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "held-out:  MAPE 0.0%" in text
-    assert "not identified, kept at its start: swap.link (zero on every training step)" in text
+    # without the probe the catalog cpu's peaks put a few kernels on the other side of their
+    # roofline than in the truth, which per-class scales cannot undo exactly: < 1% is left
+    assert re.search(r"held-out:  MAPE 0\.\d%", text), text
+    assert "not identified, kept at its start: host_link (zero on every training step)" in text
     assert "mean Kendall tau-b over metrics: +1.00" in text
     report = json.loads((out / "validation.json").read_text())
     assert report["fit"]["train_steps"] == round(0.6 * report["steps"])

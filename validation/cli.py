@@ -41,9 +41,9 @@ def register(subparsers) -> None:
                    help="catalog GPU to price with (default: mapped from the run's device)")
     p.add_argument("--calibration", metavar="FILE",
                    help="profile to evaluate, or to start --fit from (default: the device's "
-                        "published efficiencies)")
+                        "packaged profile, fitted to measured kernel times)")
     p.add_argument("--fit", action="store_true",
-                   help="fit efficiencies and step overhead on a training split; report held-out "
+                   help="fit per-class scales and step overhead on a training split; report held-out "
                         "error and write OUT/calibration.json")
     p.add_argument("--train-fraction", type=_fraction, default=0.5, metavar="F",
                    help="share of steps to fit on (default %(default)s)")
@@ -105,14 +105,15 @@ def _errors(e: dict) -> str:
 
 def format_report(report: dict, out: str) -> str:
     """The lines the command prints: the figures people read first, then where the rest is."""
+    from servelab.validation.fit import MIN_SCALE
+
     s = report["setup"]
     lines = [f"{report['steps']} steps of {len(report['runs'])} run(s): {s['model']} on "
              f"{s['gpu']} ({s['dtype']}, tp {s['tp']})"]
     if "fit" in report:
         f = report["fit"]
-        state = "converged" if f["converged"] else "bounds did not settle; best iterate kept"
         start = "starting" if s["calibration"] else "default"
-        lines += [f"fit on {f['train_steps']} steps ({f['iterations']} iterations, {state})",
+        lines += [f"fit on {f['train_steps']} steps",
                   f"  held-out:  {_errors(report['held_out']['overall'])}",
                   f"  train:     {_errors(report['train']['overall'])}",
                   f"  {start + ' model,':<10} held-out: "
@@ -122,7 +123,8 @@ def format_report(report: dict, out: str) -> str:
         for name, why in f["unidentified"].items():
             lines.append(f"  not identified, kept at its start: {name} ({why})")
         if f["at_bound"]:
-            lines.append(f"  at its bound (efficiency 1, or 0 s): {', '.join(f['at_bound'])}")
+            lines.append(f"  at its bound (no overhead, or a scale of {MIN_SCALE}): "
+                         f"{', '.join(f['at_bound'])}")
         if "profile_path" in f:
             lines.append(f"calibration profile -> {f['profile_path']}")
     else:

@@ -251,7 +251,7 @@ class ValidateOptions:
     gpu_overrides: dict[str, float] = field(default_factory=dict)
     """Measured device figures (a CPU probe's), used by the fit and recorded in its profile."""
     calibration: str | None = None
-    """A profile to evaluate (or to start the fit from); None: the default efficiencies."""
+    """A profile to evaluate (or to start the fit from); None: the GPU's default profile."""
     fit: bool = False
     train_fraction: float = 0.5
     split_seed: int = 0
@@ -368,7 +368,6 @@ def _fit(report: dict, runs: Sequence[RealRun], start: CostModel, base: CostMode
     report["fit"] = {
         "train_fraction": options.train_fraction, "split_seed": options.split_seed,
         "loss": options.loss, "train_steps": len(train), "test_steps": len(test),
-        "iterations": result.iterations, "converged": result.converged,
         "unidentified": result.unidentified, "at_bound": list(result.at_bound),
         "coefficients": result.coefficients, "profile": result.profile.to_dict()}
     report["held_out"] = held_out

@@ -1,0 +1,115 @@
+"""`servelab cost`: what the cost model thinks a kernel or a whole step costs.
+
+    servelab cost gemm --gpu h100-sxm --m 512 --n 4096 --k 4096
+    servelab cost attention --gpu a100-80gb --phase decode --batch 64 --context 2048 \\
+        --heads 32 --kv-heads 8 --head-dim 128
+    servelab cost allreduce --gpu h100-sxm --gpus 4 --elements 4194304
+    servelab cost step --gpu h100-sxm --model llama-3.1-8b --prefill 512,2048:1024 --decode 32:1500
+    servelab cost gemm --gpu l40s --points shapes.csv --out priced.csv
+
+Each prints milliseconds; `--json` prints machine-readable output; `--points FILE.csv` prices
+every row of a CSV whose columns are named like the flags (a flag gives the value of a
+missing column) and writes the same rows with a `predicted_ms` column. `--calibration
+FILE|NAME|none` chooses the parameters (default: the GPU's packaged profile).
+
+Importing this module is cheap; the handler imports numpy and the cost model.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+
+from servelab.cli import CLIError
+from servelab.options import non_negative_int, positive_int
+
+KINDS = ("gemm", "attention", "allreduce", "step")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "cost", help="price a GEMM, an attention kernel, an all-reduce or a whole step",
+        description="Print what the cost model charges for one kernel or one engine step, "
+                    "in milliseconds, with the roofline terms behind it.")
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--gpu", required=True, metavar="G", help="catalog GPU or GPU spec .json")
+    common.add_argument("--calibration", metavar="FILE",
+                        help="profile file, packaged profile name, or 'none' for the bare "
+                             "roofline (default: the GPU's packaged profile)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument("--points", metavar="FILE.csv",
+                        help="price every row of a CSV (columns named like the flags)")
+    common.add_argument("--out", metavar="FILE.csv",
+                        help="with --points: where to write the priced rows (default: stdout)")
+
+    g = kinds.add_parser("gemm", parents=[common], help="one [m,k] x [k,n] GEMM")
+    g.add_argument("--m", type=positive_int, help="rows (tokens)")
+    g.add_argument("--n", type=positive_int, help="output features")
+    g.add_argument("--k", type=positive_int, help="input features (reduction)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp8"), default="bf16",
+                   help="input dtype (fp8: W8A8 at the FP8 peak; default %(default)s)")
+
+    a = kinds.add_parser("attention", parents=[common], help="prefill or decode attention, one layer")
+    a.add_argument("--phase", choices=("prefill", "decode"))
+    a.add_argument("--batch", type=positive_int, help="sequences")
+    a.add_argument("--tokens", type=positive_int,
+                   help="prefill: new tokens per sequence (decode: ignored, one each)")
+    a.add_argument("--context", type=non_negative_int, default=0,
+                   help="tokens already cached per sequence (default %(default)s)")
+    a.add_argument("--heads", type=positive_int, help="query heads")
+    a.add_argument("--kv-heads", type=positive_int, help="KV heads")
+    a.add_argument("--head-dim", type=positive_int, default=128, help="default %(default)s")
+    a.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp8"), default="bf16",
+                   help="default %(default)s")
+
+    r = kinds.add_parser("allreduce", parents=[common], help="one all-reduce")
+    r.add_argument("--gpus", type=positive_int, help="GPUs in the group")
+    r.add_argument("--elements", type=positive_int, help="elements per GPU")
+    r.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="default %(default)s")
+
+    s = kinds.add_parser("step", parents=[common], help="a whole engine step, op by op")
+    s.add_argument("--model", help="catalog model or config.json")
+    s.add_argument("--tp", type=positive_int, default=1, help="tensor parallelism (default 1)")
+    s.add_argument("--weight-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
+    s.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
+    s.add_argument("--prefill", default="", metavar="T[:C],...",
+                   help="prefill chunks: T new tokens after C cached (C defaults to 0)")
+    s.add_argument("--decode", default="", metavar="B:C,...",
+                   help="decode groups: B sequences at context C each")
+    p.set_defaults(func=_cmd_cost)
+
+
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from servelab.simulator import pricing
+
+    try:
+        if args.points:
+            rows = pricing.price_points(args.kind, args.points, vars(args))
+            _write_rows(rows, args.out)
+            return 0
+        if args.out:
+            raise ValueError("--out needs --points")
+        result = pricing.price(args.kind, vars(args))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(pricing.describe(args.kind, result))
+    return 0
+
+
+def _write_rows(rows: list[dict], out: str | None) -> None:
+    if not rows:
+        return
+    handle = open(out, "w", newline="") if out else sys.stdout
+    try:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    finally:
+        if out:
+            handle.close()

@@ -1,0 +1,356 @@
+"""Analytic kernel times: what one GPU kernel of a given shape costs.
+
+Every kernel is priced by a roofline of its own — FLOPs over a fraction of the tensor-core
+peak, bytes over a fraction of HBM (or link) bandwidth — plus what a bare roofline lacks
+and the measurements show (`../shared/gpu-measurements/`): a time floor no kernel beats,
+compute and memory traffic that overlap only partly, a serial latency along a GEMM's
+reduction dimension, and attention whose efficiency depends on batch, context and heads
+through the work each thread block gets. Parameters are few, named and physical; each
+dataclass field says what it means. `KernelParams.roofline()` is the bare roofline (every
+efficiency 1, no floor, full overlap); fitted values live in calibration profiles.
+
+All functions take numpy arrays or floats and broadcast, so one call prices a table of
+shapes (the cost model tabulates GEMMs over every token count once per setup; the fitter
+evaluates thousands of measured shapes per iteration).
+
+Combining compute and memory: `_overlap(c, m, q) = (c^q + m^q)^(1/q)`. q = inf is the
+roofline's max (perfect overlap), q = 1 the sum (none); measured kernels sit between.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from servelab.simulator.gpus import GPUSpec
+
+INF = math.inf
+
+
+def _overlap(compute, memory, q: float):
+    """Soft maximum of two non-negative times: max at q = inf, sum at q = 1."""
+    if q == INF:
+        return np.maximum(compute, memory)
+    big = np.maximum(compute, memory)
+    safe = np.where(big > 0, big, 1.0)
+    return big * ((compute / safe) ** q + (memory / safe) ** q) ** (1.0 / q)
+
+
+class _Params:
+    """Shared checks and (de)serialisation for the parameter dataclasses below."""
+
+    _fractions: tuple[str, ...] = ()
+
+    def _check(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            owner = f"{type(self).__name__}.{f.name}"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{owner} must be a number, got {value!r}")
+            if f.name in self._fractions:
+                if not 0 < value <= 1:
+                    raise ValueError(f"{owner} must be a fraction of peak in (0, 1], got {value!r} "
+                                     f"(above 1 means the peak is wrong: override the device figure)")
+            elif f.name == "overlap":
+                if not value >= 1:
+                    raise ValueError(f"{owner} must be >= 1 (1: no overlap, inf: full), got {value!r}")
+            elif not 0 <= value < INF:
+                raise ValueError(f"{owner} must be finite and >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {k: ("inf" if v == INF else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str):
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must be an object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(names))}")
+        missing = sorted(names - set(data))
+        if missing:   # a silent default would be the bare roofline's value
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+        values = {k: (INF if v == "inf" else v) for k, v in data.items()}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------- GEMM
+
+
+@dataclass(frozen=True, slots=True)
+class GemmParams(_Params):
+    """A dense GEMM [m, k] x [k, n] (m = tokens, n x k = the weight)."""
+
+    floor_s: float = 0.0
+    """Seconds no GEMM beats: launch, prologue and epilogue of the smallest problem."""
+    compute_eff: float = 1.0
+    """Fraction of the dense tensor-core peak a large, well-tiled GEMM sustains."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth reached streaming the weight (and activations)."""
+    overlap: float = INF
+    """How far compute and memory traffic overlap: the exponent of their soft maximum
+    (1: they add up; inf: the roofline's max)."""
+    k_step_s: float = 0.0
+    """Serial seconds per element of the reduction dimension k: the latency of the
+    k-loop's dependent loads, which no number of thread blocks hides."""
+
+    _fractions = ("compute_eff", "memory_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def gemm_time(m, n, k, gpu: GPUSpec, p: GemmParams, dtype: str = "bf16",
+              weight_bytes: float = 2.0, in_bytes: float = 2.0, out_bytes: float = 2.0):
+    """Seconds of one [m, k] x [k, n] GEMM computing at the `dtype` peak.
+
+    Bytes: the weight (k·n elements of `weight_bytes`), the input activations (m·k of
+    `in_bytes`) and the output (m·n of `out_bytes`). W8A8 FP8: dtype "fp8", 1, 1, 2;
+    weight-only FP8 on a GPU without FP8 tensor cores: dtype "bf16", 1, 2, 2."""
+    m = np.asarray(m, dtype=np.float64)
+    compute = 2.0 * m * n * k / (gpu.peak_flops(dtype) * p.compute_eff)
+    traffic = k * n * weight_bytes + m * (k * in_bytes + n * out_bytes)
+    memory = traffic / (gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
+    return p.floor_s + _overlap(compute, memory, p.overlap) + k * p.k_step_s
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAttentionParams(_Params):
+    """Causal attention of prefill chunks (flash-attention style, over a paged cache)."""
+
+    floor_s: float = 0.0
+    """Seconds no prefill-attention kernel beats."""
+    compute_eff: float = 1.0
+    """Fraction of the BF16 tensor-core peak on QKᵀ and PV at long sequences."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth moving Q, O and the K/V each query tile reads."""
+    overlap: float = INF
+    """Soft-maximum exponent of compute and memory (1: add, inf: max)."""
+
+    _fractions = ("compute_eff", "memory_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def prefill_attention_coefficients(heads: int, kv_heads: int, head_dim: int, gpu: GPUSpec,
+                                   p: PrefillAttentionParams, kv_bytes: float = 2.0,
+                                   act_bytes: float = 2.0) -> tuple[float, ...]:
+    """Seconds per unit of each sufficient statistic of a prefill batch, one layer:
+    (floor, per causal pair [compute], per new token, per cached token [memory], overlap
+    exponent). `prefill_attention_time` combines them; the cost model folds them into its
+    hot path.
+
+    Memory traffic: Q read and O written per new token and head; K and V read once per
+    chunk for the cached context and the chunk's own tokens. Query tiles of one head that
+    attend to the same keys re-read them from L2, not HBM, which a flash-attention
+    kernel's head-major tile order arranges."""
+    compute_rate = gpu.peak_flops("bf16") * p.compute_eff
+    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes            # one token's K and V
+    return (p.floor_s,
+            4.0 * head_dim * heads / compute_rate,           # QKᵀ and PV, 2 FLOPs per MAC
+            (2.0 * heads * head_dim * act_bytes + kv_row) / bw,   # Q read, O written, own K/V
+            kv_row / bw,
+            p.overlap)
+
+
+def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads: int,
+                           kv_heads: int, head_dim: int, gpu: GPUSpec,
+                           p: PrefillAttentionParams, kv_bytes: float = 2.0,
+                           act_bytes: float = 2.0):
+    """Seconds of one layer's prefill attention over `seqs` chunks of `tokens` new tokens
+    in all; chunk i has q_i new tokens after c_i cached ones, and the sums are
+    Σ q_i·c_i, Σ q_i², Σ c_i. Zero when there is nothing to prefill."""
+    floor, per_pair, per_token, per_ctx, q = prefill_attention_coefficients(
+        heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    pairs = q_ctx_sum + 0.5 * (q_sq_sum + tokens)            # causal (query, key) pairs
+    compute = pairs * per_pair
+    memory = tokens * per_token + ctx_sum * per_ctx
+    return np.where(tokens > 0, floor + _overlap(compute, memory, q), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAttentionParams(_Params):
+    """One query token per sequence over its cached context (paged, split-KV)."""
+
+    floor_s: float = 0.0
+    """Seconds no decode-attention kernel beats."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth streaming K/V at long context and large batch."""
+    seq_s: float = 0.0
+    """Fixed seconds per sequence: block-table walk, the partial-result merge of split-KV
+    and the query/output rows, which short contexts cannot amortise."""
+
+    _fractions = ("memory_eff",)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def decode_attention_lines(batch, heads: int, kv_heads: int, head_dim: int, gpu: GPUSpec,
+                           p: DecodeAttentionParams, kv_bytes: float = 2.0):
+    """Decode attention of `batch` sequences with C context tokens in all costs
+    max(floor, intercept + slope·C) seconds per layer: (floor, intercept, slope).
+
+    Decode is bandwidth-bound for any grouped-query ratio a model uses (a few FLOPs per
+    KV byte against a ridge point in the hundreds), so there is no compute side. The time
+    is convex and piecewise linear in C for a fixed batch, which is what lets a run of
+    decode steps be summed in closed form."""
+    batch = np.asarray(batch, dtype=np.float64)
+    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    slope = 2.0 * kv_heads * head_dim * kv_bytes / bw
+    intercept = batch * p.seq_s
+    floor = np.where(batch > 0, p.floor_s, 0.0)
+    return floor, intercept, slope
+
+
+def decode_attention_time(batch, context_sum, heads: int, kv_heads: int, head_dim: int,
+                          gpu: GPUSpec, p: DecodeAttentionParams, kv_bytes: float = 2.0):
+    floor, intercept, slope = decode_attention_lines(batch, heads, kv_heads, head_dim, gpu, p,
+                                                     kv_bytes)
+    return np.where(np.asarray(batch) > 0, np.maximum(floor, intercept + slope * context_sum), 0.0)
+
+
+# ------------------------------------------------------------------------- element-wise
+
+
+@dataclass(frozen=True, slots=True)
+class ElementwiseParams(_Params):
+    """Bandwidth-bound kernels: norms, rotary, activation, KV-cache writes, embedding."""
+
+    floor_s: float = 0.0
+    """Seconds no element-wise kernel beats (launch and one wave of thread blocks)."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth a large element-wise kernel reaches."""
+
+    _fractions = ("memory_eff",)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def elementwise_time(nbytes, gpu: GPUSpec, p: ElementwiseParams):
+    """Seconds of one element-wise kernel moving `nbytes` (read + written); 0 for 0."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    return np.where(nbytes > 0, p.floor_s + nbytes / (gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff),
+                    0.0)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveParams(_Params):
+    """All-reduce across the tensor-parallel GPUs of one node.
+
+    Two algorithms, as engines ship them: a custom one for small messages (each GPU
+    reads its peers' buffers directly) and a ring (NCCL) above `custom_max_bytes`."""
+
+    custom_latency_s: float = 0.0
+    """Seconds of a small custom all-reduce: launch plus a barrier over the peers."""
+    custom_link_eff: float = 1.0
+    """Fraction of per-direction link bandwidth the custom all-reduce moves data at."""
+    ring_latency_s: float = 0.0
+    """Fixed seconds of a ring all-reduce (launch, channel setup)."""
+    ring_link_eff: float = 1.0
+    """Bus bandwidth of the ring as a fraction of the per-direction link figure."""
+    hop_s: float = 0.0
+    """Extra seconds per additional GPU in the group (one more synchronisation step)."""
+    custom_max_bytes: float = 8 * 1024 * 1024
+    """Largest message the engine sends through the custom all-reduce (vLLM: 8 MiB);
+    an engine setting, not a fitted one."""
+
+    _fractions = ("custom_link_eff", "ring_link_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
+    """Seconds of one all-reduce of `nbytes` per GPU over `num_gpus` GPUs (0 for one)."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    n = np.asarray(num_gpus, dtype=np.float64)
+    link = gpu.interconnect_gbps * 1e9
+    moved = 2.0 * (n - 1) / np.maximum(n, 1)       # bus bytes per message byte
+    custom = p.custom_latency_s + (n - 1) * p.hop_s + nbytes * moved / (link * p.custom_link_eff)
+    ring = p.ring_latency_s + (n - 1) * p.hop_s + nbytes * moved / (link * p.ring_link_eff)
+    t = np.where(nbytes <= p.custom_max_bytes, custom, ring)
+    return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
+# ----------------------------------------------------------------------------- host link
+
+
+@dataclass(frozen=True, slots=True)
+class HostLinkParams(_Params):
+    """Copies between GPU memory and pinned host memory (swap, a CPU prefix-cache tier)."""
+
+    latency_s: float = 0.0
+    """Fixed seconds of one batched copy (launch, DMA setup)."""
+    link_eff: float = 1.0
+    """Fraction of per-direction PCIe bandwidth a pinned copy of KV blocks reaches."""
+
+    _fractions = ("link_eff",)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def host_copy_time(nbytes, gpu: GPUSpec, p: HostLinkParams):
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    return np.where(nbytes > 0, p.latency_s + nbytes / (gpu.pcie_gbps * 1e9 * p.link_eff), 0.0)
+
+
+# ------------------------------------------------------------------------------ bundle
+
+
+_SECTIONS = {"gemm": GemmParams, "gemm_fp8": GemmParams, "attn_prefill": PrefillAttentionParams,
+             "attn_decode": DecodeAttentionParams, "elementwise": ElementwiseParams,
+             "collective": CollectiveParams, "host_link": HostLinkParams}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelParams:
+    """Every kernel family's parameters for one GPU."""
+
+    gemm: GemmParams = GemmParams()
+    gemm_fp8: GemmParams = GemmParams()
+    """FP8 GEMMs (W8A8 at the FP8 peak); where none were measured, the BF16 parameters."""
+    attn_prefill: PrefillAttentionParams = PrefillAttentionParams()
+    attn_decode: DecodeAttentionParams = DecodeAttentionParams()
+    elementwise: ElementwiseParams = ElementwiseParams()
+    collective: CollectiveParams = CollectiveParams()
+    host_link: HostLinkParams = HostLinkParams()
+
+    @classmethod
+    def roofline(cls) -> "KernelParams":
+        """The bare roofline: peaks reached, no floors, no latencies, full overlap."""
+        return cls()
+
+    def gemm_for(self, dtype: str) -> GemmParams:
+        return self.gemm_fp8 if dtype == "fp8" else self.gemm
+
+    def to_dict(self) -> dict[str, dict]:
+        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "kernels") -> "KernelParams":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must be an object of kernel families, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise ValueError(f"{source}: unknown kernel family(ies) {', '.join(unknown)}; "
+                             f"known: {', '.join(_SECTIONS)}")
+        return cls(**{name: _SECTIONS[name].from_dict(value, f"{source}.{name}")
+                      for name, value in data.items()})

@@ -1,0 +1,247 @@
+"""Pricing single kernels and whole steps for `servelab cost` (and anyone else asking).
+
+`price(kind, options)` takes the options `servelab cost KIND` parses — a dict with the
+flag names as keys — and returns a JSON-ready dict whose "predicted_ms" is the answer,
+with the roofline terms behind it. `price_points` does the same for every row of a CSV.
+Bad shapes are a ValueError with a one-line message.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import resolve
+from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
+
+_INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
+               "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1}
+"""Integer options and their smallest allowed value."""
+_CHOICES = {"dtype": ("bf16", "fp16", "fp8", "fp32"), "kv_dtype": ("bf16", "fp16", "fp8"),
+            "weight_dtype": ("bf16", "fp16", "fp8"), "phase": ("prefill", "decode")}
+_REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "kv_heads"),
+             "allreduce": ("gpus", "elements"), "step": ("model",)}
+
+
+def _setup(opts: dict):
+    gpu = get_gpu(opts["gpu"])
+    profile = resolve(gpu, opts.get("calibration"))
+    if profile.gpu_overrides:
+        gpu = gpu.with_overrides(**profile.gpu_overrides)
+    label = opts.get("calibration") or (gpu.calibration or "none")
+    return gpu, profile, label
+
+
+def _check(kind: str, opts: dict) -> None:
+    missing = [f"--{name.replace('_', '-')}" for name in _REQUIRED[kind] if opts.get(name) is None]
+    if missing:
+        raise ValueError(f"cost {kind} needs {', '.join(missing)}")
+    for name, low in _INT_FIELDS.items():
+        value = opts.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+    for name, allowed in _CHOICES.items():
+        if opts.get(name) is not None and opts[name] not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                             f"got {opts[name]!r}")
+
+
+def price(kind: str, opts: dict) -> dict:
+    """What the cost model charges; see the module docstring."""
+    if kind not in _REQUIRED:
+        raise ValueError(f"unknown cost kind {kind!r}; known: {', '.join(_REQUIRED)}")
+    _check(kind, opts)
+    return {"gemm": _gemm, "attention": _attention, "allreduce": _allreduce,
+            "step": _step}[kind](opts)
+
+
+def _ms(seconds) -> float:
+    return round(float(seconds) * 1e3, 6)
+
+
+def _gemm(opts: dict) -> dict:
+    gpu, profile, label = _setup(opts)
+    m, n, k, dtype = opts["m"], opts["n"], opts["k"], opts.get("dtype") or "bf16"
+    if dtype == "fp8" and gpu.fp8_tflops is None:
+        raise ValueError(f"{gpu.name} has no FP8 tensor cores: price its FP8 weights with "
+                         f"`cost step --weight-dtype fp8` (weight-only, BF16 compute)")
+    p = profile.kernels.gemm_for(dtype)
+    in_bytes = 1.0 if dtype == "fp8" else DTYPE_BYTES[dtype]
+    out_bytes = 2.0 if dtype == "fp8" else DTYPE_BYTES[dtype]
+    flops = 2.0 * m * n * k
+    traffic = k * n * in_bytes + m * (k * in_bytes + n * out_bytes)
+    compute = flops / (gpu.peak_flops(dtype) * p.compute_eff)
+    memory = traffic / (gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
+    total = float(K.gemm_time(m, n, k, gpu, p, dtype, in_bytes, in_bytes, out_bytes))
+    return {"kind": "gemm", "gpu": gpu.name, "calibration": label, "m": m, "n": n, "k": k,
+            "dtype": dtype, "predicted_ms": _ms(total), "compute_ms": _ms(compute),
+            "memory_ms": _ms(memory), "floor_ms": _ms(p.floor_s), "k_latency_ms": _ms(k * p.k_step_s),
+            "bound": "compute" if compute > memory else "memory", "flops": flops,
+            "bytes": traffic, "achieved_tflops": round(flops / total / 1e12, 3),
+            "achieved_gbps": round(traffic / total / 1e9, 1)}
+
+
+def _attention(opts: dict) -> dict:
+    gpu, profile, label = _setup(opts)
+    phase, b, heads, kv_heads = opts["phase"], opts["batch"], opts["heads"], opts["kv_heads"]
+    d, c = opts.get("head_dim") or 128, opts.get("context") or 0
+    kvb = DTYPE_BYTES[opts.get("kv_dtype") or "bf16"]
+    if heads % kv_heads:
+        raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    out = {"kind": "attention", "gpu": gpu.name, "calibration": label, "phase": phase,
+           "batch": b, "context": c, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
+           "kv_dtype": opts.get("kv_dtype") or "bf16"}
+    if phase == "prefill":
+        t = opts.get("tokens")
+        if t is None:
+            raise ValueError("cost attention --phase prefill needs --tokens (new tokens per sequence)")
+        total = K.prefill_attention_time(b, b * t, b * t * c, b * t * t, b * c, heads, kv_heads,
+                                         d, gpu, profile.kernels.attn_prefill, kvb)
+        flops = 4.0 * d * heads * b * (t * c + 0.5 * (t * t + t))
+        out.update(tokens=t, flops=flops)
+    else:
+        if c < 1:
+            raise ValueError("cost attention --phase decode needs --context >= 1 (cached tokens "
+                             "each sequence attends to)")
+        total = K.decode_attention_time(b, b * c, heads, kv_heads, d, gpu,
+                                        profile.kernels.attn_decode, kvb)
+        out.update(kv_bytes=float(b * c * 2 * kv_heads * d * kvb))
+    out["predicted_ms"] = _ms(total)
+    return out
+
+
+def _allreduce(opts: dict) -> dict:
+    gpu, profile, label = _setup(opts)
+    dtype = opts.get("dtype") or "bf16"
+    nbytes = opts["elements"] * DTYPE_BYTES[dtype]
+    total = K.allreduce_time(nbytes, opts["gpus"], gpu, profile.kernels.collective)
+    algorithm = ("none (one GPU)" if opts["gpus"] == 1 else
+                 "custom" if nbytes <= profile.kernels.collective.custom_max_bytes else "ring")
+    return {"kind": "allreduce", "gpu": gpu.name, "calibration": label, "gpus": opts["gpus"],
+            "elements": opts["elements"], "dtype": dtype, "bytes": nbytes,
+            "algorithm": algorithm, "predicted_ms": _ms(total)}
+
+
+def parse_chunks(text: str, flag: str, default_context: int | None) -> list[tuple[int, int]]:
+    """"T[:C],..." -> [(T, C), ...]; C is required when default_context is None."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        first, _, second = part.partition(":")
+        try:
+            a = int(first)
+            b = int(second) if second else default_context
+        except ValueError:
+            raise ValueError(f"{flag}: expected integers like 512:1024, got {part!r}") from None
+        if b is None:
+            raise ValueError(f"{flag}: {part!r} needs a context (B:C)")
+        if a < 1 or b < 0:
+            raise ValueError(f"{flag}: sizes must be >= 1 and contexts >= 0, got {part!r}")
+        out.append((a, b))
+    return out
+
+
+def _step(opts: dict) -> dict:
+    from servelab.outputs import BatchShape
+    from servelab.simulator.cost_model import CostModel
+    from servelab.simulator.footprint import kv_capacity_blocks
+
+    prefill = parse_chunks(opts.get("prefill"), "--prefill", 0)
+    decode = parse_chunks(opts.get("decode"), "--decode", None)
+    if any(c < 1 for _, c in decode):
+        raise ValueError("--decode: a decoding sequence has a context of at least 1 token")
+    if not prefill and not decode:
+        raise ValueError("cost step needs --prefill and/or --decode")
+    cm = CostModel(opts["model"], opts["gpu"], tp=opts.get("tp") or 1,
+                   weight_dtype=opts.get("weight_dtype") or "bf16",
+                   kv_dtype=opts.get("kv_dtype") or "bf16", calibration=opts.get("calibration"))
+    kv_capacity_blocks(cm.model, cm.gpu, tp=cm.tp, weight_dtype=cm.weight_dtype,
+                       kv_dtype=cm.kv_dtype)          # raises when the model does not fit
+    shape = BatchShape(
+        num_prefill_seqs=len(prefill), num_prefill_tokens=sum(t for t, _ in prefill),
+        prefill_context_sum=sum(c for _, c in prefill),
+        prefill_q_context_sum=sum(t * c for t, c in prefill),
+        prefill_q_sq_sum=sum(t * t for t, _ in prefill),
+        num_decode_seqs=sum(b for b, _ in decode),
+        decode_context_sum=sum(b * c for b, c in decode))
+    total = cm.step_time(shape)
+    layers = cm.shapes.num_layers
+    ops = []
+    for name, op in cm.breakdown(shape).items():
+        ops.append({"op": name, "class": op.op_class, "calls": op.calls,
+                    "per_layer_ms": _ms(op.time_s / layers) if op.per_layer else None,
+                    "total_ms": _ms(op.time_s), "share_pct": round(100 * op.time_s / total, 2),
+                    "bound": op.bound})
+    label = opts.get("calibration") or (cm.gpu.calibration or "none")
+    return {"kind": "step", "gpu": cm.gpu.name, "calibration": label, "model": cm.model.name,
+            "tp": cm.tp, "layers": layers, "prefill": prefill, "decode": decode,
+            "tokens": shape.num_tokens, "predicted_ms": _ms(total),
+            "per_layer_ms": _ms(sum(op.time_s for op in cm.breakdown(shape).values()
+                                    if op.per_layer) / layers),
+            "ops": ops}
+
+
+def describe(kind: str, r: dict) -> str:
+    """The human-readable answer to `servelab cost KIND`."""
+    head = f"{r['predicted_ms']:.4f} ms"
+    where = f"on {r['gpu']} (calibration: {r['calibration']})"
+    if kind == "gemm":
+        return (f"{head}  GEMM [{r['m']}x{r['k']}] x [{r['k']}x{r['n']}] {r['dtype']} {where}\n"
+                f"  compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
+                f"({r['bound']}-bound), floor {r['floor_ms']:.4f} ms, k-latency "
+                f"{r['k_latency_ms']:.4f} ms\n"
+                f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
+    if kind == "attention":
+        what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"
+                if r["phase"] == "prefill" else
+                f"decode of {r['batch']} sequences at context {r['context']}")
+        return (f"{head}  {what}, {r['heads']} heads / {r['kv_heads']} KV heads x "
+                f"{r['head_dim']}, KV {r['kv_dtype']}, one layer, {where}")
+    if kind == "allreduce":
+        return (f"{head}  all-reduce of {r['elements']} {r['dtype']} elements over {r['gpus']} "
+                f"GPUs ({r['algorithm']}) {where}")
+    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}, {r['layers']} layers, "
+             f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms",
+             f"  {'op':<22}{'class':<14}{'calls':>6}{'per layer':>12}{'total':>12}{'share':>8}  bound"]
+    for op in r["ops"]:
+        per_layer = f"{op['per_layer_ms']:.4f}" if op["per_layer_ms"] is not None else "-"
+        lines.append(f"  {op['op']:<22}{op['class']:<14}{op['calls']:>6}{per_layer:>12}"
+                     f"{op['total_ms']:>12.4f}{op['share_pct']:>7.1f}%  {op['bound']}")
+    return "\n".join(lines)
+
+
+def price_points(kind: str, path: str | Path, defaults: dict) -> list[dict]:
+    """Price every row of a CSV; columns named like the flags override `defaults`."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    out = []
+    for line, row in enumerate(rows, start=2):
+        opts = dict(defaults)
+        for key, value in row.items():
+            if key is None:
+                raise ValueError(f"{path}: line {line}: more cells than header columns")
+            name = key.strip().replace("-", "_")
+            opts[name] = _cell(name, value, path, line)
+        try:
+            result = price(kind, opts)
+        except ValueError as exc:
+            raise ValueError(f"{path}: line {line}: {exc}") from None
+        out.append({**row, "predicted_ms": result["predicted_ms"]})
+    return out
+
+
+def _cell(name: str, value: str | None, path: Path, line: int):
+    value = (value or "").strip()
+    if name in _INT_FIELDS:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{path}: line {line}: column {name!r} must be an integer, "
+                             f"got {value!r}") from None
+    return value or None
+

@@ -1,0 +1,103 @@
+"""`servelab calibrate`: fit the kernel models to measured GPU kernel times.
+
+    servelab calibrate --from-measurements ../shared/gpu-measurements --gpu h100-sxm \\
+        --drop-bad-rows --out h100-sxm.json
+
+Reads every recognised table for the GPU under the folders given (aiconfigurator Parquet,
+Vidur CSV; see `measurements.py`), fits each kernel family on a seeded part of its points
+and prints the held-out error per family and size band. The profile written records its
+sources, the split and the figures; `servelab simulate --calibration FILE` and
+`servelab cost --calibration FILE` use it.
+
+Importing this module is cheap; the handler imports numpy, scipy and pyarrow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from servelab.cli import CLIError
+from servelab.options import non_negative_int
+
+
+def _holdout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="fit the cost model's kernel parameters to measured kernel times",
+        description="Fit every kernel family (GEMM, prefill and decode attention, all-reduce, "
+                    "element-wise) to measured latencies of one GPU and write a calibration "
+                    "profile. Error is reported on points held out from the fit.")
+    p.add_argument("--from-measurements", action="append", required=True, metavar="DIR",
+                   help="folder searched for measurement tables (aiconfigurator *_perf.parquet, "
+                        "Vidur *.mlp.csv and *.all_reduce.csv); repeatable")
+    p.add_argument("--gpu", required=True, metavar="G", help="catalog GPU the tables measure")
+    p.add_argument("--out", required=True, metavar="FILE", help="profile to write (JSON)")
+    p.add_argument("--drop-bad-rows", action="store_true",
+                   help="drop unusable rows and merge repeated measurements into their median, "
+                        "with counts (default: stop at the first, naming file and row)")
+    p.add_argument("--holdout", type=_holdout, default=0.3, metavar="F",
+                   help="share of each table's points held out from the fit (default %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                   help="seed of the held-out split (default %(default)s)")
+    p.add_argument("--fallback", metavar="PROFILE",
+                   help="profile (file or packaged name) to take kernel families without "
+                        "measurements from, e.g. an element-wise fit of a same-era GPU")
+    p.add_argument("--data-version", default="", metavar="TEXT",
+                   help="what the measurements are, for the profile's provenance (e.g. the "
+                        "projects' commits: 'aiconfigurator 095f58a51, vidur 7d47513')")
+    p.add_argument("--json", action="store_true", help="print the fit report as JSON")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from servelab.simulator.calibration import load_profile
+    from servelab.simulator.gpus import get_gpu
+    from servelab.validation.kernel_fit import calibrate
+    from servelab.validation.measurements import load_measurements
+
+    try:
+        gpu = get_gpu(args.gpu)
+        fallback = load_profile(args.fallback) if args.fallback else None
+        ms = load_measurements(args.from_measurements, gpu, drop_bad_rows=args.drop_bad_rows)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if ms.dropped:
+        print("dropped: " + ", ".join(f"{n} {why}" for why, n in sorted(ms.dropped.items())),
+              file=sys.stderr)
+    result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
+                       data_version=args.data_version)
+    path = result.profile.save(args.out)
+    if args.json:
+        print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats}
+                          for name, fit in result.families.items()}, indent=2))
+    else:
+        print(f"{gpu.name}: fitted on {1 - args.holdout:.0%} of each table, error on the "
+              f"held-out {args.holdout:.0%}")
+        for name, fit in result.families.items():
+            print(f"  {name:<13} {fit.rows + fit.heldout_rows:>6} points  held-out "
+                  f"{_fmt(fit.stats['heldout'])}")
+            for label, stats in fit.stats.items():
+                if label not in ("train", "heldout"):
+                    print(f"      {label:<28} {_fmt(stats)}")
+        for key, value in result.profile.source.items():
+            if key.startswith("kernels.") and not value.startswith(("aiconfigurator", "Vidur")):
+                print(f"  {key[len('kernels.'):]:<13} {value}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _fmt(stats: dict) -> str:
+    if not stats.get("n"):
+        return "no points"
+    return (f"MAPE {stats['mape_pct']:5.1f}%  median {stats['median_pct']:+5.1f}%  "
+            f"worst {stats['worst_pct']:+6.1f}%  (n={stats['n']})")

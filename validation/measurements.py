@@ -1,0 +1,379 @@
+"""Measured GPU kernel times, read from public tables into one canonical form.
+
+Two layouts are recognised anywhere under the folders given (see
+`../shared/gpu-measurements/README.md`):
+
+- aiconfigurator (NVIDIA, per-kernel latencies measured inside vLLM): Parquet files
+  `gemm_perf`, `context_attention_perf`, `generation_attention_perf`,
+  `custom_allreduce_perf` in one folder per GPU, latency in milliseconds, the GPU named
+  in a `device` column (matched against the catalog's `device_names`);
+- Vidur (Microsoft, eager PyTorch per-layer operator profiles): `compute/<gpu>/<model>.mlp.csv`
+  and `network/<gpu>_dgx.all_reduce.csv`, milliseconds, the GPU named by the folder or file
+  prefix (matched against the catalog's `aliases`).
+
+Each family becomes a `Table`: named numpy columns (times in seconds), plus where every
+row came from, so a bad row is reported as "FILE: row N: ...". Bad input — a missing
+column, a latency that is not a positive number, an unknown dtype, the same point twice —
+is an error naming the file and the row, unless `drop_bad_rows` is set: then bad rows are
+dropped, repeated measurements of one point are merged into their median, and the counts
+are reported (`MeasurementSet.dropped`).
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from servelab.simulator.gpus import GPUSpec, get_gpu
+
+GEMM_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16",
+               "fp8": "fp8", "fp8_block": "fp8_block"}
+KV_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+ALLREDUCE_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+VIDUR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj", "mlp_act",
+             "attn_rope", "input_layernorm", "post_attention_layernorm", "add", "emb")
+"""Vidur's per-layer operators (emb: once per step)."""
+
+
+class MeasurementError(ValueError):
+    """A measurement file that cannot be used as it is (the message names file and row)."""
+
+
+@dataclass
+class Table:
+    """One kernel family's measurements: equal-length numpy columns."""
+
+    family: str
+    columns: dict[str, np.ndarray]
+    origin: list[str] = field(default_factory=list)
+    """Per row: "FILE: row N" (N counts data rows from 1), for messages."""
+
+    def __len__(self) -> int:
+        return len(self.origin)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def select(self, mask: np.ndarray) -> "Table":
+        return Table(self.family, {k: v[mask] for k, v in self.columns.items()},
+                     [o for o, keep in zip(self.origin, mask) if keep])
+
+    @staticmethod
+    def concat(family: str, parts: list["Table"]) -> "Table":
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return Table(family, {}, [])
+        names = parts[0].columns
+        return Table(family, {k: np.concatenate([p.columns[k] for p in parts]) for k in names},
+                     [o for p in parts for o in p.origin])
+
+
+@dataclass
+class MeasurementSet:
+    """Everything measured on one GPU, by family."""
+
+    gpu: str
+    tables: dict[str, Table]
+    sources: dict[str, str]
+    """Per family: which files and project the rows came from (for a profile's provenance)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Rows dropped or merged, by reason (only with drop_bad_rows)."""
+
+    def table(self, family: str) -> Table:
+        return self.tables.get(family) or Table(family, {}, [])
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+_AIC_FILES = {"gemm_perf": "gemm", "context_attention_perf": "attn_prefill",
+              "generation_attention_perf": "attn_decode", "custom_allreduce_perf": "allreduce"}
+
+
+def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
+                      drop_bad_rows: bool = False) -> MeasurementSet:
+    """Every recognised table for `gpu` under `folders` (searched recursively)."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    parts: dict[str, list[Table]] = {}
+    sources: dict[str, list[str]] = {}
+    dropped: dict[str, int] = {}
+    seen_any = False
+    for folder in folders:
+        root = Path(folder)
+        if not root.is_dir():
+            raise MeasurementError(f"{root}: not a folder of measurements")
+        for path in sorted(root.rglob("*")):
+            family, reader = _recognise(path)
+            if family is None:
+                continue
+            seen_any = True
+            table, project = reader(path, spec, drop_bad_rows, dropped)
+            if table is None:
+                continue
+            parts.setdefault(family, []).append(table)
+            where = Path(root.resolve().name) / path.relative_to(root)
+            sources.setdefault(family, []).append(f"{project}: {where}")
+    if not seen_any:
+        raise MeasurementError(f"no measurement tables found under {', '.join(map(str, folders))} "
+                               f"(expected aiconfigurator *_perf.parquet or Vidur *.mlp.csv / "
+                               f"*.all_reduce.csv files)")
+    tables = {fam: _dedupe(Table.concat(fam, ts), drop_bad_rows, dropped) for fam, ts in parts.items()}
+    if not any(len(t) for t in tables.values()):
+        raise MeasurementError(f"no measurements for {spec.name} under "
+                               f"{', '.join(map(str, folders))} (the tables found name other GPUs)")
+    return MeasurementSet(spec.name, tables, {k: "; ".join(v) for k, v in sources.items()}, dropped)
+
+
+def _recognise(path: Path):
+    name = path.name
+    if name.endswith(".parquet") and name[:-len(".parquet")] in _AIC_FILES:
+        return _AIC_FILES[name[:-len(".parquet")]], _read_aiconfigurator
+    if name.endswith(".mlp.csv"):
+        return "vidur_ops", _read_vidur_ops
+    if name.endswith(".all_reduce.csv"):
+        return "vidur_allreduce", _read_vidur_allreduce
+    return None, None
+
+
+# ---------------------------------------------------------------------- aiconfigurator
+
+
+_AIC_COLUMNS = {
+    "gemm": ("gemm_dtype", "m", "n", "k", "latency"),
+    "attn_prefill": ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim",
+                     "kv_cache_dtype", "latency"),
+    "attn_decode": ("batch_size", "step", "num_heads", "num_key_value_heads", "head_dim",
+                    "kv_cache_dtype", "latency"),
+    "allreduce": ("allreduce_dtype", "num_gpus", "message_size", "backend", "latency"),
+}
+
+
+def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
+    import pyarrow.parquet as pq
+
+    family = _AIC_FILES[path.name[:-len(".parquet")]]
+    try:
+        data = pq.read_table(path).to_pydict()
+    except Exception as exc:      # pyarrow raises several types for a damaged file
+        raise MeasurementError(f"{path}: cannot read as Parquet ({exc})") from None
+    missing = [c for c in (*_AIC_COLUMNS[family], "device") if c not in data]
+    if missing:
+        raise MeasurementError(f"{path}: missing column(s) {', '.join(missing)}")
+    devices = set(data["device"])
+    if not any(spec.matches_device_name(str(d)) for d in devices):
+        return None, ""
+    n = len(data["latency"])
+    version = _one(data.get("version"), "?")
+    project = f"aiconfigurator ({_one(data.get('framework'), '?')} {version}, {_one(data['device'], '?')})"
+    rows = _Rows(path, n, drop, dropped)
+    lat = rows.latency(data["latency"], scale=1e-3)
+    if family == "gemm":
+        cols = {"dtype": rows.category(data["gemm_dtype"], GEMM_DTYPES, "gemm_dtype"),
+                "m": rows.positive_int(data["m"], "m"), "n": rows.positive_int(data["n"], "n"),
+                "k": rows.positive_int(data["k"], "k")}
+    elif family in ("attn_prefill", "attn_decode"):
+        length = "isl" if family == "attn_prefill" else "step"
+        cols = {"batch": rows.positive_int(data["batch_size"], "batch_size"),
+                "tokens" if family == "attn_prefill" else "context":
+                    rows.positive_int(data[length], length),
+                "heads": rows.positive_int(data["num_heads"], "num_heads"),
+                "kv_heads": rows.positive_int(data["num_key_value_heads"], "num_key_value_heads"),
+                "head_dim": rows.positive_int(data["head_dim"], "head_dim"),
+                "kv_dtype": rows.category(data["kv_cache_dtype"], KV_DTYPES, "kv_cache_dtype")}
+        rows.check(cols["heads"] % np.maximum(cols["kv_heads"], 1) == 0,
+                   "num_heads is not a multiple of num_key_value_heads")
+    else:
+        dtype = rows.category(data["allreduce_dtype"], ALLREDUCE_DTYPES, "allreduce_dtype")
+        cols = {"num_gpus": rows.positive_int(data["num_gpus"], "num_gpus"),
+                "nbytes": rows.positive_int(data["message_size"], "message_size") * 2.0,
+                "backend": np.array([str(b) for b in data["backend"]], dtype=object),
+                "dtype": dtype}
+    cols["latency_s"] = lat
+    return rows.table(family, cols), project
+
+
+# -------------------------------------------------------------------------------- Vidur
+
+
+def _vidur_gpu(path: Path, spec: GPUSpec) -> bool:
+    """Vidur names the GPU by folder (compute/a100/...) or file prefix (a100_dgx...)."""
+    if path.name.endswith(".all_reduce.csv"):
+        return spec.known_as(path.name.split("_")[0])
+    return spec.known_as(path.parent.name)
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
+    try:
+        with path.open(newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            body = list(reader)
+    except OSError as exc:
+        raise MeasurementError(f"{path}: cannot read ({exc.strerror})") from None
+    if not header:
+        raise MeasurementError(f"{path}: empty file")
+    return header, body
+
+
+def _columns(path: Path, header: list[str], body: list[list[str]], names: list[str]) -> dict:
+    missing = [c for c in names if c not in header]
+    if missing:
+        raise MeasurementError(f"{path}: missing column(s) {', '.join(missing)}")
+    idx = {c: header.index(c) for c in names}
+    out = {c: [] for c in names}
+    for i, row in enumerate(body, start=1):
+        if len(row) != len(header):
+            raise MeasurementError(f"{path}: row {i}: {len(row)} cells, the header has {len(header)}")
+        for c, j in idx.items():
+            out[c].append(row[j])
+    return out
+
+
+def _read_vidur_ops(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
+    if not _vidur_gpu(path, spec):
+        return None, ""
+    header, body = _read_csv(path)
+    shape_cols = ["n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size",
+                  "num_tokens", "num_tensor_parallel_workers"]
+    op_cols = [f"time_stats.{op}.median" for op in VIDUR_OPS]
+    raw = _columns(path, header, body, shape_cols + op_cols)
+    rows = _Rows(path, len(body), drop, dropped)
+    cols = {name: rows.positive_int(raw[name], name) for name in shape_cols}
+    for op, col in zip(VIDUR_OPS, op_cols):
+        cols[op] = rows.latency(raw[col], scale=1e-3, column=col)
+    cols["model"] = np.array([path.name[:-len(".mlp.csv")]] * len(body), dtype=object)
+    return rows.table("vidur_ops", cols), f"Vidur (eager PyTorch, fp16), {path.parent.name}"
+
+
+def _read_vidur_allreduce(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
+    if not _vidur_gpu(path, spec):
+        return None, ""
+    header, body = _read_csv(path)
+    raw = _columns(path, header, body, ["time_stats.all_reduce.median", "num_workers", "size",
+                                        "devices_per_node"])
+    rows = _Rows(path, len(body), drop, dropped)
+    cols = {"num_gpus": rows.positive_int(raw["num_workers"], "num_workers"),
+            "nbytes": rows.positive_int(raw["size"], "size").astype(np.float64),
+            "devices_per_node": rows.positive_int(raw["devices_per_node"], "devices_per_node"),
+            "latency_s": rows.latency(raw["time_stats.all_reduce.median"], scale=1e-3,
+                                      column="time_stats.all_reduce.median")}
+    table = rows.table("vidur_allreduce", cols)
+    one_node = table["devices_per_node"] >= table["num_gpus"]
+    return table.select(one_node), f"Vidur NCCL all-reduce (eager), {path.name}"
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+class _Rows:
+    """Row-wise checks of one file's columns; collects the rows to drop."""
+
+    def __init__(self, path: Path, n: int, drop: bool, dropped: dict) -> None:
+        self.path, self.n, self.drop, self.dropped = path, n, drop, dropped
+        self.bad = np.zeros(n, dtype=bool)
+
+    def _fail(self, i: int, message: str, reason: str) -> None:
+        if not self.drop:
+            raise MeasurementError(f"{self.path}: row {i + 1}: {message} "
+                                   f"(pass --drop-bad-rows to drop such rows with a count)")
+        if not self.bad[i]:
+            self.bad[i] = True
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def check(self, ok: np.ndarray, message: str) -> None:
+        for i in np.flatnonzero(~ok & ~self.bad):
+            self._fail(int(i), message, message)
+
+    def latency(self, values, scale: float, column: str = "latency") -> np.ndarray:
+        out = np.full(self.n, np.nan)
+        for i, v in enumerate(values):
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                x = float("nan")
+            if not (x > 0 and x < float("inf")):
+                self._fail(i, f"{column} must be a positive number of milliseconds, got {v!r}",
+                           "non-positive or missing latency")
+            out[i] = x * scale
+        return out
+
+    def positive_int(self, values, column: str) -> np.ndarray:
+        out = np.zeros(self.n, dtype=np.int64)
+        for i, v in enumerate(values):
+            try:
+                x = float(v)
+                ok = x >= 1 and x.is_integer()
+            except (TypeError, ValueError):
+                ok = False
+            if ok:
+                out[i] = int(x)
+            else:
+                self._fail(i, f"{column} must be a positive integer, got {v!r}", f"bad {column}")
+        return out
+
+    def category(self, values, known: dict[str, str], column: str) -> np.ndarray:
+        out = np.empty(self.n, dtype=object)
+        for i, v in enumerate(values):
+            name = known.get(str(v))
+            if name is None:
+                self._fail(i, f"unknown {column} {v!r} (known: {', '.join(sorted(known))})",
+                           f"unknown {column}")
+            out[i] = name
+        return out
+
+    def table(self, family: str, cols: dict[str, np.ndarray]) -> Table:
+        origin = [f"{self.path}: row {i + 1}" for i in range(self.n)]
+        return Table(family, cols, origin).select(~self.bad)
+
+
+_KEYS = {"gemm": ("dtype", "m", "n", "k"),
+         "attn_prefill": ("batch", "tokens", "heads", "kv_heads", "head_dim", "kv_dtype"),
+         "attn_decode": ("batch", "context", "heads", "kv_heads", "head_dim", "kv_dtype"),
+         "allreduce": ("backend", "dtype", "num_gpus", "nbytes"),
+         "vidur_ops": ("model", "num_tokens", "num_tensor_parallel_workers"),
+         "vidur_elementwise": ("op", "model", "num_tokens", "num_tensor_parallel_workers"),
+         "vidur_allreduce": ("num_gpus", "nbytes")}
+
+
+def key_columns(family: str) -> tuple[str, ...]:
+    """The columns that identify one measured point of a family."""
+    return _KEYS[family]
+
+
+def _dedupe(table: Table, drop: bool, dropped: dict) -> Table:
+    """The same point measured twice: an error, or (drop) one row at the median."""
+    if not len(table):
+        return table
+    keys = list(zip(*(table[c].tolist() for c in _KEYS[table.family])))
+    first: dict[tuple, int] = {}
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        j = first.setdefault(key, i)
+        if j != i:
+            if not drop:
+                raise MeasurementError(
+                    f"{table.origin[i]}: the same point as {table.origin[j]} "
+                    f"({', '.join(f'{c}={v}' for c, v in zip(_KEYS[table.family], key))}); "
+                    f"pass --drop-bad-rows to merge repeated measurements into their median")
+            groups.setdefault(j, [j]).append(i)
+    if not groups:
+        return table
+    keep = np.ones(len(table), dtype=bool)
+    timed = [c for c in table.columns if c == "latency_s" or c in VIDUR_OPS]
+    for j, members in groups.items():
+        for c in timed:
+            table.columns[c][j] = float(np.median(table.columns[c][members]))
+        keep[members[1:]] = False
+        dropped["repeated measurements merged"] = dropped.get("repeated measurements merged", 0) \
+            + len(members) - 1
+    return table.select(keep)
+
+
+def _one(values, default: str) -> str:
+    if not values:
+        return default
+    distinct = sorted({str(v) for v in values})
+    return distinct[0] if len(distinct) == 1 else "/".join(distinct)
