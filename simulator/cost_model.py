@@ -197,9 +197,8 @@ class CostModel:
         self._grow("_seq", _TABLE_CHUNK)
         self._grow("_dec", _TABLE_CHUNK)
         L = s.num_layers * sc["attn_prefill"]
-        floor, pair, tok, ctx, q = K.prefill_attention_coefficients(
-            s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill, s.kv_elem_bytes)
-        self._pa = (L * floor, L * pair, L * tok, L * ctx, q)
+        self._pa = tuple(L * c for c in K.prefill_attention_coefficients(
+            s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill, s.kv_elem_bytes))
         h, e = kp.host_link, kp.elementwise
         self._swap = (sc["host_link"] * h.latency_s,
                       sc["host_link"] * self.block_bytes / (g.pcie_gbps * 1e9 * h.link_eff))
@@ -235,14 +234,11 @@ class CostModel:
                 seq = self._grow("_seq", n_seq)
             t += tok[n_tok] + seq[n_seq]
             if npt:
-                floor, pair, per_tok, per_ctx, q = self._pa
-                x = (shape.prefill_q_context_sum + 0.5 * (shape.prefill_q_sq_sum + npt)) * pair
-                y = npt * per_tok + shape.prefill_context_sum * per_ctx
-                if q == math.inf:
-                    t += floor + (x if x > y else y)
-                else:
-                    big = x if x > y else y
-                    t += floor + big * ((x / big) ** q + (y / big) ** q) ** (1.0 / q)
+                floor, pair, per_seq, per_key, per_tok, per_ctx = self._pa
+                qc, qq = shape.prefill_q_context_sum, shape.prefill_q_sq_sum
+                t += (floor + (qc + 0.5 * (qq + npt)) * pair + shape.num_prefill_seqs * per_seq
+                      + (qq + qc) / npt * per_key + npt * per_tok
+                      + shape.prefill_context_sum * per_ctx)
             if nds:
                 dec = self._dec
                 if nds >= len(dec):
@@ -384,14 +380,14 @@ class CostModel:
                 shape.num_prefill_seqs, npt, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
                 shape.prefill_context_sum, s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill,
                 s.kv_elem_bytes)
-            _, pair, per_tok, per_ctx, _ = K.prefill_attention_coefficients(
-                s.heads, s.kv_heads, s.head_dim, g, K.PrefillAttentionParams(), s.kv_elem_bytes)
+            bare = K.prefill_attention_coefficients(s.heads, s.kv_heads, s.head_dim, g,
+                                                    K.PrefillAttentionParams(), s.kv_elem_bytes)
             qc, qq = shape.prefill_q_context_sum, shape.prefill_q_sq_sum
             flops = 4.0 * s.head_dim * s.heads * (qc + 0.5 * (qq + npt))
-            nbytes = (npt * per_tok + shape.prefill_context_sum * per_ctx) \
-                * g.hbm_bandwidth_gbps * 1e9
-            bound = "compute" if (qc + 0.5 * (qq + npt)) * pair / kp.attn_prefill.compute_eff > \
-                nbytes / (g.hbm_bandwidth_gbps * 1e9 * kp.attn_prefill.memory_eff) else "memory"
+            nbytes = (npt * bare[4] + shape.prefill_context_sum * bare[5]) * g.hbm_bandwidth_gbps * 1e9
+            p = kp.attn_prefill
+            bound = _bound(flops / (g.peak_flops("bf16") * p.compute_eff),
+                           nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff), p.floor_s)
             out["attn_prefill"] = OpCost("attn_prefill", L, L * flops, L * nbytes,
                                          sc["attn_prefill"] * L * float(t), bound, True)
         if nds:

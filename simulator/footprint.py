@@ -110,14 +110,13 @@ class ShardedShapes:
             Gemm("mlp_down", h, inter, inter * h * wb, L),
             Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1),
         )
-        # The fused kernels of a vLLM-style engine, bytes read + written per row:
+        # The fused kernels of a vLLM-style engine, bytes read + written per row (the
+        # KV-cache write is launched with attention and priced there):
         elementwise = (
             # residual add + RMSNorm: read x and the residual, write both
             Elementwise("input_norm", 4 * h * a, L),
             # rotary on Q and K in place, reading cos/sin for the position
             Elementwise("rotary", (2 * (q + kv) + hd) * a, L),
-            # KV-cache write: read the new K and V, store them in the KV dtype, slot index
-            Elementwise("kv_cache_write", 2 * kv * (a + kvb) + 8, L),
             Elementwise("post_attention_norm", 4 * h * a, L),
             # SiLU(gate) * up: read both halves, write one
             Elementwise("silu_mul", 3 * inter * a, L),

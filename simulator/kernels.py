@@ -55,6 +55,10 @@ class _Params:
             elif f.name == "overlap":
                 if not value >= 1:
                     raise ValueError(f"{owner} must be >= 1 (1: no overlap, inf: full), got {value!r}")
+            elif f.name == "l2_gain":
+                if not 1 <= value < INF:
+                    raise ValueError(f"{owner} must be >= 1 (L2 is never slower than HBM), "
+                                     f"got {value!r}")
             elif not 0 <= value < INF:
                 raise ValueError(f"{owner} must be finite and >= 0, got {value!r}")
 
@@ -121,105 +125,174 @@ def gemm_time(m, n, k, gpu: GPUSpec, p: GemmParams, dtype: str = "bf16",
 
 
 # ---------------------------------------------------------------------------- attention
+#
+# As engines launch it (vLLM), an attention call includes writing the step's new K and V
+# into the paged cache, so both attention models price that write too.
+
+
+def _l2_factor(nbytes, gpu: GPUSpec, gain: float, warm_l2: bool):
+    """Bandwidth multiplier for a working set of `nbytes`: `gain` when it fits in L2 and
+    the caller prices an isolated, repeated kernel (a benchmark replays one layer, so its
+    operands stay in L2); 1 in a forward pass, which reads each layer's data once."""
+    if not warm_l2 or gain == 1.0 or not gpu.l2_mb:
+        return 1.0
+    return np.where(np.asarray(nbytes) <= gpu.l2_mb * 1e6, gain, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillAttentionParams(_Params):
-    """Causal attention of prefill chunks (flash-attention style, over a paged cache)."""
+    """Causal attention of prefill chunks over a paged cache (flash-attention style): the
+    time is the sum of a floor, the tensor-core work, the longest thread block's critical
+    path and the memory traffic (measured kernels overlap them little)."""
 
     floor_s: float = 0.0
-    """Seconds no prefill-attention kernel beats."""
+    """Seconds no prefill launch beats (the cache write and the attention kernel)."""
     compute_eff: float = 1.0
     """Fraction of the BF16 tensor-core peak on QKᵀ and PV at long sequences."""
     memory_eff: float = 1.0
-    """Fraction of HBM bandwidth moving Q, O and the K/V each query tile reads."""
-    overlap: float = INF
-    """Soft-maximum exponent of compute and memory (1: add, inf: max)."""
+    """Fraction of HBM bandwidth on Q, O, the K/V read and the cache write."""
+    padded_tile_pairs: float = 0.0
+    """(query, key) pairs of work wasted per sequence and thread-block head on partly
+    filled query tiles: why many short sequences cost more than one long one."""
+    critical_path: float = 0.0
+    """Weight of the longest thread block's work (one 128-row query tile over its keys,
+    at one SM's share of the peak): a long sequence's last tile cannot be split."""
+    packs_gqa: float = 0.0
+    """1 where the kernel packs the query heads sharing a KV head into one thread block
+    (FlashAttention 3 on Hopper), 0 where each query head is its own (FlashAttention 2):
+    what the padding waste is counted per."""
+    l2_gain: float = 1.0
+    """Bandwidth multiplier when the working set fits in L2 and stays there between
+    replays of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
 
     _fractions = ("compute_eff", "memory_eff")
 
     def __post_init__(self) -> None:
         self._check()
+        if self.packs_gqa not in (0.0, 1.0):
+            raise ValueError(f"PrefillAttentionParams.packs_gqa must be 0 or 1, got {self.packs_gqa!r}")
 
 
-def prefill_attention_coefficients(heads: int, kv_heads: int, head_dim: int, gpu: GPUSpec,
-                                   p: PrefillAttentionParams, kv_bytes: float = 2.0,
-                                   act_bytes: float = 2.0) -> tuple[float, ...]:
-    """Seconds per unit of each sufficient statistic of a prefill batch, one layer:
-    (floor, per causal pair [compute], per new token, per cached token [memory], overlap
-    exponent). `prefill_attention_time` combines them; the cost model folds them into its
-    hot path.
+TILE_ROWS = 128
+"""Query rows per flash-attention thread block."""
 
-    Memory traffic: Q read and O written per new token and head; K and V read once per
-    chunk for the cached context and the chunk's own tokens. Query tiles of one head that
-    attend to the same keys re-read them from L2, not HBM, which a flash-attention
-    kernel's head-major tile order arranges."""
-    compute_rate = gpu.peak_flops("bf16") * p.compute_eff
+
+def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
+                                   p: PrefillAttentionParams, kv_bytes=2.0,
+                                   act_bytes: float = 2.0) -> tuple:
+    """Seconds per unit of each statistic of a prefill batch, one layer: (floor, per
+    causal pair, per sequence [padding], per key a tile attends to on average [critical
+    path], per new token, per cached token [memory]). `prefill_attention_time` combines
+    them; the cost model folds them into its hot path."""
+    rate = gpu.peak_flops("bf16") * p.compute_eff
     bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
-    kv_row = 2.0 * kv_heads * head_dim * kv_bytes            # one token's K and V
+    block_heads = kv_heads if p.packs_gqa else heads
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes             # one token's K and V in the cache
+    per_token = (2.0 * heads * head_dim * act_bytes           # Q read, O written
+                 + kv_row                                     # its own K/V, read by attention
+                 + 2.0 * kv_heads * head_dim * act_bytes + kv_row)   # cache write: read, store
     return (p.floor_s,
-            4.0 * head_dim * heads / compute_rate,           # QKᵀ and PV, 2 FLOPs per MAC
-            (2.0 * heads * head_dim * act_bytes + kv_row) / bw,   # Q read, O written, own K/V
-            kv_row / bw,
-            p.overlap)
+            4.0 * head_dim * heads / rate,                    # QKᵀ and PV, 2 FLOPs per MAC
+            4.0 * head_dim * block_heads * p.padded_tile_pairs / rate,
+            p.critical_path * 4.0 * head_dim * TILE_ROWS / (rate / gpu.sm_count),
+            per_token / bw,
+            kv_row / bw)
 
 
-def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads: int,
-                           kv_heads: int, head_dim: int, gpu: GPUSpec,
-                           p: PrefillAttentionParams, kv_bytes: float = 2.0,
-                           act_bytes: float = 2.0):
+def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads, kv_heads,
+                           head_dim, gpu: GPUSpec, p: PrefillAttentionParams, kv_bytes=2.0,
+                           act_bytes: float = 2.0, warm_l2: bool = False):
     """Seconds of one layer's prefill attention over `seqs` chunks of `tokens` new tokens
     in all; chunk i has q_i new tokens after c_i cached ones, and the sums are
     Σ q_i·c_i, Σ q_i², Σ c_i. Zero when there is nothing to prefill."""
-    floor, per_pair, per_token, per_ctx, q = prefill_attention_coefficients(
+    floor, per_pair, per_seq, per_key, per_token, per_ctx = prefill_attention_coefficients(
         heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes)
     tokens = np.asarray(tokens, dtype=np.float64)
     pairs = q_ctx_sum + 0.5 * (q_sq_sum + tokens)            # causal (query, key) pairs
-    compute = pairs * per_pair
+    mean_keys = (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0)
+    compute = pairs * per_pair + seqs * per_seq + mean_keys * per_key
     memory = tokens * per_token + ctx_sum * per_ctx
-    return np.where(tokens > 0, floor + _overlap(compute, memory, q), 0.0)
+    if warm_l2:
+        bw_bytes = memory * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+        memory = memory / _l2_factor(bw_bytes, gpu, p.l2_gain, True)
+    return np.where(tokens > 0, floor + compute + memory, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeAttentionParams(_Params):
-    """One query token per sequence over its cached context (paged, split-KV)."""
+    """One query token per sequence over its cached context (paged, split-KV).
+
+    Time = floor + per-(sequence, KV head) overhead + the larger of the per-item work and
+    the KV bytes over the streaming rate, where the rate is HBM-bound at large batch and
+    parallelism-bound (too few work items to fill the GPU) at small batch."""
 
     floor_s: float = 0.0
-    """Seconds no decode-attention kernel beats."""
+    """Seconds no decode launch beats (the cache write and the attention kernel)."""
+    split_floor_s: float = 0.0
+    """Extra floor of the split-KV path's merge kernel, where it is a second launch
+    (FlashAttention 2 with grouped-query attention); 0 where it is not."""
+    seq_head_s: float = 0.0
+    """Serial seconds per (sequence, KV head): page-table walk and kernel prologue."""
+    work_item_s: float = 0.0
+    """Seconds per (sequence, KV head) work item that streaming can hide."""
+    q_head_s: float = 0.0
+    """Seconds per (sequence, query head): loading Q, storing O, merging partial results."""
     memory_eff: float = 1.0
-    """Fraction of HBM bandwidth streaming K/V at long context and large batch."""
-    seq_s: float = 0.0
-    """Fixed seconds per sequence: block-table walk, the partial-result merge of split-KV
-    and the query/output rows, which short contexts cannot amortise."""
+    """Fraction of HBM bandwidth streaming K/V at large batch and long context."""
+    head_stream_gbps: float = 0.0
+    """GB/s one KV head's split-KV work streams at small batch (parallelism-bound); 0: no
+    such limit."""
+    batch_saturation: float = 1.0
+    """Sequences beyond which more sequences add streaming parallelism."""
+    mha_block_gbps: float = 0.0
+    """GB/s of one thread block on the multi-head path without split-KV (one block per
+    sequence and head: FlashAttention 2 when query and KV heads are equal); 0: no such path."""
+    l2_gain: float = 1.0
+    """Bandwidth multiplier when the KV set fits in L2 and stays there between replays
+    of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
 
     _fractions = ("memory_eff",)
 
     def __post_init__(self) -> None:
         self._check()
+        if self.batch_saturation < 1:
+            raise ValueError(f"DecodeAttentionParams.batch_saturation must be >= 1, "
+                             f"got {self.batch_saturation!r}")
 
 
-def decode_attention_lines(batch, heads: int, kv_heads: int, head_dim: int, gpu: GPUSpec,
-                           p: DecodeAttentionParams, kv_bytes: float = 2.0):
+def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
+                           p: DecodeAttentionParams, kv_bytes=2.0, context_sum=None,
+                           warm_l2: bool = False):
     """Decode attention of `batch` sequences with C context tokens in all costs
     max(floor, intercept + slope·C) seconds per layer: (floor, intercept, slope).
 
-    Decode is bandwidth-bound for any grouped-query ratio a model uses (a few FLOPs per
-    KV byte against a ridge point in the hundreds), so there is no compute side. The time
-    is convex and piecewise linear in C for a fixed batch, which is what lets a run of
-    decode steps be summed in closed form."""
+    For a fixed batch the time is convex and piecewise linear in C — what lets a run of
+    decode steps be summed in closed form. (`context_sum` is only needed for `warm_l2`,
+    whose L2 residency depends on C.) Decode is bandwidth-bound for any grouped-query
+    ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds)."""
     batch = np.asarray(batch, dtype=np.float64)
-    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
-    slope = 2.0 * kv_heads * head_dim * kv_bytes / bw
-    intercept = batch * p.seq_s
-    floor = np.where(batch > 0, p.floor_s, 0.0)
-    return floor, intercept, slope
+    heads, kv_heads = np.asarray(heads, np.float64), np.asarray(kv_heads, np.float64)
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    mha = (heads == kv_heads) & (p.mha_block_gbps > 0)
+    split = hbm if not p.head_stream_gbps else np.minimum(
+        hbm, p.head_stream_gbps * 1e9 * kv_heads * np.maximum(1.0, batch / p.batch_saturation))
+    rate = np.where(mha, np.minimum(hbm, p.mha_block_gbps * 1e9 * batch * kv_heads), split)
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes
+    if warm_l2:
+        rate = rate * _l2_factor(np.asarray(context_sum) * kv_row, gpu, p.l2_gain, True)
+    floor = p.floor_s + np.where(mha, 0.0, p.split_floor_s)
+    base = floor + batch * kv_heads * p.seq_head_s
+    items = batch * (kv_heads * p.work_item_s + heads * p.q_head_s)
+    live = batch > 0
+    slope = np.where(live, kv_row / np.maximum(rate, 1e-300), 0.0)
+    return np.where(live, base + items, 0.0), np.where(live, base, 0.0), slope
 
 
-def decode_attention_time(batch, context_sum, heads: int, kv_heads: int, head_dim: int,
-                          gpu: GPUSpec, p: DecodeAttentionParams, kv_bytes: float = 2.0):
+def decode_attention_time(batch, context_sum, heads, kv_heads, head_dim, gpu: GPUSpec,
+                          p: DecodeAttentionParams, kv_bytes=2.0, warm_l2: bool = False):
     floor, intercept, slope = decode_attention_lines(batch, heads, kv_heads, head_dim, gpu, p,
-                                                     kv_bytes)
-    return np.where(np.asarray(batch) > 0, np.maximum(floor, intercept + slope * context_sum), 0.0)
+                                                     kv_bytes, context_sum, warm_l2)
+    return np.maximum(floor, intercept + slope * context_sum)
 
 
 # ------------------------------------------------------------------------- element-wise
@@ -254,8 +327,11 @@ def elementwise_time(nbytes, gpu: GPUSpec, p: ElementwiseParams):
 class CollectiveParams(_Params):
     """All-reduce across the tensor-parallel GPUs of one node.
 
-    Two algorithms, as engines ship them: a custom one for small messages (each GPU
-    reads its peers' buffers directly) and a ring (NCCL) above `custom_max_bytes`."""
+    Two algorithms, as engines ship them: a custom one for small messages (each GPU reads
+    its peers' buffers directly; vLLM uses it up to `custom_max_bytes`, and without NVLink
+    only between `pcie_custom_max_gpus` GPUs) and a ring (NCCL) otherwise. A ring moves
+    2(n-1)/n of the message per GPU; without NVLink every GPU's share crosses the host's
+    PCIe fabric, which `fabric_gbps` caps."""
 
     custom_latency_s: float = 0.0
     """Seconds of a small custom all-reduce: launch plus a barrier over the peers."""
@@ -267,9 +343,15 @@ class CollectiveParams(_Params):
     """Bus bandwidth of the ring as a fraction of the per-direction link figure."""
     hop_s: float = 0.0
     """Extra seconds per additional GPU in the group (one more synchronisation step)."""
+    fabric_gbps: float = 0.0
+    """GB/s of the shared host fabric (PCIe switches, the socket link) that the ring
+    traffic of all GPUs without NVLink crosses; 0 where GPUs talk over NVLink."""
     custom_max_bytes: float = 8 * 1024 * 1024
     """Largest message the engine sends through the custom all-reduce (vLLM: 8 MiB);
     an engine setting, not a fitted one."""
+    pcie_custom_max_gpus: float = 2
+    """Most GPUs the engine runs the custom all-reduce across without NVLink (vLLM: 2);
+    an engine setting."""
 
     _fractions = ("custom_link_eff", "ring_link_eff")
 
@@ -283,9 +365,15 @@ def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
     n = np.asarray(num_gpus, dtype=np.float64)
     link = gpu.interconnect_gbps * 1e9
     moved = 2.0 * (n - 1) / np.maximum(n, 1)       # bus bytes per message byte
+    ring_bw = link * p.ring_link_eff
+    if gpu.nvlink_gbps is None and p.fabric_gbps:
+        ring_bw = np.minimum(ring_bw, p.fabric_gbps * 1e9 / np.maximum(n - 1, 1))
     custom = p.custom_latency_s + (n - 1) * p.hop_s + nbytes * moved / (link * p.custom_link_eff)
-    ring = p.ring_latency_s + (n - 1) * p.hop_s + nbytes * moved / (link * p.ring_link_eff)
-    t = np.where(nbytes <= p.custom_max_bytes, custom, ring)
+    ring = p.ring_latency_s + (n - 1) * p.hop_s + nbytes * moved / ring_bw
+    use_custom = nbytes <= p.custom_max_bytes
+    if gpu.nvlink_gbps is None:
+        use_custom = use_custom & (n <= p.pcie_custom_max_gpus)
+    t = np.where(use_custom, custom, ring)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 

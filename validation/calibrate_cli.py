@@ -58,6 +58,32 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the fit report as JSON")
     p.set_defaults(func=_cmd_calibrate)
 
+    f = subparsers.add_parser(
+        "fidelity", help="report the cost model's error on held-out measured kernel times",
+        description="Judge each packaged calibration profile (and the bare roofline) on the "
+                    "measurements its fit held out, per kernel family and size band, plus "
+                    "checks on data no fit saw; write Markdown and plots.")
+    f.add_argument("--measurements", action="append", required=True, metavar="DIR",
+                   help="folder of measurement tables (as for calibrate); repeatable")
+    f.add_argument("--out", default="docs/fidelity.md", metavar="FILE.md",
+                   help="report to write; plots go to a folder named after it "
+                        "(default %(default)s)")
+    f.add_argument("--gpu", action="append", metavar="G",
+                   help="only this GPU's packaged profile (repeatable; default: all)")
+    f.set_defaults(func=_cmd_fidelity)
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from servelab.validation.fidelity import write_report
+
+    try:
+        path = write_report(args.measurements, args.out, args.gpu,
+                            progress=lambda line: print(line, file=sys.stderr))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    print(f"wrote {path}")
+    return 0
+
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from servelab.simulator.calibration import load_profile
@@ -78,7 +104,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                        data_version=args.data_version)
     path = result.profile.save(args.out)
     if args.json:
-        print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats}
+        print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats,
+                                 "stats_without_glitches": fit.clean_stats,
+                                 "glitch_rows": fit.glitch_rows}
                           for name, fit in result.families.items()}, indent=2))
     else:
         print(f"{gpu.name}: fitted on {1 - args.holdout:.0%} of each table, error on the "
@@ -86,6 +114,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         for name, fit in result.families.items():
             print(f"  {name:<13} {fit.rows + fit.heldout_rows:>6} points  held-out "
                   f"{_fmt(fit.stats['heldout'])}")
+            if fit.glitch_rows:
+                print(f"  {'':<13} {fit.glitch_rows:>6} glitches (slower than a larger problem; "
+                      f"not fitted)  held-out without them {_fmt(fit.clean_stats['heldout'])}")
             for label, stats in fit.stats.items():
                 if label not in ("train", "heldout"):
                     print(f"      {label:<28} {_fmt(stats)}")

@@ -45,17 +45,70 @@ An assumption, and recorded as one in every profile."""
 # ------------------------------------------------------------------------------ split
 
 
+SPLIT_KEYS = {
+    "gemm": ("m", "n", "k"),
+    "attn_prefill": ("batch", "tokens", "heads", "kv_heads", "head_dim"),
+    "attn_decode": ("batch", "context", "heads", "kv_heads", "head_dim"),
+    "allreduce": ("num_gpus", "nbytes"),
+    "vidur_ops": ("model", "num_tokens", "num_tensor_parallel_workers"),
+    "vidur_elementwise": ("model", "num_tokens", "num_tensor_parallel_workers"),
+    "vidur_allreduce": ("num_gpus", "nbytes"),
+}
+"""What a held-out point is: a shape, whatever its dtype (a GEMM shape held out in BF16 is
+held out in FP8 too, so a check on another dtype is a check on unseen shapes) and, for
+Vidur, every operator of one (model, tokens, tp) point (so its per-layer total is unseen)."""
+
+
 def holdout_mask(table: Table, fraction: float = DEFAULT_HOLDOUT, seed: int = DEFAULT_SEED
                  ) -> np.ndarray:
-    """True for held-out rows: a seeded hash of each row's key, compared to `fraction`."""
+    """True for held-out rows: a seeded hash of each row's shape (`SPLIT_KEYS`), compared
+    to `fraction`."""
     if not 0 <= fraction < 1:
         raise ValueError(f"holdout fraction must be in [0, 1), got {fraction!r}")
-    keys = key_columns(table.family)
-    cols = [table[c].tolist() for c in keys]
+    cols = [table[c].tolist() for c in SPLIT_KEYS[table.family]]
     out = np.empty(len(table), dtype=bool)
     for i, values in enumerate(zip(*cols)):
         text = f"{seed}|" + "|".join(map(str, values))
         out[i] = int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+    return out
+
+
+# --------------------------------------------------------------------------- glitches
+
+GLITCH_RATIO = 1.3
+"""A measurement more than this much slower than a strictly larger problem of the same
+kind (the same kernel with every size at least as large) is a glitch of the measuring run
+— a clock dip, a cold cache, a bad kernel choice — not a property of the shape."""
+
+
+def glitches(table: Table, axes: tuple[str, ...]) -> np.ndarray:
+    """True for rows slower than GLITCH_RATIO x the fastest strictly larger problem: same
+    values in every key column but `axes`, and >= in each of `axes` (> in one)."""
+    out = np.zeros(len(table), dtype=bool)
+    if not axes or not len(table):
+        return out
+    others = [c for c in key_columns(table.family) if c not in axes]
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(*(table[c].tolist() for c in others))):
+        groups.setdefault(key, []).append(i)
+    for rows in groups.values():
+        rows = np.array(rows)
+        values = [np.unique(table[a][rows]) for a in axes]
+        index = tuple(np.searchsorted(v, table[a][rows]) for v, a in zip(values, axes))
+        grid = np.full([len(v) for v in values], np.inf)
+        grid[index] = table["latency_s"][rows]
+        best = grid.copy()          # best[i] = fastest problem >= i in every axis
+        for ax in range(len(axes)):
+            best = np.flip(np.minimum.accumulate(np.flip(best, ax), axis=ax), ax)
+        larger = np.full(grid.shape, np.inf)    # fastest problem > i in one axis at least
+        for ax in range(len(axes)):
+            shifted = np.full(grid.shape, np.inf)
+            src = [slice(None)] * len(axes)
+            dst = [slice(None)] * len(axes)
+            src[ax], dst[ax] = slice(1, None), slice(0, -1)
+            shifted[tuple(dst)] = best[tuple(src)]
+            larger = np.minimum(larger, shifted)
+        out[rows] = grid[index] > GLITCH_RATIO * larger[index]
     return out
 
 
@@ -77,6 +130,13 @@ class Family:
     band: Callable[[Table], np.ndarray]
     """A label per row for the per-band figures."""
     band_order: tuple[str, ...]
+    fixed: Callable[[GPUSpec], dict] = lambda gpu: {}
+    """Parameters set, not fitted, on a GPU (a kernel property such as which attention
+    kernel its architecture runs); a fixed name is dropped from `fitted`."""
+    starts: tuple[dict, ...] = ({},)
+    """Starting points to try (each overrides some starting values); the best fit wins."""
+    size_axes: tuple[str, ...] = ()
+    """Columns along which a larger value is strictly more work (for `glitches`)."""
 
 
 def _band(values: np.ndarray, edges: tuple[float, ...], labels: tuple[str, ...]) -> np.ndarray:
@@ -102,16 +162,42 @@ def _kv_bytes(t: Table) -> np.ndarray:
 
 
 def _prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
-    # batch b sequences of s new tokens each, nothing cached before them
+    # batch b sequences of s new tokens each, nothing cached before them, as measured:
+    # one layer replayed (warm L2)
     b, s = t["batch"].astype(float), t["tokens"].astype(float)
     return K.prefill_attention_time(b, b * s, 0.0, b * s * s, 0.0, t["heads"], t["kv_heads"],
-                                    t["head_dim"], gpu, p, _kv_bytes(t))
+                                    t["head_dim"], gpu, p, _kv_bytes(t), warm_l2=True)
 
 
 def _decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     b = t["batch"].astype(float)
     return K.decode_attention_time(b, b * t["context"], t["heads"], t["kv_heads"], t["head_dim"],
-                                   gpu, p, _kv_bytes(t))
+                                   gpu, p, _kv_bytes(t), warm_l2=True)
+
+
+FA3_ARCHITECTURES = ("hopper",)
+"""GPUs whose engines run FlashAttention 3 (query-head packing, split-KV decode for every
+head layout); the others run FlashAttention 2 (vLLM 0.14)."""
+
+
+def _collective_fixed(gpu: GPUSpec) -> dict:
+    return {"fabric_gbps": 0.0} if gpu.nvlink_gbps is not None else {}
+
+
+def _prefill_fixed(gpu: GPUSpec) -> dict:
+    return {"packs_gqa": 1.0 if gpu.architecture in FA3_ARCHITECTURES else 0.0}
+
+
+def _decode_fixed(gpu: GPUSpec) -> dict:
+    if gpu.architecture in FA3_ARCHITECTURES:     # one split-KV kernel path for every layout
+        return {"split_floor_s": 0.0, "mha_block_gbps": 0.0}
+    return {"batch_saturation": 1.0}
+
+
+def _attention_rows(t: Table) -> np.ndarray:
+    """BF16-KV rows; 1-token prefills are excluded (they take the decode kernel's path)."""
+    keep = t["kv_dtype"] == "bf16"
+    return keep & (t["tokens"] > 1) if "tokens" in t.columns else keep
 
 
 def _allreduce_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
@@ -130,38 +216,47 @@ FAMILIES: dict[str, Family] = {
          "memory_eff": (*FRACTION, 0.8), "overlap": (1.0, 16.0, 3.0),
          "k_step_s": (1e-15, 1e-8, 3e-10)},
         lambda t, g, p: _gemm_predict(t, g, p, "bf16"),
-        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k")),
     "gemm_fp8": Family(
         "gemm_fp8", "gemm", lambda t: t["dtype"] == "fp8",
         {"floor_s": (1e-7, 1e-4, 3e-6), "compute_eff": (*FRACTION, 0.7),
          "memory_eff": (*FRACTION, 0.8), "overlap": (1.0, 16.0, 3.0),
          "k_step_s": (1e-15, 1e-8, 3e-10)},
         lambda t, g, p: _gemm_predict(t, g, p, "fp8"),
-        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k")),
     "attn_prefill": Family(
-        "attn_prefill", "attn_prefill", lambda t: t["kv_dtype"] == "bf16",
-        {"floor_s": (1e-7, 1e-3, 1e-5), "compute_eff": (*FRACTION, 0.6),
-         "memory_eff": (0.01, 1.0, 0.4), "overlap": (1.0, 16.0, 1.5)},
+        "attn_prefill", "attn_prefill", _attention_rows,
+        {"floor_s": (1e-7, 1e-3, 1e-5), "compute_eff": (*FRACTION, 0.55),
+         "memory_eff": (0.01, 1.0, 0.5), "padded_tile_pairs": (1.0, 1e5, 5000.0),
+         "critical_path": (1e-3, 5.0, 0.5), "l2_gain": (1.0, 4.0, 1.2)},
         _prefill_predict,
-        lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS), PREFILL_BANDS),
+        lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS), PREFILL_BANDS,
+        fixed=_prefill_fixed, size_axes=("batch", "tokens")),
     "attn_decode": Family(
-        "attn_decode", "attn_decode", lambda t: t["kv_dtype"] == "bf16",
-        {"floor_s": (1e-7, 1e-3, 5e-6), "memory_eff": (*FRACTION, 0.7),
-         "seq_s": (1e-12, 1e-5, 1e-7)},
+        "attn_decode", "attn_decode", _attention_rows,
+        {"floor_s": (1e-7, 1e-3, 1e-5), "split_floor_s": (1e-8, 1e-4, 4e-6),
+         "seq_head_s": (1e-12, 1e-6, 3e-9), "work_item_s": (1e-11, 1e-6, 2e-8),
+         "q_head_s": (1e-13, 1e-7, 5e-10), "memory_eff": (*FRACTION, 0.8),
+         "head_stream_gbps": (1.0, 1e4, 300.0), "batch_saturation": (1.0, 256.0, 8.0),
+         "mha_block_gbps": (0.1, 1e3, 20.0), "l2_gain": (1.0, 4.0, 1.2)},
         _decode_predict,
-        lambda t: _decode_band(t), DECODE_BANDS),
+        lambda t: _decode_band(t), DECODE_BANDS, fixed=_decode_fixed, size_axes=("batch", "context"),
+        starts=tuple({"head_stream_gbps": r, "batch_saturation": b}
+                     for r in (300.0, 1000.0) for b in (1.5, 12.0))),
     "collective": Family(
         "collective", "allreduce", lambda t: t["backend"] == "vllm_graph",
         {"custom_latency_s": (1e-7, 1e-4, 5e-6), "custom_link_eff": (0.01, 1.0, 0.5),
          "ring_latency_s": (1e-7, 1e-3, 1e-5), "ring_link_eff": (0.01, 1.0, 0.7),
-         "hop_s": (1e-10, 1e-4, 3e-7)},
+         "hop_s": (1e-10, 1e-4, 3e-7), "fabric_gbps": (0.1, 1e3, 20.0)},
         _allreduce_predict,
-        lambda t: _allreduce_band(t), ALLREDUCE_BANDS),
+        lambda t: _allreduce_band(t), ALLREDUCE_BANDS, size_axes=("nbytes",),
+        fixed=_collective_fixed),
     "elementwise": Family(
         "elementwise", "vidur_elementwise", lambda t: np.ones(len(t), dtype=bool),
         {"floor_s": (1e-7, 1e-4, 3e-6), "memory_eff": (0.01, 1.0, 0.5)},
         _elementwise_predict,
-        lambda t: _band(t["num_tokens"], (32, 512), TOKEN_BANDS), TOKEN_BANDS),
+        lambda t: _band(t["num_tokens"], (32, 512), TOKEN_BANDS), TOKEN_BANDS,
+        size_axes=("num_tokens",)),
 }
 
 
@@ -215,8 +310,13 @@ class FamilyFit:
     params: object
     rows: int
     heldout_rows: int
+    glitch_rows: int
+    """Rows flagged by `glitches` (left out of the fit, reported both ways)."""
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
-    """"train" / "heldout" / per band label -> n, mape_pct, median_pct, worst_pct."""
+    """"train" / "heldout" / per band label -> n, mape_pct, median_pct, worst_pct, on
+    every held-out row."""
+    clean_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The same on held-out rows that are not glitches."""
 
 
 @dataclass
@@ -243,46 +343,62 @@ def family_table(ms: MeasurementSet, fam: Family) -> Table:
 
 def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
                base: object) -> FamilyFit:
-    """Least squares on log(predicted/measured) over the rows not held out."""
+    """Least squares on log(predicted/measured) over the rows not held out, from each of
+    the family's starting points; the lowest robust loss wins."""
     from scipy.optimize import least_squares
 
-    train = table.select(~heldout)
-    names = list(fam.fitted)
+    glitch = glitches(table, fam.size_axes)
+    train = table.select(~heldout & ~glitch)
+    fixed = fam.fixed(gpu)
+    base = replace(base, **fixed)
+    names = [n for n in fam.fitted if n not in fixed]
     lo = np.log([fam.fitted[n][0] for n in names])
     hi = np.log([fam.fitted[n][1] for n in names])
-    x0 = np.clip(np.log([fam.fitted[n][2] for n in names]), lo + 1e-9, hi - 1e-9)
     y = np.log(train["latency_s"])
 
     def params(x: np.ndarray):
         values = dict(zip(names, np.exp(x).tolist()))
-        if "overlap" in values:
-            values["overlap"] = max(1.0, values["overlap"])
-        for n in names:     # keep fractions inside (0, 1] despite rounding at the bound
+        for n in names:     # keep values inside their domains despite rounding at a bound
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
+            if n in ("overlap", "l2_gain", "batch_saturation"):
+                values[n] = max(1.0, values[n])
         return replace(base, **values)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         return np.log(fam.predict(train, gpu, params(x))) - y
 
-    solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
-                             x_scale="jac", max_nfev=2000)
-    fitted = params(solution.x)
-    return judge(fam, table, gpu, fitted, heldout)
+    best = None
+    for start in fam.starts:
+        x0 = np.log([start.get(n, fam.fitted[n][2]) for n in names])
+        x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
+                                 x_scale="jac", max_nfev=2000)
+        if best is None or solution.cost < best.cost:
+            best = solution
+    return judge(fam, table, gpu, params(best.x), heldout)
 
 
 def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) -> FamilyFit:
-    """Errors of `params` on a family's rows: train, held-out, and held-out per band."""
+    """Errors of `params` on a family's rows: train, held-out, and held-out per band, on
+    every row and on the rows that are not glitches."""
     pred = fam.predict(table, gpu, params)
     meas = table["latency_s"]
-    stats = {"train": error_stats(pred[~heldout], meas[~heldout]),
-             "heldout": error_stats(pred[heldout], meas[heldout])}
+    glitch = glitches(table, fam.size_axes)
     bands = fam.band(table)
-    for label in fam.band_order:
-        rows = heldout & (bands == label)
-        if rows.any():
-            stats[label] = error_stats(pred[rows], meas[rows])
-    return FamilyFit(fam.name, params, int((~heldout).sum()), int(heldout.sum()), stats)
+
+    def summary(rows: np.ndarray) -> dict:
+        out = {"train": error_stats(pred[~heldout & rows], meas[~heldout & rows]),
+               "heldout": error_stats(pred[heldout & rows], meas[heldout & rows])}
+        for label in fam.band_order:
+            sel = heldout & rows & (bands == label)
+            if sel.any():
+                out[label] = error_stats(pred[sel], meas[sel])
+        return out
+
+    everything = np.ones(len(table), dtype=bool)
+    return FamilyFit(fam.name, params, int((~heldout).sum()), int(heldout.sum()),
+                     int(glitch.sum()), summary(everything), summary(~glitch))
 
 
 def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEFAULT_HOLDOUT,
