@@ -28,8 +28,9 @@ from servelab.simulator.calibration import CalibrationProfile, bare_roofline
 from servelab.validation.replay import kendall_tau_b
 from servelab.simulator.run import SimulationConfig, run_simulation
 from servelab.validation.validate import (ValidateOptions, catalog_gpu, error_summary,
-                                         load_real_run, split_steps, step_error_report,
-                                         step_shape, step_type, validate)
+                                         load_real_run, same_shape_spread, split_steps,
+                                         step_error_report, step_shape, step_type, validate,
+                                         verdict)
 from servelab.traces.canonical import write_csv
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate
@@ -270,3 +271,41 @@ def test_cli(runs, tmp_path, capsys):
                  "--kv-blocks", "64", "--out", str(tmp_path / "sim")]) == 0
     assert main(["validate", "--run", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "run directory" in capsys.readouterr().err
+
+
+# --- the verdict ---------------------------------------------------------------------------
+
+
+def test_verdict_is_quiet_when_the_model_fits_and_warns_when_it_does_not(runs, tmp_path, capsys):
+    root, dirs = runs
+    true = validate([load_real_run(dirs[0])], ValidateOptions(
+        calibration=str(root / "truth.json"), gpu_overrides=TRUTH.gpu_overrides, plots=False))
+    assert true["verdict"]["warnings"] == []
+    assert abs(true["verdict"]["total_time_error_pct"]) < 1e-6
+    # the bare roofline of a catalog cpu: far too fast, in MAPE and in total time
+    bare = validate([load_real_run(dirs[0])], ValidateOptions(plots=False))
+    warnings = bare["verdict"]["warnings"]
+    assert any("step MAPE is" in w and "does not describe these steps" in w for w in warnings)
+    assert any("summed step time is off by -" in w and "faster than these" in w for w in warnings)
+    args = ["validate", "--run", str(dirs[0]), "--no-probe", "--no-plots", "--out", str(tmp_path / "v")]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "summary: all step MAPE" in text and "WARNING: step MAPE is" in text
+    assert main(args + ["--strict"]) == 1
+    # the truth profile carries its device figures: nothing to warn about, strict passes
+    assert main(["validate", "--run", str(dirs[0]), "--no-probe", "--no-plots", "--strict",
+                 "--calibration", str(root / "truth.json"), "--out", str(tmp_path / "w")]) == 0
+
+
+def test_same_shape_spread_flags_a_disturbed_machine():
+    a, b = BatchShape(num_decode_seqs=4, decode_context_sum=400), BatchShape(1, 64, 0, 0, 4096)
+    quiet = same_shape_spread([a, a, b, b], np.array([1.0, 1.1, 2.0, 2.0]))
+    assert quiet["repeated_shapes"] == 2 and quiet["worst_ratio"] == pytest.approx(1.1)
+    noisy = same_shape_spread([a, a, a, b], np.array([1.0, 2.5, 1.2, 9.0]))
+    assert noisy["worst_ratio"] == pytest.approx(2.5) and noisy["ratios_above_2x"] == 1
+    assert noisy["worst_shape"]["num_decode_seqs"] == 4
+    assert same_shape_spread([a, b], np.array([1.0, 2.0]))["repeated_shapes"] == 0
+    report = {"default": {"overall": error_summary(np.array([1.0, 2.5, 1.2, 9.0]),
+                                                   np.array([1.0, 2.5, 1.2, 9.0]))}}
+    v = verdict(report, [a, a, a, b], np.array([1.0, 2.5, 1.2, 9.0]), ValidateOptions())
+    assert len(v["warnings"]) == 1 and "machine was disturbed" in v["warnings"][0]

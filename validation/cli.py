@@ -61,6 +61,13 @@ def register(subparsers) -> None:
                         "peaks (default: on for CPU runs)")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the error plots (default: on)")
+    p.add_argument("--max-mape", type=positive_float, default=15.0, metavar="PCT",
+                   help="warn above this step MAPE (held-out with --fit) (default %(default)s)")
+    p.add_argument("--max-total-error", type=positive_float, default=10.0, metavar="PCT",
+                   help="warn when summed step time, or a replay's throughput, is off by more "
+                        "(default %(default)s)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 1 when any warning is raised")
     p.set_defaults(func=_cmd_validate)
 
 
@@ -89,13 +96,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         options = ValidateOptions(gpu=gpu, gpu_overrides=overrides, calibration=args.calibration,
                                   fit=args.fit, train_fraction=args.train_fraction,
                                   split_seed=args.split_seed, loss=args.loss,
-                                  simulate=args.simulate,
-                                  plots=args.plots)
+                                  simulate=args.simulate, plots=args.plots,
+                                  max_mape_pct=args.max_mape,
+                                  max_total_error_pct=args.max_total_error)
         report = validate(runs, options, args.out)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(format_report(report, args.out))
-    return 0
+    return 1 if args.strict and report["verdict"]["warnings"] else 0
 
 
 def _errors(e: dict) -> str:
@@ -149,5 +157,14 @@ def format_report(report: dict, out: str) -> str:
             tau = sim["ranking"]["mean_kendall_tau_b"]
             lines.append("policy ranking agreement, mean Kendall tau-b over metrics: "
                          + ("undefined" if tau is None else f"{tau:+.2f}"))
+    v = report["verdict"]
+    judged = "held-out" if v["steps_judged"] == "held_out" else "all"
+    summary = (f"summary: {judged} step MAPE {v['step_mape_pct']:.1f}%, total step time "
+               f"{v['total_time_error_pct']:+.1f}%")
+    if "replay_throughput_error_pct" in v:
+        summary += ", replay output throughput " + ", ".join(
+            f"{label} {err:+.1f}%" for label, err in v["replay_throughput_error_pct"].items())
+    lines.append(summary)
+    lines += [f"WARNING: {w}" for w in v["warnings"]]
     lines.append(f"-> {out}/validation.json")
     return "\n".join(lines)
