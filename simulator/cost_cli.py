@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     common.add_argument("--calibration", metavar="FILE",
                         help="profile file, packaged profile name, or 'none' for the bare "
                              "roofline (default: the GPU's packaged profile)")
-    common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument("--json", action="store_true",
+                        help="print JSON (with --points: the priced rows)")
     common.add_argument("--points", metavar="FILE.csv",
                         help="price every row of a CSV (columns named like the flags)")
     common.add_argument("--out", metavar="FILE.csv",
@@ -88,6 +89,10 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     try:
         if args.points:
             rows = pricing.price_points(args.kind, args.points, vars(args))
+            if args.json:
+                print(json.dumps(rows, indent=2))
+                if not args.out:
+                    return 0
             _write_rows(rows, args.out)
             return 0
         if args.out:

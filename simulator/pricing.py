@@ -17,8 +17,10 @@ from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
                "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1}
 """Integer options and their smallest allowed value."""
-_CHOICES = {"dtype": ("bf16", "fp16", "fp8", "fp32"), "kv_dtype": ("bf16", "fp16", "fp8"),
-            "weight_dtype": ("bf16", "fp16", "fp8"), "phase": ("prefill", "decode")}
+_CHOICES = {"kv_dtype": ("bf16", "fp16", "fp8"), "weight_dtype": ("bf16", "fp16", "fp8"),
+            "phase": ("prefill", "decode")}
+_DTYPES = {"gemm": ("bf16", "fp16", "fp8"), "allreduce": ("bf16", "fp16", "fp32")}
+"""The --dtype values each kind takes (the same as its flag's choices)."""
 _REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "kv_heads"),
              "allreduce": ("gpus", "elements"), "step": ("model",)}
 
@@ -40,7 +42,8 @@ def _check(kind: str, opts: dict) -> None:
         value = opts.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-    for name, allowed in _CHOICES.items():
+    choices = {**_CHOICES, "dtype": _DTYPES.get(kind, ())}
+    for name, allowed in choices.items():
         if opts.get(name) is not None and opts[name] not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                              f"got {opts[name]!r}")

@@ -77,8 +77,10 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     from servelab.validation.fidelity import write_report
 
     try:
+        command = " ".join(["servelab fidelity", *(f"--measurements {m}" for m in args.measurements),
+                            *(f"--gpu {g}" for g in args.gpu or ()), f"--out {args.out}"])
         path = write_report(args.measurements, args.out, args.gpu,
-                            progress=lambda line: print(line, file=sys.stderr))
+                            progress=lambda line: print(line, file=sys.stderr), command=command)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(f"wrote {path}")

@@ -162,13 +162,14 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
     missing = [c for c in (*_AIC_COLUMNS[family], "device") if c not in data]
     if missing:
         raise MeasurementError(f"{path}: missing column(s) {', '.join(missing)}")
-    devices = set(data["device"])
-    if not any(spec.matches_device_name(str(d)) for d in devices):
+    mine = [i for i, d in enumerate(data["device"]) if spec.matches_device_name(str(d))]
+    if not mine:
         return None, ""
-    n = len(data["latency"])
+    if len(mine) < len(data["device"]):        # a file of several GPUs: only this one's rows
+        data = {k: [v[i] for i in mine] for k, v in data.items()}
     version = _one(data.get("version"), "?")
     project = f"aiconfigurator ({_one(data.get('framework'), '?')} {version}, {_one(data['device'], '?')})"
-    rows = _Rows(path, n, drop, dropped)
+    rows = _Rows(path, [i + 1 for i in mine], drop, dropped)
     lat = rows.latency(data["latency"], scale=1e-3)
     if family == "gemm":
         cols = {"dtype": rows.category(data["gemm_dtype"], GEMM_DTYPES, "gemm_dtype"),
@@ -218,18 +219,28 @@ def _read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def _columns(path: Path, header: list[str], body: list[list[str]], names: list[str]) -> dict:
+def _columns(path: Path, header: list[str], body: list[list[str]], names: list[str],
+             drop: bool, dropped: dict) -> tuple[dict, list[int]]:
+    """The named columns of a CSV body, and the (1-based) numbers of the rows kept; a row
+    with the wrong number of cells is an error, or dropped and counted."""
     missing = [c for c in names if c not in header]
     if missing:
         raise MeasurementError(f"{path}: missing column(s) {', '.join(missing)}")
     idx = {c: header.index(c) for c in names}
     out = {c: [] for c in names}
+    numbers = []
     for i, row in enumerate(body, start=1):
         if len(row) != len(header):
-            raise MeasurementError(f"{path}: row {i}: {len(row)} cells, the header has {len(header)}")
+            if not drop:
+                raise MeasurementError(f"{path}: row {i}: {len(row)} cells, the header has "
+                                       f"{len(header)} (pass --drop-bad-rows to drop such rows "
+                                       f"with a count)")
+            dropped["ragged row"] = dropped.get("ragged row", 0) + 1
+            continue
+        numbers.append(i)
         for c, j in idx.items():
             out[c].append(row[j])
-    return out
+    return out, numbers
 
 
 def _read_vidur_ops(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
@@ -239,12 +250,12 @@ def _read_vidur_ops(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
     shape_cols = ["n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size",
                   "num_tokens", "num_tensor_parallel_workers"]
     op_cols = [f"time_stats.{op}.median" for op in VIDUR_OPS]
-    raw = _columns(path, header, body, shape_cols + op_cols)
-    rows = _Rows(path, len(body), drop, dropped)
+    raw, numbers = _columns(path, header, body, shape_cols + op_cols, drop, dropped)
+    rows = _Rows(path, numbers, drop, dropped)
     cols = {name: rows.positive_int(raw[name], name) for name in shape_cols}
     for op, col in zip(VIDUR_OPS, op_cols):
         cols[op] = rows.latency(raw[col], scale=1e-3, column=col)
-    cols["model"] = np.array([path.name[:-len(".mlp.csv")]] * len(body), dtype=object)
+    cols["model"] = np.array([path.name[:-len(".mlp.csv")]] * len(numbers), dtype=object)
     return rows.table("vidur_ops", cols), f"Vidur (eager PyTorch, fp16), {path.parent.name}"
 
 
@@ -252,9 +263,9 @@ def _read_vidur_allreduce(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
     if not _vidur_gpu(path, spec):
         return None, ""
     header, body = _read_csv(path)
-    raw = _columns(path, header, body, ["time_stats.all_reduce.median", "num_workers", "size",
-                                        "devices_per_node"])
-    rows = _Rows(path, len(body), drop, dropped)
+    raw, numbers = _columns(path, header, body, ["time_stats.all_reduce.median", "num_workers",
+                                                 "size", "devices_per_node"], drop, dropped)
+    rows = _Rows(path, numbers, drop, dropped)
     cols = {"num_gpus": rows.positive_int(raw["num_workers"], "num_workers"),
             "nbytes": rows.positive_int(raw["size"], "size").astype(np.float64),
             "devices_per_node": rows.positive_int(raw["devices_per_node"], "devices_per_node"),
@@ -271,13 +282,15 @@ def _read_vidur_allreduce(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
 class _Rows:
     """Row-wise checks of one file's columns; collects the rows to drop."""
 
-    def __init__(self, path: Path, n: int, drop: bool, dropped: dict) -> None:
-        self.path, self.n, self.drop, self.dropped = path, n, drop, dropped
-        self.bad = np.zeros(n, dtype=bool)
+    def __init__(self, path: Path, numbers: list[int], drop: bool, dropped: dict) -> None:
+        """`numbers`: each value's row in the file (1-based data rows), for messages."""
+        self.path, self.numbers, self.drop, self.dropped = path, numbers, drop, dropped
+        self.n = len(numbers)
+        self.bad = np.zeros(self.n, dtype=bool)
 
     def _fail(self, i: int, message: str, reason: str) -> None:
         if not self.drop:
-            raise MeasurementError(f"{self.path}: row {i + 1}: {message} "
+            raise MeasurementError(f"{self.path}: row {self.numbers[i]}: {message} "
                                    f"(pass --drop-bad-rows to drop such rows with a count)")
         if not self.bad[i]:
             self.bad[i] = True
@@ -325,7 +338,7 @@ class _Rows:
         return out
 
     def table(self, family: str, cols: dict[str, np.ndarray]) -> Table:
-        origin = [f"{self.path}: row {i + 1}" for i in range(self.n)]
+        origin = [f"{self.path}: row {number}" for number in self.numbers]
         return Table(family, cols, origin).select(~self.bad)
 
 

@@ -1,0 +1,319 @@
+"""`servelab cost`: each kind prints what the cost model charges, --json, --points, and
+one-line errors for shapes that cannot exist.
+
+The expected figures come from the cost model itself at the same shapes: a GEMM or an
+attention kernel of `cost` must equal that op of a `CostModel` step (per layer), an
+all-reduce the step's TP all-reduce per call, and `cost step` the step time.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+
+from servelab.cli import main
+from servelab.outputs import BatchShape
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import resolve
+from servelab.simulator.cost_model import CostModel
+from servelab.simulator.gpus import get_gpu
+
+GPU = "h100-sxm"
+
+
+def cost(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(["cost", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cost_json(capsys, *argv) -> dict:
+    rc, out, err = cost(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> CostModel:
+    return CostModel("llama-3.1-8b", GPU)
+
+
+def per_layer(cm: CostModel, shape: BatchShape, op: str) -> float:
+    """Seconds of one call of `op`, unscaled (cost prices the kernel, not a run fit)."""
+    o = cm.breakdown(shape)[op]
+    return o.time_s / o.calls / cm.scales[o.op_class]
+
+
+# --- each kind agrees with the cost model ------------------------------------------------------
+
+
+def test_gemm_is_the_cost_models_gemm_at_that_shape(capsys, llama8b):
+    o_proj = {g.name: g for g in llama8b.shapes.gemms}["o_proj"]
+    shape = BatchShape(num_prefill_seqs=1, num_prefill_tokens=512, prefill_q_sq_sum=512 ** 2)
+    expected_ms = per_layer(llama8b, shape, "o_proj") * 1e3
+    r = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 512, "--n", o_proj.n, "--k", o_proj.k)
+    assert r["predicted_ms"] == pytest.approx(expected_ms, abs=1e-6)
+    assert r["calibration"] == GPU and r["bound"] == "compute"
+    p = resolve(GPU).kernels.gemm
+    assert p.floor_s > 0 and r["floor_ms"] == pytest.approx(p.floor_s * 1e3, abs=1e-6)
+    rc, out, _ = cost(capsys, "gemm", "--gpu", GPU, "--m", 512, "--n", o_proj.n, "--k", o_proj.k)
+    first = out.splitlines()[0]
+    assert rc == 0 and first == (f"{r['predicted_ms']:.4f} ms  GEMM [512x{o_proj.k}] x "
+                                 f"[{o_proj.k}x{o_proj.n}] bf16 on h100-sxm (calibration: h100-sxm)")
+
+
+def test_fp8_gemm_uses_the_fp8_parameters_and_peak(capsys):
+    r = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 4096, "--n", 8192, "--k", 8192, "--dtype", "fp8")
+    p = resolve(GPU).kernels.gemm_fp8
+    expected = K.gemm_time(4096, 8192, 8192, get_gpu(GPU), p, "fp8", 1.0, 1.0, 2.0)
+    assert r["predicted_ms"] == pytest.approx(float(expected) * 1e3, abs=1e-6)
+    assert r["bytes"] == 8192 * 8192 + 4096 * (8192 + 8192 * 2)
+    assert r["flops"] / (r["compute_ms"] * 1e-3) == pytest.approx(1979e12 * p.compute_eff, rel=1e-3)
+
+
+def test_decode_attention_is_the_cost_models_attention_per_layer(capsys, llama8b):
+    shape = BatchShape(num_decode_seqs=32, decode_context_sum=32 * 1500)
+    r = cost_json(capsys, "attention", "--gpu", GPU, "--phase", "decode", "--batch", 32,
+                  "--context", 1500, "--heads", 32, "--kv-heads", 8, "--head-dim", 128)
+    assert r["predicted_ms"] == pytest.approx(per_layer(llama8b, shape, "attn_decode") * 1e3, abs=1e-6)
+    assert r["kv_bytes"] == 32 * 1500 * 2 * 8 * 128 * 2
+
+
+def test_prefill_attention_is_the_cost_models_attention_per_layer(capsys, llama8b):
+    shape = BatchShape(num_prefill_seqs=2, num_prefill_tokens=1024, prefill_context_sum=2048,
+                       prefill_q_context_sum=2 * 512 * 1024, prefill_q_sq_sum=2 * 512 ** 2)
+    r = cost_json(capsys, "attention", "--gpu", GPU, "--phase", "prefill", "--batch", 2,
+                  "--tokens", 512, "--context", 1024, "--heads", 32, "--kv-heads", 8)
+    assert r["predicted_ms"] == pytest.approx(per_layer(llama8b, shape, "attn_prefill") * 1e3, abs=1e-6)
+    assert r["flops"] == 4.0 * 128 * 32 * 2 * (512 * 1024 + 0.5 * (512 ** 2 + 512))
+    rc, out, _ = cost(capsys, "attention", "--gpu", GPU, "--phase", "prefill", "--batch", 2,
+                      "--tokens", 512, "--context", 1024, "--heads", 32, "--kv-heads", 8)
+    assert rc == 0 and out.startswith(f"{r['predicted_ms']:.4f} ms  prefill of 2 x 512 tokens "
+                                      f"after 1024 cached")
+
+
+def test_allreduce_is_the_steps_tp_allreduce_per_call(capsys):
+    cm = CostModel("llama-3.1-8b", GPU, tp=2)
+    shape = BatchShape(num_prefill_seqs=1, num_prefill_tokens=512, prefill_q_sq_sum=512 ** 2)
+    r = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 2, "--elements", 512 * 4096)
+    assert r["predicted_ms"] == pytest.approx(per_layer(cm, shape, "allreduce") * 1e3, abs=1e-6)
+    assert (r["bytes"], r["algorithm"]) == (512 * 4096 * 2, "custom")
+    big = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24)
+    assert big["algorithm"] == "ring" and big["predicted_ms"] > r["predicted_ms"]
+    one = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 1, "--elements", 4096)
+    assert (one["predicted_ms"], one["algorithm"]) == (0.0, "none (one GPU)")
+
+
+def test_step_is_the_cost_models_step_time(capsys, llama8b):
+    shape = BatchShape(num_prefill_seqs=2, num_prefill_tokens=512 + 2048, prefill_context_sum=1024,
+                       prefill_q_context_sum=2048 * 1024, prefill_q_sq_sum=512 ** 2 + 2048 ** 2,
+                       num_decode_seqs=32, decode_context_sum=32 * 1500)
+    argv = ("step", "--gpu", GPU, "--model", "llama-3.1-8b", "--prefill", "512,2048:1024",
+            "--decode", "32:1500")
+    r = cost_json(capsys, *argv)
+    assert r["predicted_ms"] == pytest.approx(llama8b.step_time(shape) * 1e3, abs=1e-6)
+    assert (r["tokens"], r["layers"], r["tp"]) == (512 + 2048 + 32, 32, 1)
+    assert r["prefill"] == [[512, 0], [2048, 1024]] and r["decode"] == [[32, 1500]]
+    ops = {op["op"]: op for op in r["ops"]}
+    assert set(ops) == set(llama8b.breakdown(shape))
+    assert sum(op["total_ms"] for op in r["ops"]) == pytest.approx(r["predicted_ms"], abs=1e-4)
+    assert sum(op["share_pct"] for op in r["ops"]) == pytest.approx(100, abs=0.1)
+    rc, out, _ = cost(capsys, *argv)
+    assert rc == 0 and out.startswith(f"{r['predicted_ms']:.4f} ms  one step of llama-3.1-8b")
+    assert re.search(r"^  attn_decode +attn_decode +32 ", out, re.M)
+
+
+def test_json_keys_per_kind(capsys):
+    gemm = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 1, "--n", 4096, "--k", 4096)
+    assert set(gemm) == {"kind", "gpu", "calibration", "m", "n", "k", "dtype", "predicted_ms",
+                         "compute_ms", "memory_ms", "floor_ms", "k_latency_ms", "bound", "flops",
+                         "bytes", "achieved_tflops", "achieved_gbps"}
+    assert (gemm["kind"], gemm["bound"], gemm["flops"]) == ("gemm", "memory", 2 * 4096 * 4096)
+    decode = cost_json(capsys, "attention", "--gpu", GPU, "--phase", "decode", "--batch", 1,
+                       "--context", 10, "--heads", 8, "--kv-heads", 8)
+    assert {"kind", "phase", "batch", "context", "heads", "kv_heads", "head_dim", "kv_dtype",
+            "kv_bytes", "predicted_ms"} <= set(decode) and decode["head_dim"] == 128
+    ar = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 2, "--elements", 8)
+    assert {"kind", "gpus", "elements", "dtype", "bytes", "algorithm", "predicted_ms"} <= set(ar)
+    step = cost_json(capsys, "step", "--gpu", GPU, "--model", "tiny-llama", "--decode", "1:1")
+    assert {"kind", "model", "tp", "layers", "tokens", "predicted_ms", "per_layer_ms",
+            "ops"} <= set(step)
+    assert set(step["ops"][0]) == {"op", "class", "calls", "per_layer_ms", "total_ms",
+                                   "share_pct", "bound"}
+
+
+def test_bare_roofline_is_faster_than_the_profile_for_a_small_gemm(capsys):
+    """No floor and no k-latency: a small GEMM is its bytes over the full HBM bandwidth."""
+    argv = ("gemm", "--gpu", GPU, "--m", 1, "--n", 1024, "--k", 1024)
+    bare = cost_json(capsys, *argv, "--calibration", "none")
+    fitted = cost_json(capsys, *argv)
+    assert bare["calibration"] == "none" and (bare["floor_ms"], bare["k_latency_ms"]) == (0.0, 0.0)
+    nbytes = 1024 * 1024 * 2 + 1 * (1024 * 2 + 1024 * 2)
+    assert bare["predicted_ms"] == pytest.approx(nbytes / 3350e9 * 1e3, abs=1e-6)
+    assert fitted["floor_ms"] > 0 and fitted["predicted_ms"] > 2 * bare["predicted_ms"]
+
+
+# --- --points ---------------------------------------------------------------------------------
+
+
+def write_csv(path, header, rows):
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def read_csv(path):
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_points_price_every_row_in_order_like_single_calls(capsys, tmp_path):
+    rows = [(1, 4096, 4096, "bf16"), (512, 4096, 4096, "fp8"), (16, 1024, 8192, "bf16"),
+            (8192, 14336, 4096, "fp16")]
+    src = write_csv(tmp_path / "shapes.csv", ["m", "n", "k", "dtype"], rows)
+    out = tmp_path / "priced.csv"
+    rc, stdout, err = cost(capsys, "gemm", "--gpu", GPU, "--points", src, "--out", out)
+    assert rc == 0 and stdout == "" and err == ""
+    priced = read_csv(out)
+    assert list(priced[0]) == ["m", "n", "k", "dtype", "predicted_ms"]
+    assert [(int(r["m"]), int(r["n"]), int(r["k"]), r["dtype"]) for r in priced] == rows
+    for (m, n, k, dtype), row in zip(rows, priced):
+        single = cost_json(capsys, "gemm", "--gpu", GPU, "--m", m, "--n", n, "--k", k, "--dtype", dtype)
+        assert float(row["predicted_ms"]) == single["predicted_ms"]
+
+
+def test_points_take_missing_columns_from_the_flags_and_columns_win(capsys, tmp_path):
+    src = write_csv(tmp_path / "m.csv", ["m", "n"], [(1, 4096), (64, 4096), (4096, 1024)])
+    rc, stdout, err = cost(capsys, "gemm", "--gpu", GPU, "--points", src, "--n", 99, "--k", 4096)
+    assert rc == 0, err
+    priced = list(csv.DictReader(stdout.splitlines()))
+    assert [r["m"] for r in priced] == ["1", "64", "4096"]
+    for r in priced:
+        single = cost_json(capsys, "gemm", "--gpu", GPU, "--m", r["m"], "--n", r["n"], "--k", 4096)
+        assert float(r["predicted_ms"]) == single["predicted_ms"]
+
+
+def test_points_for_attention_accept_flag_spelled_columns(capsys, tmp_path):
+    src = write_csv(tmp_path / "attn.csv", ["batch", "context", "heads", "kv-heads"],
+                    [(1, 128, 32, 8), (64, 4096, 32, 8), (8, 1024, 64, 64)])
+    out = tmp_path / "o.csv"
+    assert cost(capsys, "attention", "--gpu", GPU, "--phase", "decode", "--points", src,
+                "--out", out)[0] == 0
+    priced = read_csv(out)
+    assert list(priced[0]) == ["batch", "context", "heads", "kv-heads", "predicted_ms"]
+    for row in priced:
+        single = cost_json(capsys, "attention", "--gpu", GPU, "--phase", "decode",
+                           "--batch", row["batch"], "--context", row["context"],
+                           "--heads", row["heads"], "--kv-heads", row["kv-heads"])
+        assert float(row["predicted_ms"]) == single["predicted_ms"]
+
+
+# --- impossible shapes: exit 2, one line naming the problem --------------------------------------
+
+
+def assert_one_line_error(rc, out, err, *fragments):
+    assert rc == 2, (out, err)
+    assert err.startswith("servelab cost: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["attention", "--phase", "decode", "--batch", "1", "--context", "10", "--heads", "30",
+      "--kv-heads", "8"], ["--heads (30) must be a multiple of --kv-heads (8)"]),
+    (["attention", "--phase", "decode", "--batch", "8", "--heads", "32", "--kv-heads", "8"],
+     ["--phase decode needs --context >= 1"]),
+    (["attention", "--phase", "decode", "--batch", "8", "--context", "0", "--heads", "32",
+      "--kv-heads", "8"], ["--phase decode needs --context >= 1"]),
+    (["attention", "--phase", "prefill", "--batch", "1", "--heads", "32", "--kv-heads", "8"],
+     ["--phase prefill needs --tokens"]),
+    (["step", "--model", "llama-3.1-70b", "--tp", "1", "--decode", "1:100"],
+     ["llama-3.1-70b weights need", "at tp=1", "raise tp"]),
+    (["step", "--model", "llama-3.1-8b", "--decode", "8:0"],
+     ["--decode: a decoding sequence has a context of at least 1 token"]),
+    (["step", "--model", "llama-3.1-8b", "--prefill", "0"], ["--prefill: sizes must be >= 1"]),
+    (["step", "--model", "llama-3.1-8b", "--prefill", "12x"], ["--prefill: expected integers"]),
+    (["step", "--model", "llama-3.1-8b"], ["cost step needs --prefill and/or --decode"]),
+    (["step", "--model", "llama-3.1-8b", "--tp", "3", "--decode", "1:5"], ["tp=3 must divide"]),
+    (["gemm", "--m", "1", "--n", "1"], ["cost gemm needs --k"]),
+    (["gemm", "--m", "1", "--n", "1", "--k", "1", "--out", "x.csv"], ["--out needs --points"]),
+    (["gemm", "--m", "1", "--n", "1", "--k", "1", "--calibration", "a100-80gb"],
+     ["calibration profile is for device 'a100-80gb'"]),
+])
+def test_impossible_requests_are_one_line_errors(capsys, tmp_path, monkeypatch, argv, fragments):
+    monkeypatch.chdir(tmp_path)
+    kind, *rest = argv
+    assert_one_line_error(*cost(capsys, kind, "--gpu", GPU, *rest), *fragments)
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_a_model_that_fits_at_a_higher_tp_is_priced(capsys):
+    r = cost_json(capsys, "step", "--gpu", GPU, "--model", "llama-3.1-70b", "--tp", "4",
+                  "--decode", "1:100")
+    assert r["tp"] == 4 and r["predicted_ms"] > 0
+
+
+def test_fp8_gemm_on_a_gpu_without_fp8_tensor_cores(capsys):
+    assert_one_line_error(*cost(capsys, "gemm", "--gpu", "a100-80gb", "--m", 1, "--n", 1, "--k", 1,
+                                "--dtype", "fp8"), "a100-80gb has no FP8 tensor cores")
+
+
+@pytest.mark.parametrize("flag, value", [("--m", "0"), ("--k", "-5"), ("--n", "1.5")])
+def test_non_positive_sizes_on_the_command_line_are_usage_errors(capsys, flag, value):
+    sizes = {"--m": "1", "--n": "1", "--k": "1", flag: value}
+    with pytest.raises(SystemExit) as exc:
+        main(["cost", "gemm", "--gpu", GPU, *[x for kv in sizes.items() for x in kv]])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected an integer" in err and value in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("header, rows, fragments", [
+    (["m", "n", "k"], [(1, 1, 1), ("abc", 1, 1)],
+     ["line 3: column 'm' must be an integer, got 'abc'"]),
+    (["m", "n", "k"], [(1, 1, 1), (1, 1, 1), (1.5, 1, 1)],
+     ["line 4: column 'm' must be an integer, got '1.5'"]),
+    (["m", "n", "k"], [(0, 4096, 4096)], ["line 2: --m must be an integer >= 1, got 0"]),
+    (["m", "n", "k"], [(1, 4096, 4096), (4, 4096, -2)], ["line 3: --k must be an integer >= 1, got -2"]),
+    (["m", "n", "k", "dtype"], [(1, 4096, 4096, "int4")], ["line 2: --dtype must be one of"]),
+    (["m", "n"], [(1, 4096)], ["line 2: cost gemm needs --k"]),
+    (["m", "n", "k"], [(1, 4096, 4096, 7)], ["line 2: more cells than header columns"]),
+])
+def test_bad_points_name_file_and_line(capsys, tmp_path, header, rows, fragments):
+    src = write_csv(tmp_path / "bad.csv", header, rows)
+    out = tmp_path / "priced.csv"
+    result = cost(capsys, "gemm", "--gpu", GPU, "--points", src, "--out", out)
+    assert_one_line_error(*result, f"{src}: ", *fragments)
+    assert not out.exists()
+
+
+def test_bad_attention_point_names_its_line(capsys, tmp_path):
+    src = write_csv(tmp_path / "attn.csv", ["batch", "context", "heads", "kv_heads"],
+                    [(1, 10, 32, 8), (1, 10, 30, 8)])
+    assert_one_line_error(*cost(capsys, "attention", "--gpu", GPU, "--phase", "decode",
+                                "--points", src),
+                          f"{src}: line 3: --heads (30) must be a multiple of --kv-heads (8)")
+    src = write_csv(tmp_path / "ctx.csv", ["batch", "context", "heads", "kv_heads"],
+                    [(1, 10, 32, 8), (4, 0, 32, 8)])
+    assert_one_line_error(*cost(capsys, "attention", "--gpu", GPU, "--phase", "decode",
+                                "--points", src), f"{src}: line 3: ", "--context >= 1")
+
+
+@pytest.mark.parametrize("kind, header, row, refused", [
+    ("gemm", ["m", "n", "k", "dtype"], (16, 4096, 4096, "fp32"), "fp32"),
+    ("allreduce", ["gpus", "elements", "dtype"], (2, 4096, "fp8"), "fp8"),
+])
+def test_points_refuse_a_dtype_the_flag_refuses(capsys, tmp_path, kind, header, row, refused):
+    """Columns are "named like the flags": a value `--dtype` refuses for this kind must not
+    be priced from a CSV either."""
+    with pytest.raises(SystemExit):
+        main(["cost", kind, "--gpu", GPU, "--dtype", refused])
+    capsys.readouterr()
+    src = write_csv(tmp_path / "p.csv", header, [row])
+    assert_one_line_error(*cost(capsys, kind, "--gpu", GPU, "--points", src),
+                          f"{src}: line 2: ", refused)

@@ -1,0 +1,288 @@
+"""Fitting kernel families: the held-out split, glitches, recovery of known parameters,
+the profile `calibrate` writes, and one end-to-end fit on the real H100 tables.
+
+Recovery tables are priced by the family's own `predict` with known parameters, so the
+fit must find predictions that match to rounding; parameters the shapes cannot tell apart
+are compared through their predictions, and only well-identified ones (a floor, a
+large-problem efficiency) directly.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from _gpu_tables import real_measurements
+
+from servelab.outputs import BatchShape
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import CalibrationProfile, packaged, resolve
+from servelab.simulator.cost_model import CostModel
+from servelab.simulator.gpus import get_gpu
+from servelab.validation.kernel_fit import (
+    ASSUMED_HOST_LINK, FAMILIES, GLITCH_RATIO, SPLIT_KEYS, calibrate, family_table,
+    fit_family, glitches, holdout_mask, judge)
+from servelab.validation.measurements import MeasurementSet, Table, load_measurements
+
+H100 = get_gpu("h100-sxm")
+
+
+def gemm_table(shapes, dtypes=("bf16",), latency=None) -> Table:
+    rows = [(d, m, n, k) for (m, n, k) in shapes for d in dtypes]
+    d, m, n, k = (np.array(c) for c in zip(*rows))
+    lat = np.full(len(rows), 1e-5) if latency is None else np.asarray(latency, dtype=float)
+    return Table("gemm", {"dtype": d.astype(object), "m": m, "n": n, "k": k, "latency_s": lat},
+                 [f"synthetic: row {i + 1}" for i in range(len(rows))])
+
+
+def decode_table(rows) -> Table:
+    """rows: (batch, context, heads, kv_heads); head_dim 128, BF16 KV."""
+    b, c, h, kv = (np.array(col) for col in zip(*rows))
+    n = len(rows)
+    return Table("attn_decode", {"batch": b, "context": c, "heads": h, "kv_heads": kv,
+                                 "head_dim": np.full(n, 128), "kv_dtype": np.array(["bf16"] * n, object),
+                                 "latency_s": np.zeros(n)},
+                 [f"synthetic: row {i + 1}" for i in range(n)])
+
+
+GRID = list(itertools.product(2 ** np.arange(15), (1024, 2048, 4096, 8192, 14336, 28672),
+                              (1024, 2048, 4096, 5120, 8192, 14336)))      # 540 shapes
+
+
+# --- the held-out split ----------------------------------------------------------------------
+
+
+def held_shapes(table: Table, mask: np.ndarray) -> set:
+    return {tuple(table[c][i] for c in ("dtype", "m", "n", "k")) for i in np.flatnonzero(mask)}
+
+
+def test_holdout_is_deterministic_and_independent_of_row_order():
+    table = gemm_table(GRID, dtypes=("bf16", "fp8"))
+    mask = holdout_mask(table, 0.3, seed=7)
+    assert np.array_equal(mask, holdout_mask(table, 0.3, seed=7))
+    order = np.random.default_rng(0).permutation(len(table))
+    shuffled = Table("gemm", {c: v[order] for c, v in table.columns.items()},
+                     [table.origin[i] for i in order])
+    assert held_shapes(shuffled, holdout_mask(shuffled, 0.3, seed=7)) == held_shapes(table, mask)
+    assert not np.array_equal(mask, holdout_mask(table, 0.3, seed=8))
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5])
+def test_holdout_holds_out_about_the_fraction_asked(fraction):
+    table = gemm_table(GRID)
+    share = holdout_mask(table, fraction, seed=0).mean()
+    assert abs(share - fraction) < 0.05, share     # 540 shapes: 3 sigma is about 0.06 at 0.5
+
+
+def test_holdout_is_keyed_by_shape_not_dtype():
+    """A GEMM shape held out in BF16 is held out in FP8 too: an FP8 check is on unseen shapes."""
+    assert SPLIT_KEYS["gemm"] == ("m", "n", "k")
+    table = gemm_table(GRID, dtypes=("bf16", "fp8"))
+    mask = holdout_mask(table, 0.3, seed=1)
+    assert np.array_equal(mask[0::2], mask[1::2])      # rows alternate bf16, fp8 per shape
+    assert 0 < mask.sum() < len(mask)
+
+
+def test_holdout_extremes_and_bad_fractions():
+    table = gemm_table(GRID)
+    assert not holdout_mask(table, 0.0).any()
+    assert holdout_mask(table, 0.999999).mean() > 0.99
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="holdout fraction must be in \\[0, 1\\)"):
+            holdout_mask(table, bad)
+
+
+# --- glitches ----------------------------------------------------------------------------------
+
+
+def monotone(shapes):
+    """A latency that grows with every dimension."""
+    return [1e-6 * (1 + m * n * k / 1e9 + n * k / 1e7) for m, n, k in shapes]
+
+
+def test_a_monotone_table_has_no_glitches():
+    shapes = list(itertools.product((1, 16, 256, 4096), (1024, 4096), (1024, 8192)))
+    table = gemm_table(shapes, latency=monotone(shapes))
+    assert not glitches(table, ("m", "n", "k")).any()
+
+
+def test_a_point_much_slower_than_a_strictly_larger_problem_is_a_glitch():
+    shapes = list(itertools.product((1, 16, 256, 4096), (1024, 4096), (1024, 8192)))
+    lat = np.array(monotone(shapes))
+    i = shapes.index((16, 1024, 1024))
+    j = shapes.index((256, 1024, 1024))       # larger in m only
+    lat[i] = lat[j] * (GLITCH_RATIO + 0.1)
+    table = gemm_table(shapes, latency=lat)
+    assert np.flatnonzero(glitches(table, ("m", "n", "k"))).tolist() == [i]
+    lat[i] = lat[j] * (GLITCH_RATIO - 0.1)    # slower than a larger problem, but within 1.3x
+    assert not glitches(gemm_table(shapes, latency=lat), ("m", "n", "k")).any()
+
+
+def test_glitches_compare_only_comparable_problems():
+    """Larger in n but smaller in k is not a larger problem; another dtype is another kernel."""
+    shapes = [(1, 8192, 1024), (1, 4096, 2048)]
+    table = gemm_table(shapes, latency=[10e-6, 1e-6])
+    assert not glitches(table, ("m", "n", "k")).any()
+    two = gemm_table([(1, 4096, 4096)], dtypes=("bf16", "fp8"), latency=[10e-6, 1e-6])
+    bigger_fp8 = gemm_table([(2, 4096, 4096)], dtypes=("fp8",), latency=[1e-6])
+    table = Table.concat("gemm", [two, bigger_fp8])
+    assert not glitches(table, ("m", "n", "k")).any()          # bf16 has nothing larger
+    table.columns["latency_s"][1] = 5e-6                         # fp8 m=1 vs fp8 m=2 at 1 us
+    assert np.flatnonzero(glitches(table, ("m", "n", "k"))).tolist() == [1]
+
+
+# --- recovery of known parameters ------------------------------------------------------------
+
+GEMM_TRUTH = K.GemmParams(floor_s=6e-6, compute_eff=0.62, memory_eff=0.9, overlap=1.8,
+                          k_step_s=5e-10)
+
+
+def test_gemm_fit_recovers_known_parameters():
+    fam = FAMILIES["gemm"]
+    table = gemm_table(GRID[::3])
+    table.columns["latency_s"] = fam.predict(table, H100, GEMM_TRUTH)
+    mask = holdout_mask(table, 0.3, seed=0)
+    fit = fit_family(fam, table, H100, mask, K.GemmParams())
+    assert fit.glitch_rows == 0 and fit.heldout_rows == mask.sum() > 20
+    assert fit.stats["heldout"]["mape_pct"] < 0.01
+    held = table.select(mask)
+    assert fam.predict(held, H100, fit.params) == pytest.approx(held["latency_s"], rel=1e-4)
+    assert fit.params.floor_s == pytest.approx(GEMM_TRUTH.floor_s, rel=0.01)
+    assert fit.params.compute_eff == pytest.approx(GEMM_TRUTH.compute_eff, rel=0.01)
+
+
+def test_gemm_fit_ignores_glitches_in_the_training_rows():
+    """Training points made 3x slower than a larger problem are flagged and left out: the
+    parameters come out as if they were not there."""
+    fam = FAMILIES["gemm"]
+    table = gemm_table(GRID[::3])
+    table.columns["latency_s"] = fam.predict(table, H100, GEMM_TRUTH)
+    mask = holdout_mask(table, 0.3, seed=0)
+    small = np.flatnonzero(~mask & (table["m"] <= 64))[:6]
+    table.columns["latency_s"][small] *= 3.0
+    fit = fit_family(fam, table, H100, mask, K.GemmParams())
+    assert fit.glitch_rows == len(small) == 6
+    assert fit.stats["heldout"]["mape_pct"] < 0.01
+    assert fit.params.floor_s == pytest.approx(GEMM_TRUTH.floor_s, rel=0.01)
+
+
+def test_decode_attention_fit_recovers_known_predictions():
+    fam = FAMILIES["attn_decode"]
+    truth = replace(K.DecodeAttentionParams(
+        floor_s=1.4e-5, seq_head_s=8e-9, work_item_s=1.5e-8, q_head_s=2e-10, memory_eff=0.82,
+        head_stream_gbps=600.0, batch_saturation=6.0, l2_gain=1.15), **fam.fixed(H100))
+    rows = list(itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 512, 2048, 8192, 32768),
+                                  ((32, 8), (64, 8), (32, 32), (40, 8))))
+    table = decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+    table.columns["latency_s"] = fam.predict(table, H100, truth)
+    mask = holdout_mask(table, 0.3, seed=0)
+    fit = fit_family(fam, table, H100, mask, K.DecodeAttentionParams())
+    assert fit.stats["heldout"]["mape_pct"] < 0.01
+    held = table.select(mask)
+    assert fam.predict(held, H100, fit.params) == pytest.approx(held["latency_s"], rel=1e-4)
+    assert fit.params.floor_s == pytest.approx(truth.floor_s, rel=0.01)
+    assert fit.params.memory_eff == pytest.approx(truth.memory_eff, rel=0.01)
+    # Hopper runs one split-KV path: what the GPU fixes is not fitted
+    assert (fit.params.split_floor_s, fit.params.mha_block_gbps) == (0.0, 0.0)
+
+
+# --- calibrate: the profile and its provenance ------------------------------------------------
+
+
+def synthetic_set(dropped=None) -> MeasurementSet:
+    fam = FAMILIES["gemm"]
+    table = gemm_table(GRID[::3])
+    table.columns["latency_s"] = fam.predict(table, H100, GEMM_TRUTH)
+    return MeasurementSet("h100-sxm", {"gemm": table}, {"gemm": "synthetic: gemm_perf (test)"},
+                          dict(dropped or {}))
+
+
+def test_calibrate_records_provenance_split_and_fallback():
+    fallback = packaged("a100-80gb")
+    ms = synthetic_set(dropped={"repeated measurements merged": 3})
+    result = calibrate(ms, seed=5, holdout=0.25, fallback=fallback, data_version="synthetic v1")
+    p = result.profile
+    assert p.device == "h100-sxm" and set(result.families) == {"gemm"}
+    assert p.source["kernels.gemm"] == "synthetic: gemm_perf (test)"
+    assert p.source["data"] == "synthetic v1" and p.source["gpu"] == "h100-sxm"
+    assert p.source["kernels.gemm_fp8"] == "no FP8 GEMM measurements: the BF16 GEMM parameters"
+    assert p.kernels.gemm_fp8 == p.kernels.gemm == result.families["gemm"].params
+    for name in ("attn_prefill", "attn_decode", "collective", "elementwise"):
+        assert getattr(p.kernels, name) == getattr(fallback.kernels, name)
+        assert p.source[f"kernels.{name}"] == ("no measurements on h100-sxm: carried from the "
+                                               "a100-80gb profile")
+    assert p.kernels.host_link == ASSUMED_HOST_LINK and "assumption" in p.source["kernels.host_link"]
+    stats = p.fit_stats
+    assert (stats["holdout_seed"], stats["holdout_fraction"]) == (5, 0.25)
+    assert stats["gemm.rows"] == len(ms.table("gemm"))
+    assert stats["gemm.heldout_mape_pct"] < 0.01
+    assert stats["dropped.repeated measurements merged"] == 3
+    # the recorded seed and fraction reproduce the split the fit used
+    mask = holdout_mask(ms.table("gemm"), stats["holdout_fraction"], int(stats["holdout_seed"]))
+    assert result.families["gemm"].heldout_rows == mask.sum()
+
+
+def test_calibrate_without_a_fallback_says_bare_roofline():
+    result = calibrate(synthetic_set(), seed=0)
+    p = result.profile
+    bare = K.KernelParams.roofline()
+    for name in ("attn_prefill", "attn_decode", "collective", "elementwise"):
+        assert getattr(p.kernels, name) == getattr(bare, name)
+        assert p.source[f"kernels.{name}"] == "no measurements: bare roofline"
+    assert "data" not in p.source
+    assert not any(k.startswith("dropped.") for k in p.fit_stats)
+
+
+def test_calibrate_takes_gemm_from_the_fallback_when_too_few_points():
+    """Fewer than two points per fitted parameter: not fitted, carried over."""
+    ms = synthetic_set()
+    ms.tables["gemm"] = ms.table("gemm").select(np.arange(len(ms.table("gemm"))) < 9)
+    fallback = packaged("a100-80gb")
+    p = calibrate(ms, fallback=fallback).profile
+    assert p.kernels.gemm == fallback.kernels.gemm
+    assert p.kernels.gemm_fp8 == fallback.kernels.gemm_fp8
+    assert "gemm.heldout_mape_pct" not in p.fit_stats
+
+
+# --- the real H100 tables ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100_gemm_fit():
+    """The real H100 GEMM table (every dtype, so FP8 is fitted too), fitted as calibrate does."""
+    ms = load_measurements([real_measurements()], "h100-sxm", drop_bad_rows=True)
+    gemm_only = MeasurementSet(ms.gpu, {"gemm": ms.table("gemm")},
+                               {"gemm": ms.sources["gemm"]}, ms.dropped)
+    return gemm_only, calibrate(gemm_only, seed=0)
+
+
+def test_real_h100_gemm_fit_beats_the_bare_roofline_on_held_out_shapes(h100_gemm_fit):
+    ms, result = h100_gemm_fit
+    fam = FAMILIES["gemm"]
+    table = family_table(ms, fam)
+    assert len(table) > 5000
+    mask = holdout_mask(table, 0.3, seed=0)
+    fitted = result.families["gemm"]
+    bare = judge(fam, table, H100, K.KernelParams.roofline().gemm, mask)
+    fitted_mape, bare_mape = fitted.stats["heldout"]["mape_pct"], bare.stats["heldout"]["mape_pct"]
+    assert fitted.heldout_rows == mask.sum()
+    assert fitted_mape < 15.0 and fitted_mape < bare_mape / 3, (fitted_mape, bare_mape)
+    # the roofline is never slower than a real kernel: its median error is negative
+    assert bare.stats["heldout"]["median_pct"] < -10
+    assert abs(fitted.stats["heldout"]["median_pct"]) < 3
+    assert "gemm_perf.parquet" in result.profile.source["kernels.gemm"]
+    assert 0.5 < fitted.params.compute_eff <= 1.0 and 1e-6 < fitted.params.floor_s < 2e-5
+
+
+def test_real_h100_profile_round_trips_through_a_file(h100_gemm_fit, tmp_path):
+    _, result = h100_gemm_fit
+    path = result.profile.save(tmp_path / "h100-sxm.json")
+    loaded = CalibrationProfile.load(path)
+    assert loaded == result.profile
+    assert resolve("h100-sxm", str(path)) == result.profile
+    shape = BatchShape(num_prefill_seqs=1, num_prefill_tokens=512, prefill_q_sq_sum=512 * 512,
+                       num_decode_seqs=16, decode_context_sum=16 * 1000)
+    from_file = CostModel("llama-3.1-8b", "h100-sxm", calibration=str(path))
+    in_memory = CostModel("llama-3.1-8b", "h100-sxm", calibration=result.profile)
+    assert from_file.step_time(shape) == in_memory.step_time(shape)
