@@ -140,11 +140,29 @@ class CostModel:
         return "bf16", self.kernels.gemm, 1.0, ACT_BYTES   # weight-only FP8
 
     def _gemm_time(self, gm, rows) -> np.ndarray:
-        dtype, params, wb, ib = self._gemm_setup(gm.name)
-        t = K.gemm_time(rows, gm.n, gm.k, self.gpu, params, dtype, wb, ib, ACT_BYTES)
-        if gm.weight_bytes > gm.weight_elems * wb:          # attention bias
-            t = t + (gm.weight_bytes - gm.weight_elems * wb) / (self.gpu.hbm_bandwidth_gbps * 1e9)
-        return np.where(np.asarray(rows) > 0, t, 0.0)
+        """Seconds of one call of GEMM `gm` at each (integer) row count, from a per-GEMM
+        table built once per count. The table is kept non-decreasing: a library's menu can
+        make one more row a hair cheaper (a better tile fits), but it could always have
+        run the smaller problem padded, so more rows never cost less."""
+        rows = np.asarray(rows, dtype=np.int64)
+        table = self._gemm_tables.get(gm.name)
+        top = int(rows.max(initial=0))
+        if table is None or top >= len(table):
+            start = 0 if table is None else len(table)
+            stop = max(top + 1, 2 * start, _TABLE_CHUNK)
+            counts = np.arange(start, stop, dtype=np.float64)
+            dtype, params, wb, ib = self._gemm_setup(gm.name)
+            t = K.gemm_time(counts, gm.n, gm.k, self.gpu, params, dtype, wb, ib, ACT_BYTES)
+            if gm.weight_bytes > gm.weight_elems * wb:          # attention bias
+                t = t + (gm.weight_bytes - gm.weight_elems * wb) / (self.gpu.hbm_bandwidth_gbps * 1e9)
+            t = np.where(counts > 0, t, 0.0)
+            if table is not None:
+                t = np.maximum(t, table[-1])
+                t = np.concatenate([table, np.maximum.accumulate(t)])
+            else:
+                t = np.maximum.accumulate(t)
+            self._gemm_tables[gm.name] = table = t
+        return table[rows]
 
     def _row_ops(self, rows: np.ndarray, per_seq: bool) -> list[tuple[str, str, int, np.ndarray]]:
         """(name, class, calls per step, seconds per call) of every kernel whose cost
@@ -190,6 +208,7 @@ class CostModel:
 
     def _fold_constants(self) -> None:
         s, g, kp, sc = self.shapes, self.gpu, self.kernels, self.scales
+        self._gemm_tables: dict[str, np.ndarray] = {}
         self._tok: list[float] = []
         self._seq: list[float] = []
         self._dec: list[tuple[float, float, float]] = []
@@ -214,8 +233,8 @@ class CostModel:
         counts = np.arange(start, stop, dtype=np.float64)
         if table == "_dec":
             values.extend(self._decode_coefficients(counts))
-        else:
-            values.extend(self._scaled_rows(counts, per_seq=table == "_seq").tolist())
+            return values
+        values.extend(self._scaled_rows(counts, per_seq=table == "_seq").tolist())
         return values
 
     def step_time(self, shape: BatchShape) -> float:

@@ -18,7 +18,7 @@ import json
 import sys
 
 from servelab.cli import CLIError
-from servelab.options import non_negative_int
+from servelab.options import non_negative_int, positive_int
 
 
 def _holdout(text: str) -> float:
@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--fallback", metavar="PROFILE",
                    help="profile (file or packaged name) to take kernel families without "
                         "measurements from, e.g. an element-wise fit of a same-era GPU")
+    p.add_argument("--max-points", type=positive_int, metavar="N",
+                   help="fit each family on a seeded sample of at most N training points (a "
+                        "quick look; held-out error still uses every held-out point)")
     p.add_argument("--data-version", default="", metavar="TEXT",
                    help="what the measurements are, for the profile's provenance (e.g. the "
                         "projects' commits: 'aiconfigurator 095f58a51, vidur 7d47513')")
@@ -103,7 +106,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print("dropped: " + ", ".join(f"{n} {why}" for why, n in sorted(ms.dropped.items())),
               file=sys.stderr)
     result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
-                       data_version=args.data_version)
+                       data_version=args.data_version, max_points=args.max_points,
+                       progress=lambda line: print(line, file=sys.stderr))
     path = result.profile.save(args.out)
     if args.json:
         print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats,

@@ -152,9 +152,34 @@ TOKEN_BANDS = ("tokens 1-32", "tokens 33-512", "tokens > 512")
 
 
 def _gemm_predict(t: Table, gpu: GPUSpec, p, dtype: str) -> np.ndarray:
+    # as measured: an isolated GEMM replayed with its weights (warm L2)
     if dtype == "fp8":
-        return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "fp8", 1.0, 1.0, 2.0)
-    return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "bf16", 2.0, 2.0, 2.0)
+        return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "fp8", 1.0, 1.0, 2.0, warm_l2=True)
+    return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "bf16", 2.0, 2.0, 2.0, warm_l2=True)
+
+
+_GEMM_FITTED = {
+    "floor_s": (5e-7, 4e-5, 2.5e-6), "compute_eff": (0.3, 1.0, 0.9), "memory_eff": (0.3, 1.0, 0.85),
+    "overlap": (1.0, 12.0, 3.0), "epilogue_overlap": (1.0, 12.0, 1.5),
+    "cta_overlap": (1.0, 12.0, 3.0), "k_step_s": (1e-12, 2e-8, 2e-9),
+    "sm_feed_gbps": (10.0, 3000.0, 150.0), "split_k_min": (32.0, 65536.0, 500.0),
+    "split_k_s": (1e-8, 1e-5, 1e-6), "write_penalty": (0.5, 4.0, 1.2),
+    "gemv_k_step_s": (1e-12, 2e-8, 5e-10), "wave_quantization": (1e-3, 1.0, 0.5),
+    "l2_fraction": (0.05, 2.0, 0.7), "l2_gain": (1.0, 20.0, 2.0),
+    "quant_elem_s": (1e-14, 2e-10, 1e-11)}
+
+
+def _gemm_starts(n: int) -> tuple[dict, ...]:
+    """The generic start, then `n - 1` seeded log-normal perturbations of it: the menu's
+    minimum makes the loss surface ragged, and a few starts find its floor reliably."""
+    rng = np.random.default_rng(1)
+    starts = [{}]
+    for _ in range(n - 1):
+        start = {k: v[2] * float(np.exp(rng.normal(0, 0.4))) for k, v in _GEMM_FITTED.items()}
+        for name in ("compute_eff", "memory_eff", "wave_quantization"):
+            start[name] = min(start[name], 0.99)
+        starts.append(start)
+    return tuple(starts)
 
 
 def _kv_bytes(t: Table) -> np.ndarray:
@@ -211,19 +236,15 @@ def _elementwise_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
 FRACTION = (0.05, 1.0)
 FAMILIES: dict[str, Family] = {
     "gemm": Family(
-        "gemm", "gemm", lambda t: t["dtype"] == "bf16",
-        {"floor_s": (1e-7, 1e-4, 3e-6), "compute_eff": (*FRACTION, 0.8),
-         "memory_eff": (*FRACTION, 0.8), "overlap": (1.0, 16.0, 3.0),
-         "k_step_s": (1e-15, 1e-8, 3e-10)},
+        "gemm", "gemm", lambda t: t["dtype"] == "bf16", _GEMM_FITTED,
         lambda t, g, p: _gemm_predict(t, g, p, "bf16"),
-        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k")),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k"),
+        fixed=lambda gpu: {"quant_elem_s": 0.0}, starts=_gemm_starts(3)),
     "gemm_fp8": Family(
-        "gemm_fp8", "gemm", lambda t: t["dtype"] == "fp8",
-        {"floor_s": (1e-7, 1e-4, 3e-6), "compute_eff": (*FRACTION, 0.7),
-         "memory_eff": (*FRACTION, 0.8), "overlap": (1.0, 16.0, 3.0),
-         "k_step_s": (1e-15, 1e-8, 3e-10)},
+        "gemm_fp8", "gemm", lambda t: t["dtype"] == "fp8", _GEMM_FITTED,
         lambda t, g, p: _gemm_predict(t, g, p, "fp8"),
-        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k")),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k"),
+        starts=_gemm_starts(3)),
     "attn_prefill": Family(
         "attn_prefill", "attn_prefill", _attention_rows,
         {"floor_s": (1e-7, 1e-3, 1e-5), "compute_eff": (*FRACTION, 0.55),
@@ -342,13 +363,20 @@ def family_table(ms: MeasurementSet, fam: Family) -> Table:
 
 
 def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
-               base: object) -> FamilyFit:
+               base: object, max_points: int | None = None) -> FamilyFit:
     """Least squares on log(predicted/measured) over the rows not held out, from each of
-    the family's starting points; the lowest robust loss wins."""
+    the family's starting points; the lowest robust loss wins. `max_points` fits on a
+    seeded sample of that many training rows (a quick look; the judgement still uses
+    every held-out row)."""
     from scipy.optimize import least_squares
 
     glitch = glitches(table, fam.size_axes)
-    train = table.select(~heldout & ~glitch)
+    usable = ~heldout & ~glitch
+    if max_points is not None and usable.sum() > max_points:
+        chosen = np.random.default_rng(0).choice(np.flatnonzero(usable), max_points, replace=False)
+        usable = np.zeros(len(table), dtype=bool)
+        usable[chosen] = True
+    train = table.select(usable)
     fixed = fam.fixed(gpu)
     base = replace(base, **fixed)
     names = [n for n in fam.fitted if n not in fixed]
@@ -361,8 +389,10 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
         for n in names:     # keep values inside their domains despite rounding at a bound
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
-            if n in ("overlap", "l2_gain", "batch_saturation"):
+            if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation"):
                 values[n] = max(1.0, values[n])
+            if n == "wave_quantization":
+                values[n] = min(1.0, values[n])
         return replace(base, **values)
 
     def residuals(x: np.ndarray) -> np.ndarray:
@@ -372,8 +402,8 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
     for start in fam.starts:
         x0 = np.log([start.get(n, fam.fitted[n][2]) for n in names])
         x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
-        solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1,
-                                 x_scale="jac", max_nfev=2000)
+        solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
+                                 max_nfev=3000)
         if best is None or solution.cost < best.cost:
             best = solution
     return judge(fam, table, gpu, params(best.x), heldout)
@@ -402,7 +432,8 @@ def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) 
 
 
 def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEFAULT_HOLDOUT,
-              fallback: CalibrationProfile | None = None, data_version: str = "") -> KernelFit:
+              fallback: CalibrationProfile | None = None, data_version: str = "",
+              max_points: int | None = None, progress=None) -> KernelFit:
     """Fit every family that has measurements; take the others from `fallback` (a profile
     of another GPU, e.g. of the same era) or leave them at the bare roofline, and say so."""
     gpu = get_gpu(ms.gpu)
@@ -423,7 +454,10 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
                 provenance[f"kernels.{name}"] = "no measurements: bare roofline"
             continue
         mask = holdout_mask(table, holdout, seed)
-        fit = fit_family(fam, table, gpu, mask, getattr(K.KernelParams.roofline(), name))
+        if progress:
+            progress(f"fitting {name} on {int((~mask).sum())} points ...")
+        fit = fit_family(fam, table, gpu, mask, getattr(K.KernelParams.roofline(), name),
+                         max_points)
         fits[name] = fit
         values[name] = fit.params
         provenance[f"kernels.{name}"] = ms.sources.get(fam.table if fam.table != "vidur_elementwise"
@@ -435,6 +469,8 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
     kernels = K.KernelParams(**{f.name: values.get(f.name, getattr(K.KernelParams.roofline(), f.name))
                                 for f in fields(K.KernelParams)})
     stats = {"holdout_fraction": holdout, "holdout_seed": seed}
+    if max_points is not None:
+        stats["max_points"] = max_points
     for name, fit in fits.items():
         stats[f"{name}.rows"] = fit.rows + fit.heldout_rows
         if fit.stats["heldout"].get("n"):
