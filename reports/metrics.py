@@ -19,7 +19,8 @@
   the spread: std and percentiles see no jitter inside a request. The repeated gaps are never
   materialised; they enter the statistics as weights (see `_weighted_stats`).
 - Percentiles use numpy's default linear interpolation; std is the population std (numpy's
-  default); a statistic over no values is 0.0.
+  default). A statistic over no values is None (null in JSON), never 0.0: a run where
+  nothing finished has no TTFT, and 0 ms would read as a perfect one.
 - A request with n > 1 samples produced ``output_tokens`` tokens per sample: it adds
   ``output_tokens * n`` to the output totals and throughputs (and to per-tenant service), its
   prompt once. Its latencies are those of the record (sample 0).
@@ -38,7 +39,9 @@ Beyond vLLM's keys:
   counting num_steps times.
 - ``per_tenant`` (sorted by tenant): service = (1 x input + 2 x output tokens of finished
   requests) / duration, VTC's weighting; ``jain_fairness_index`` = Jain's index over the
-  tenants' service divided by their weights.
+  tenants' service divided by their weights (None when nobody was served). A tenant with no
+  finished request has ``mean_ttft_ms`` None. KV-cache usage and batch size are None
+  without step records.
 
 Cost: one pass over the records per column to build numpy arrays, then vectorised numpy work
 (O(m log m) for the ITL percentiles over m requests, never per token): about 2 s of CPU for a
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -93,7 +97,8 @@ def summarize(
 ) -> dict[str, Any]:
     """Summary of one run, keyed by SUMMARY_KEYS (see the module docstring for definitions).
 
-    Every value is a plain int or float (never NaN), so the dict is JSON-serialisable as is.
+    Every value is a plain int, float or None (never NaN), so the dict is JSON-serialisable
+    as is; None marks a statistic over an empty set (see the module docstring).
     ``tenant_weights`` are the tenants' shares (default 1 each): the Jain index is taken over
     each tenant's service divided by its weight, so weighted fair share scores 1.0 (tenants
     that sent no request are not in it).
@@ -114,23 +119,11 @@ def summarize(
     def per_s(count: float) -> float:
         return float(count) / duration_s if duration_s > 0 else 0.0
 
-    ttft = (r.first_token[fin] - r.arrival[fin]) * 1e3
-    e2el = (r.finish[fin] - r.arrival[fin]) * 1e3
+    ttft, tpot_all, e2el = _latencies(r)
+    tpot = tpot_all[r.output_tokens[fin] > 1]
     out = r.output_tokens[fin]
-    multi = out > 1
-    tpot_all = np.zeros_like(e2el)  # 0 for one-token requests, as vLLM's goodput has it
-    tpot_all[multi] = (e2el[multi] - ttft[multi]) / (out[multi] - 1)
-    tpot = tpot_all[multi]
     queueing = (r.scheduled[fin] - r.arrival[fin]) * 1e3
-
-    good = np.ones(len(ttft), dtype=bool)
-    for value, own, default in ((ttft, r.slo_ttft[fin], slo_ttft_ms),
-                                (tpot_all, r.slo_tpot[fin], slo_tpot_ms),
-                                (e2el, None, slo_e2el_ms)):
-        slo = np.full(len(value), math.nan if default is None else float(default))
-        if own is not None:
-            slo = np.where(np.isnan(own), slo, own)
-        good &= np.isnan(slo) | (value <= slo)
+    good = ~np.any(_slo_misses(r, ttft, tpot_all, e2el, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms), axis=0)
 
     total_input = int(r.prompt_tokens[fin].sum())
     total_output = int((out * r.n[fin]).sum())
@@ -157,6 +150,69 @@ def summarize(
     values["jain_fairness_index"] = _jain_index(per_tenant, tenant_weights or {})
     values["per_tenant"] = per_tenant
     return {key: values[key] for key in SUMMARY_KEYS}
+
+
+@dataclass(frozen=True)
+class SLOOutcomes:
+    """Per request (all of them, in the order given): whether it finished, and which SLOs
+    a finished request missed (a rejected one misses nothing here: it simply did not
+    finish). The same rules as ``request_goodput``."""
+
+    finished: np.ndarray
+    ttft_missed: np.ndarray
+    tpot_missed: np.ndarray
+    e2el_missed: np.ndarray
+    has_slo: bool
+    """Some SLO (global or a request's own) applied to some request."""
+
+    @property
+    def met(self) -> np.ndarray:
+        """Finished within every SLO that applies to it."""
+        return self.finished & ~(self.ttft_missed | self.tpot_missed | self.e2el_missed)
+
+
+def slo_outcomes(requests: Sequence[RequestRecord], *, slo_ttft_ms: float | None = None,
+                 slo_tpot_ms: float | None = None, slo_e2el_ms: float | None = None) -> SLOOutcomes:
+    """Which requests met their SLOs and which SLO each missed (a record's own SLO first),
+    for analyses finer than goodput: attainment per tenant, the metric that broke. O(n)."""
+    r = _RequestArrays(requests)
+    ttft, tpot_all, e2el = _latencies(r)
+    misses = _slo_misses(r, ttft, tpot_all, e2el, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms)
+    full = np.zeros((3, len(r.finished)), dtype=bool)
+    full[:, r.finished] = misses
+    has_slo = any(v is not None for v in (slo_ttft_ms, slo_tpot_ms, slo_e2el_ms)) or \
+        bool((~np.isnan(r.slo_ttft)).any() or (~np.isnan(r.slo_tpot)).any())
+    return SLOOutcomes(r.finished, *full, has_slo=has_slo)
+
+
+def _latencies(r: "_RequestArrays") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(TTFT, TPOT, E2EL) in ms of the finished requests; TPOT is 0 for one-token requests,
+    as vLLM's goodput has it (`summarize` leaves them out of the TPOT statistics)."""
+    fin = r.finished
+    ttft = (r.first_token[fin] - r.arrival[fin]) * 1e3
+    e2el = (r.finish[fin] - r.arrival[fin]) * 1e3
+    out = r.output_tokens[fin]
+    multi = out > 1
+    tpot_all = np.zeros_like(e2el)
+    tpot_all[multi] = (e2el[multi] - ttft[multi]) / (out[multi] - 1)
+    return ttft, tpot_all, e2el
+
+
+def _slo_misses(r: "_RequestArrays", ttft: np.ndarray, tpot: np.ndarray, e2el: np.ndarray,
+                slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+                slo_e2el_ms: float | None) -> np.ndarray:
+    """(3, finished) booleans: TTFT, TPOT and E2E SLO missed, a record's own SLO first; a
+    value equal to its SLO meets it."""
+    fin = r.finished
+    missed = np.zeros((3, len(ttft)), dtype=bool)
+    for row, (value, own, default) in enumerate(((ttft, r.slo_ttft[fin], slo_ttft_ms),
+                                                 (tpot, r.slo_tpot[fin], slo_tpot_ms),
+                                                 (e2el, None, slo_e2el_ms))):
+        slo = np.full(len(value), math.nan if default is None else float(default))
+        if own is not None:
+            slo = np.where(np.isnan(own), slo, own)
+        missed[row] = ~np.isnan(slo) & (value > slo)
+    return missed
 
 
 class _RequestArrays:
@@ -263,7 +319,7 @@ def _non_decreasing(times: object) -> bool:
     return t.ndim == 1 and bool(np.isfinite(t).all() and (np.diff(t) >= 0).all())
 
 
-def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float]:
+def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float | None]:
     """KV-cache usage (fraction of blocks; mean weighted by step time) and mean batch size.
 
     A record with num_steps > 1 is a fast-forwarded run of identical decode steps: it weighs
@@ -271,7 +327,7 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float]:
     took zero time, the KV mean falls back to weighting by num_steps.
     """
     if not steps:
-        return {"mean_kv_cache_usage": 0.0, "max_kv_cache_usage": 0.0, "mean_batch_size": 0.0}
+        return {"mean_kv_cache_usage": None, "max_kv_cache_usage": None, "mean_batch_size": None}
     duration = _floats(steps, "duration_s")
     num_steps = _ints(steps, "num_steps")
     used = _ints(steps, "kv_blocks_used")
@@ -323,17 +379,17 @@ def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, duration_s: float)
             "rejected": int(rejected[c]),
             "total_input_tokens": int(input_tokens[c]),
             "total_output_tokens": int(output_tokens[c]),
-            "mean_ttft_ms": float(ttft_sum[c] / completed[c]) if completed[c] else 0.0,
+            "mean_ttft_ms": float(ttft_sum[c] / completed[c]) if completed[c] else None,
             "service_tokens_per_s": float(service / duration_s) if duration_s > 0 else 0.0,
         }
     return result
 
 
-def _jain_index(per_tenant: dict[str, dict], tenant_weights: Mapping[str, float]) -> float:
+def _jain_index(per_tenant: dict[str, dict], tenant_weights: Mapping[str, float]) -> float | None:
     """Jain's index (sum x)^2 / (k sum x^2) of weight-normalised service x.
 
     1.0 when every tenant got the same normalised service, 1/k when one got everything;
-    0.0 when nobody was served.
+    None when nobody was served (fairness of nothing is undefined).
     """
     for name, w in tenant_weights.items():
         if not (_is_number(w) and 0 < w < math.inf):
@@ -341,16 +397,16 @@ def _jain_index(per_tenant: dict[str, dict], tenant_weights: Mapping[str, float]
     x = np.array([t["service_tokens_per_s"] / tenant_weights.get(name, 1.0)
                   for name, t in per_tenant.items()], dtype=float)
     sum_sq = float(np.dot(x, x))
-    return float(x.sum() ** 2 / (len(x) * sum_sq)) if sum_sq > 0 else 0.0
+    return float(x.sum() ** 2 / (len(x) * sum_sq)) if sum_sq > 0 else None
 
 
-def _stats(metric: str, values_ms: np.ndarray) -> dict[str, float]:
-    """mean/median/std/pXX of one latency, as vLLM reports them (0.0 over no values)."""
+def _stats(metric: str, values_ms: np.ndarray) -> dict[str, float | None]:
+    """mean/median/std/pXX of one latency, as vLLM reports them (None over no values)."""
     pct = _percentiles(values_ms, PERCENTILES)
     return {
         f"mean_{metric}_ms": _mean(values_ms),
-        f"median_{metric}_ms": float(np.median(values_ms)) if len(values_ms) else 0.0,
-        f"std_{metric}_ms": float(np.std(values_ms)) if len(values_ms) else 0.0,
+        f"median_{metric}_ms": float(np.median(values_ms)) if len(values_ms) else None,
+        f"std_{metric}_ms": float(np.std(values_ms)) if len(values_ms) else None,
         **{f"p{p}_{metric}_ms": pct[p] for p in PERCENTILES},
     }
 
@@ -391,14 +447,14 @@ def _lerp(a: float, b: float, t: float) -> float:
     return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
 
 
-def _percentiles(values: np.ndarray, ps: Sequence[float]) -> dict[float, float]:
+def _percentiles(values: np.ndarray, ps: Sequence[float]) -> dict[float, float | None]:
     if not len(values):
-        return {p: 0.0 for p in ps}
+        return {p: None for p in ps}
     return {p: float(v) for p, v in zip(ps, np.percentile(values, ps))}
 
 
-def _mean(values: np.ndarray) -> float:
-    return float(values.mean()) if len(values) else 0.0
+def _mean(values: np.ndarray) -> float | None:
+    return float(values.mean()) if len(values) else None
 
 
 def _is_number(x: object) -> bool:

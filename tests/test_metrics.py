@@ -147,14 +147,21 @@ def _assert_plain_json(summary: dict) -> None:
         if isinstance(value, dict):
             for v in value.values():
                 walk(v)
-        else:
+        elif value is not None:   # None: a statistic over an empty set
             assert type(value) in (int, float), type(value)
             assert math.isfinite(value)
     walk(summary)
 
 
+#: Keys that count or divide by the run's duration: 0 when nothing finished. Every other
+#: key is a statistic of the finished requests (or of the steps) and is None then.
+COUNTS_AND_RATES = {"duration", "completed", "rejected", "total_input_tokens", "total_output_tokens",
+                    "request_throughput", "request_goodput", "output_throughput",
+                    "total_token_throughput", "num_preemptions"}
+
+
 @pytest.mark.parametrize("requests", [[], [r for r in REQUESTS if r.status == "rejected"]])
-def test_nothing_finished_gives_zeros(requests):
+def test_nothing_finished_gives_zero_counts_and_null_statistics(requests):
     s = summarize(requests, [])
     _assert_plain_json(s)
     for key in SUMMARY_KEYS:
@@ -163,9 +170,20 @@ def test_nothing_finished_gives_zeros(requests):
         elif key == "per_tenant":
             assert s[key] == ({} if not requests else {"b": {
                 "completed": 0, "rejected": 1, "total_input_tokens": 0, "total_output_tokens": 0,
-                "mean_ttft_ms": 0.0, "service_tokens_per_s": 0.0}})
-        else:
+                "mean_ttft_ms": None, "service_tokens_per_s": 0.0}})
+        elif key in COUNTS_AND_RATES:
             assert s[key] == 0, key
+        else:
+            assert s[key] is None, key
+
+
+def test_a_statistic_with_no_values_is_null_while_the_others_are_set():
+    """Only one-token outputs: no TPOT and no ITL exist, yet TTFT does."""
+    requests = [RequestRecord(i, 0.0, 5, 1, "finished", 0.0, 0.1 * (i + 1), 0.1 * (i + 1)) for i in range(3)]
+    s = summarize(requests, [])
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert all(s[f"{stat}_{m}_ms"] is None for m in ("tpot", "itl")
+               for stat in ("mean", "median", "std", "p90", "p99"))
 
 
 def test_full_summary_is_plain_json():
@@ -183,7 +201,7 @@ def test_itl_weighting_equals_the_expanded_gaps(rows):
                           + [np.zeros(0)])
     s = summarize(requests, [])
     if not len(gaps):
-        assert s["mean_itl_ms"] == s["p99_itl_ms"] == 0.0
+        assert s["mean_itl_ms"] is None and s["p99_itl_ms"] is None
         return
     want = {"mean": gaps.mean(), "median": np.median(gaps), "std": gaps.std(),
             "p90": np.percentile(gaps, 90), "p99": np.percentile(gaps, 99)}

@@ -167,8 +167,8 @@ def _order(values: list[float], sign: int) -> list[int]:
     return sorted(range(len(values)), key=lambda i: (sign * values[i], i))
 
 
-def _rel_error_pct(sim: float, real: float) -> float | None:
-    return None if real == 0 else (sim - real) / real * 100
+def _rel_error_pct(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or real is None or real == 0 else (sim - real) / real * 100
 
 
 def _labels(runs: Sequence[RealRun]) -> list[str]:
