@@ -1,6 +1,6 @@
 """Figures of a policy comparison: each function takes plain data and returns a matplotlib
 `Figure` (never shown, never saved here), so tests inspect its lines and bars before
-`png_bytes` renders it.
+`png_bytes` renders it. Figures against the request rate live in `reports/plots_load.py`.
 
 Figures are built on `matplotlib.figure.Figure` directly, not through pyplot: no global
 figure registry, nothing to close, safe to build many in one process. One colour per
@@ -144,75 +144,6 @@ def latency_cdfs(latencies: Mapping[float, Mapping[str, Mapping[str, np.ndarray]
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.suptitle(title, y=1 - 0.15 / height)
         _legend_on_top(fig, handles, labels, y=1 - 0.5 / height)
-    return fig
-
-
-# --------------------------------------------------------------------------- metrics vs rate
-@dataclass(frozen=True)
-class RatePoint:
-    rate: float
-    summary: Mapping
-    """A run's summary.json."""
-
-
-def rate_sweep(series: Mapping[str, Sequence[RatePoint]], colours: Mapping[str, str], title: str, *,
-               breaks: Mapping[str, float | None], slo_ttft_ms: float | None = None,
-               slo_tpot_ms: float | None = None) -> Figure:
-    """p99 TTFT, p99 TPOT, p99 E2E and goodput (throughput dashed) against the request rate,
-    one line per policy; a dotted vertical line and an X mark the rate at which each policy
-    breaks its SLOs (`breaks[policy]`, None if it never does)."""
-    panels = (("p99_ttft_ms", "p99 time to first token", "p99 TTFT (ms, log scale)", True,
-               slo_ttft_ms, "ttft"),
-              ("p99_tpot_ms", "p99 time per output token", "p99 TPOT (ms)", False, slo_tpot_ms, "tpot"),
-              ("p99_e2el_ms", "p99 end-to-end latency", "p99 E2E latency (ms, log scale)", True,
-               None, None),
-              ("request_goodput", "goodput (solid) and throughput (dashed)", "requests per second",
-               False, None, None))
-    height = 9.0
-    with _style():
-        fig = Figure(figsize=(12, height))
-        axes = fig.subplots(2, 2, gridspec_kw=_margins(height, 1.45, left=0.08, right=0.985,
-                                                        hspace=0.38, wspace=0.22)).ravel()
-        for ax, (key, panel_title, ylabel, log, slo, slo_name) in zip(axes, panels):
-            for i, (policy, points) in enumerate(series.items()):
-                points = sorted(points, key=lambda p: p.rate)
-                x = [p.rate for p in points]
-                y = [p.summary[key] for p in points]
-                colour = colours[policy]
-                ax.plot(x, y, "o-", color=colour, lw=_width(i, len(series)), ms=5, label=policy,
-                        gid=f"policy:{policy}")
-                if key == "request_goodput":
-                    ax.plot(x, [p.summary["request_throughput"] for p in points], "--", color=colour,
-                            lw=1.2, alpha=0.7, label=f"_{policy} throughput", gid=f"throughput:{policy}")
-                rate = breaks.get(policy)
-                if rate is not None:
-                    ax.axvline(rate, color=colour, ls=":", lw=1.5, gid=f"break:{policy}")
-                    ax.plot([rate], [y[x.index(rate)]], "X", color=colour, ms=9 + 3 * (len(series) - 1 - i),
-                            mec="black", mew=0.8, label=f"_{policy} breaks", gid=f"breakmark:{policy}")
-            if slo is not None:
-                ax.axhline(slo, color="black", ls="--", lw=1, gid=f"slo:{slo_name}")
-                ax.annotate(f"SLO {slo:g} ms", (0.01, slo), xycoords=("axes fraction", "data"),
-                            va="bottom", fontsize=9)
-            if log:
-                _log_scale(ax.yaxis)
-            else:
-                ax.set_ylim(bottom=0)
-            ax.set_title(panel_title)
-            ax.set_xlabel("request rate (req/s)")
-            ax.set_ylabel(ylabel)
-        by_rate: dict[float, list[str]] = {}
-        for policy, rate in breaks.items():
-            if rate is not None:
-                by_rate.setdefault(rate, []).append(policy)
-        for rate, policies in by_rate.items():  # coinciding break lines hide each other: name them
-            axes[3].annotate("breaks: " + ", ".join(policies), (rate, 0.0),
-                             xycoords=("data", "axes fraction"), xytext=(-4, 4),
-                             textcoords="offset points", ha="right", va="bottom", fontsize=9,
-                             gid="breaklabel")
-        handles, labels = axes[0].get_legend_handles_labels()
-        fig.suptitle(title + "\n(dotted line and X: the rate at which the policy breaks its SLOs)",
-                     y=1 - 0.12 / height)
-        _legend_on_top(fig, handles, labels, y=1 - 0.85 / height)
     return fig
 
 

@@ -1,6 +1,7 @@
 """The comparison report: every figure type from a small sweep (series counted on the figure
 objects), valid PNGs, a self-contained index.html, report.md's table equal to the runs'
-summaries, and the analysis behind the prose (breaking points, fairness, memory)."""
+summaries, and the analysis behind the prose (breaking points, where breaks are marked,
+winners by a margin, the rate shown over time, fairness, memory)."""
 from __future__ import annotations
 
 import base64
@@ -17,12 +18,15 @@ from matplotlib.colors import to_hex
 from servelab.cli import main
 from servelab.records import RequestRecord, StepRecord
 from servelab.reports import plots
-from servelab.reports.report import (Image, Table, build_document, find_break, load_comparison,
-                                     slo_attainment, tenant_service, windowed_jain)
+from servelab.reports.comparison import leaders, load_comparison, tenant_service, windowed_jain
+from servelab.reports.document import Image, Table, Text
+from servelab.reports.findings import analyse
+from servelab.reports.report import build_document
 from servelab.reports.runio import read_steps_csv
+from servelab.reports.slo import find_break, slo_attainment, slo_tiers, tier_p99
 
 POLICIES = ("fcfs", "priority", "sjf", "fair")
-RATES = (10.0, 40.0)
+RATES = (3.0, 40.0)
 MANAGERS = ("paged", "contiguous-max")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLOURS = {"fcfs": "#1f77b4", "priority": "#ff7f0e", "sjf": "#2ca02c", "fair": "#d62728"}
@@ -32,7 +36,7 @@ COLOURS = {"fcfs": "#1f77b4", "priority": "#ff7f0e", "sjf": "#2ca02c", "fair": "
 def sweep(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare") / "sweep"
     status = main(["compare", "--trace", "default", "--num-requests", "40", "--model", "llama-2-7b",
-                   "--kv-blocks", "300", "--rates", ",".join(f"{r:g}" for r in RATES),
+                   "--kv-blocks", "1000", "--rates", ",".join(f"{r:g}" for r in RATES),
                    "--block-managers", ",".join(MANAGERS), "--slo-ttft-ms", "2000",
                    "--workers", "2", "--out", str(out)])
     assert status == 0
@@ -62,10 +66,21 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+def _group(comparison, manager: str):
+    return analyse([p for p in comparison.points if p.labels["block_manager"] == manager])
+
+
+def _preempted(comparison, manager: str) -> bool:
+    return any(p.summary["num_preemptions"] for p in comparison.points if p.labels["block_manager"] == manager)
+
+
 def test_files_are_written_and_figures_are_real_pngs(sweep, document):
+    comparison, blocks = document
     names = set(_images(document))
-    assert names == {f"{kind}_block_manager-{m}" for kind in
-                     ("latency_cdf", "vs_rate", "timeline", "preemptions", "fairness") for m in MANAGERS} | {"memory"}
+    kinds = ("latency_cdf", "vs_rate", "timeline", "fairness")
+    expected = {f"{kind}_block_manager-{m}" for kind in kinds for m in MANAGERS} | {"memory"}
+    expected |= {f"preemptions_block_manager-{m}" for m in MANAGERS if _preempted(comparison, m)}
+    assert names == expected
     assert {p.stem for p in (sweep / "figures").glob("*.png")} == names
     for path in (sweep / "figures").glob("*.png"):
         data = path.read_bytes()
@@ -74,41 +89,52 @@ def test_files_are_written_and_figures_are_real_pngs(sweep, document):
         assert len(data) > 15_000, f"{path.name}: {len(data)} bytes is too little to hold a plot"
 
 
+def test_a_figure_with_nothing_to_show_is_left_out_with_one_line(document):
+    """This sweep preempts with paging and never with contiguous-max: one group draws the
+    preemptions figure, the other says in one line why it has none."""
+    comparison, blocks = document
+    assert [_preempted(comparison, m) for m in MANAGERS] == [True, False]
+    notes = [b.text for b in blocks if isinstance(b, Text) and b.text.startswith("Preemptions: none")]
+    assert notes == ["Preemptions: none at any rate, so no figure."]
+
+
 def test_every_figure_has_one_series_per_policy_in_its_fixed_colour(document):
     comparison, _ = document
     images = _images(document)
     policy_lines = [f"policy:{p}" for p in sorted(POLICIES)]
     for manager in MANAGERS:
         summaries = _summaries(comparison, manager)
+        group = _group(comparison, manager)
         cdf = images[f"latency_cdf_block_manager-{manager}"].figure
         assert len(cdf.axes) == len(RATES) * 3
         for ax in cdf.axes:
             assert _gids(ax, "policy:") == policy_lines
 
         vs_rate = images[f"vs_rate_block_manager-{manager}"].figure
-        ttft, tpot, e2el, goodput = vs_rate.axes[:4]
-        for ax in (ttft, tpot, e2el, goodput):
-            assert _gids(ax, "policy:") == policy_lines
+        ttft, tpot, attainment, goodput = vs_rate.axes[:4]
+        tenants = ("batch", "interactive")   # the default workload's tenants carry their own SLOs
+        for ax, metric in ((ttft, "ttft"), (tpot, "tpot")):
+            assert _gids(ax, "tier:") == sorted(f"tier:{p}:{metric}:{t}" for p in POLICIES for t in tenants)
+            assert _gids(ax, "slo:") == [f"slo:{metric}:{t}" for t in tenants]   # every SLO drawn
+        assert _gids(attainment, "policy:") == policy_lines
         assert _gids(goodput, "throughput:") == [f"throughput:{p}" for p in sorted(POLICIES)]
-        assert _gids(ttft, "slo:") == ["slo:ttft"] and _gids(tpot, "slo:") == []  # only a TTFT SLO given
-        line = next(l for l in goodput.get_lines() if l.get_gid() == "policy:sjf")
+        line = next(l for l in goodput.get_lines() if l.get_gid() == "goodput:sjf")
         assert list(line.get_ydata()) == [summaries["sjf", r]["request_goodput"] for r in RATES]
-        breaks = {p: find_break([(r, summaries[p, r]) for r in RATES], slo_ttft_ms=2000.0, slo_tpot_ms=None)
-                  for p in POLICIES}
-        assert _gids(ttft, "break:") == sorted(f"break:{p}" for p, b in breaks.items() if b is not None)
-        for l in ttft.get_lines():
-            if (l.get_gid() or "").startswith("break:"):
-                assert l.get_xdata()[0] == breaks[l.get_gid().split(":")[1]].rate
+        line = next(l for l in attainment.get_lines() if l.get_gid() == "policy:sjf")
+        assert list(line.get_ydata()) == pytest.approx([100 * slo_attainment(summaries["sjf", r]) for r in RATES])
 
         timeline = images[f"timeline_block_manager-{manager}"].figure
         assert len(timeline.axes) == 2
+        assert f"at {group.divergent_rate:g} req/s" in timeline.texts[0].get_text()
         for ax in timeline.axes:
             assert _gids(ax, "policy:") == policy_lines
 
-        bars = images[f"preemptions_block_manager-{manager}"].figure.axes[0].containers
-        assert [c.get_label() for c in bars] == list(POLICIES)
-        for container, policy in zip(bars, POLICIES):
-            assert [r.get_height() for r in container] == [summaries[policy, r]["num_preemptions"] for r in RATES]
+        if _preempted(comparison, manager):
+            bars = images[f"preemptions_block_manager-{manager}"].figure.axes[0].containers
+            assert [c.get_label() for c in bars] == list(POLICIES)
+            for container, policy in zip(bars, POLICIES):
+                assert [r.get_height() for r in container] == [summaries[policy, r]["num_preemptions"]
+                                                               for r in RATES]
 
         fairness = images[f"fairness_block_manager-{manager}"].figure
         *top, jain = fairness.axes
@@ -125,9 +151,9 @@ def test_every_figure_has_one_series_per_policy_in_its_fixed_colour(document):
     for ax in memory.axes:
         assert [c.get_label() for c in ax.containers] == list(POLICIES)
         assert all(len(c) == len(MANAGERS) for c in ax.containers)
-    middle = RATES[0]   # the middle of two rates is the lower one
+    top_rate = max(RATES)   # memory is shown where it is under the most pressure
     for container, policy in zip(memory.axes[2].containers, POLICIES):
-        expected = [max(s.num_running for s in _steps(comparison, policy, middle, m)) for m in MANAGERS]
+        expected = [max(s.num_running for s in _steps(comparison, policy, top_rate, m)) for m in MANAGERS]
         assert [r.get_height() for r in container] == expected
 
     for image in images.values():   # one colour per policy, the same in every figure
@@ -138,6 +164,35 @@ def test_every_figure_has_one_series_per_policy_in_its_fixed_colour(document):
                 if policy in POLICIES:
                     colour = artist.get_color() if hasattr(artist, "get_color") else artist.get_facecolor()
                     assert to_hex(colour) == COLOURS[policy], (image.name, gid)
+
+
+def test_a_break_is_marked_only_where_a_value_crossed_its_line(document):
+    """Every X sits above the SLO line of its own tier (or below the attainment target),
+    at the policy's breaking rate; every policy that breaks is marked somewhere."""
+    comparison, _ = document
+    images = _images(document)
+    for manager in MANAGERS:
+        group = _group(comparison, manager)
+        ttft, tpot, attainment, goodput = images[f"vs_rate_block_manager-{manager}"].figure.axes[:4]
+        slos = {t.tenant: t.slo_ms for t in group.tiers if t.metric == "ttft"}
+        marked = set()
+        for ax, metric in ((ttft, "ttft"), (tpot, "tpot")):
+            slo = {t.tenant: t.slo_ms for t in group.tiers if t.metric == metric}
+            for line in ax.get_lines():
+                gid = line.get_gid() or ""
+                if gid.startswith("breakmark:"):
+                    _, policy, _, tenant = gid.split(":")
+                    assert line.get_xdata()[0] == group.breaks[policy].rate
+                    assert line.get_ydata()[0] > slo[tenant], (manager, gid)
+                    marked.add(policy)
+        assert slos   # the default workload's tenants carry TTFT SLOs
+        for line in attainment.get_lines():
+            gid = line.get_gid() or ""
+            if gid.startswith("breakmark:"):
+                assert line.get_ydata()[0] < 90.0
+                marked.add(gid.split(":")[1])
+        assert _gids(goodput, "breakmark:") == []   # goodput has no SLO line to cross
+        assert marked == {p for p, b in group.breaks.items() if b is not None}
 
 
 def _steps(comparison, policy, rate, manager) -> list[StepRecord]:
@@ -183,20 +238,65 @@ def test_index_html_is_self_contained(sweep):
     assert len(uris) == len(list((sweep / "figures").glob("*.png")))
     pngs = {p.read_bytes() for p in (sweep / "figures").glob("*.png")}
     assert {base64.b64decode(u) for u in uris} == pngs
-    assert "Most load within SLO" in page and "breaks at" in page
+    assert "breaks at" in page and "Best policy per metric" in page
 
 
-def test_prose_names_where_each_policy_breaks(document):
+def test_prose_names_where_each_policy_breaks_and_who_missed(document):
     comparison, blocks = document
     text = "\n".join(item for b in blocks for item in getattr(b, "items", [getattr(b, "text", "")]))
     for manager in MANAGERS:
         summaries = _summaries(comparison, manager)
         for policy in POLICIES:
-            b = find_break([(r, summaries[policy, r]) for r in RATES], slo_ttft_ms=2000.0, slo_tpot_ms=None)
-            expected = (f"{policy} breaks at {b.rate:g} req/s: {b.reason}." if b else f"{policy} holds at every rate run")
+            # every request carries its own TTFT SLO, so the global --slo-ttft-ms 2000 applies
+            # to nobody and cannot break through the overall p99
+            b = find_break([(r, summaries[policy, r]) for r in RATES], slo_ttft_ms=None, slo_tpot_ms=None)
+            expected = (f"{policy} breaks at {b.rate:g} req/s: {b.reason} (misses: " if b
+                        else f"{policy} holds at every rate run")
             assert expected in text
     winners = [b for b in blocks if isinstance(b, Table) and b.headers[0] == "Metric"]
     assert len(winners) == len(MANAGERS) and all(len(t.rows[0]) == 1 + len(RATES) for t in winners)
+
+
+def test_winners_are_only_policies_that_hold_and_lead_by_the_margin(document):
+    comparison, blocks = document
+    tables = [b for b in blocks if isinstance(b, Table) and b.headers[0] == "Metric"]
+    for manager, table in zip(MANAGERS, tables):
+        group = _group(comparison, manager)
+        for column, rate in enumerate(group.rates, start=1):
+            holding = {p.policy for p in group.points if p.rate == rate and group.holds(p)}
+            for row in table.rows:
+                cell = row[column]
+                named = set(re.findall(r"[a-z]+", cell.split(" (")[0])) & set(POLICIES)
+                assert named <= holding, (manager, rate, row[0], cell)
+                if not holding:
+                    assert cell == "all break"
+
+
+def test_leaders_need_a_margin():
+    assert leaders({"a": 100.0, "b": 99.5, "c": 120.0}, min, 0.05) == (["a", "b"], True)
+    assert leaders({"a": 100.0, "b": 103.0}, min, 0.05) == (["a", "b"], False)    # within 5%: no winner
+    assert leaders({"a": 100.0, "b": 110.0}, max, 0.05) == (["b"], True)
+    assert leaders({"a": None, "b": 3.0}, max, 0.05) == (["b"], False)           # alone: nothing to beat
+    assert leaders({"a": 0, "b": 0}, min, 0.05) == (["a", "b"], False)
+
+
+def test_the_time_series_show_the_rate_where_attainment_differs_most(document):
+    comparison, _ = document
+    for manager in MANAGERS:
+        group = _group(comparison, manager)
+        spread = {r: np.ptp([group.attainment[p.name] for p in group.points if p.rate == r]) for r in RATES}
+        assert spread[group.divergent_rate] == max(spread.values())
+
+
+def test_slo_tiers_are_the_tenants_own_and_the_global_one_for_the_rest():
+    own = [RequestRecord(0, 0.0, 5, 5, "finished", 0.0, 0.1, 0.5, tenant="chat", slo_ttft_ms=500.0),
+           RequestRecord(1, 0.0, 5, 5, "finished", 0.0, 2.0, 2.5, tenant="batch")]
+    tiers = slo_tiers({"slo_ttft_ms": 3000.0, "slo_tpot_ms": None}, own)
+    assert [(t.metric, t.tenant, t.slo_ms) for t in tiers] == [("ttft", "batch", 3000.0), ("ttft", "chat", 500.0)]
+    assert tier_p99(own, tiers[0]) == pytest.approx(2000.0)
+    everyone = slo_tiers({"slo_ttft_ms": None, "slo_tpot_ms": 50.0}, own[1:])
+    assert [(t.metric, t.tenant) for t in everyone] == [("tpot", None)]
+    assert slo_tiers({"slo_ttft_ms": None, "slo_tpot_ms": None}, own[1:]) == []
 
 
 def test_a_point_without_its_marker_is_listed_as_missing(sweep, tmp_path):
@@ -225,6 +325,9 @@ def test_breaking_point_is_the_first_rate_missing_attainment_or_a_p99_slo():
     b = find_break([(1.0, ok), (2.0, slow)], slo_ttft_ms=None, slo_tpot_ms=50.0)
     assert (b.rate, b.reason) == (2.0, "p99 TPOT 60 ms > SLO 50 ms")
     assert find_break([(1.0, slow)], slo_ttft_ms=None, slo_tpot_ms=None) is None   # no global SLO
+    nothing = {**_summary(0.0, 0, rejected=10, duration=0.0), "p99_ttft_ms": None, "p99_tpot_ms": None}
+    b = find_break([(1.0, nothing)], slo_ttft_ms=100.0, slo_tpot_ms=50.0)
+    assert b.reason == "0% of requests met their SLOs; no request finished"   # null p99s are no crash
 
 
 def _request(rid, tenant, arrival, first, finish, prompt=10, output=11):
