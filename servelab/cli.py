@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from servelab import __version__
@@ -16,6 +17,7 @@ from servelab import __version__
 COMMAND_MODULES = (
     "servelab.simulator.cli",
     "servelab.sweeps.cli",
+    "servelab.sweeps.capacity_cli",
     "servelab.backends.cli",
     "servelab.validation.cli",
     "servelab.validation.calibrate_cli",
@@ -28,8 +30,46 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad option reported as one line and a pointer to --help instead of
+    the whole usage first (thirty lines for `compare`, which buried the message).
+    Subcommand parsers are made of this class too (argparse's default)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+def join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Write `--flag -5,8` as `--flag=-5,8` when --flag takes a value, so that a negative
+    value reaches the flag's validator ("expected a finite number > 0, got '-5'") instead
+    of argparse taking it for an option (it only recognises a lone number like -5)."""
+    takes_value = _value_options(parser)
+    out = []
+    for token in argv:
+        if out and out[-1] in takes_value and _NEGATIVE.match(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Long option strings that take a value, in the parser and all its subcommands."""
+    options = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= _value_options(sub)
+        elif action.nargs != 0:
+            options |= {o for o in action.option_strings if o.startswith("--")}
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="servelab",
         description="A lab for LLM-serving scheduling: simulate, compare and validate "
                     "scheduling policies, preemption modes and KV-cache managers.")
@@ -43,12 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # component not built yet
         module.register(sub)
+    _remember_parsers(parser)
     return parser
+
+
+def _remember_parsers(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's namespace gets `command_parser`: the parser of the command given."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _remember_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
+    command_parser = vars(args).pop("command_parser")
+    if extra:   # reported by the subcommand that was given them, with its --help
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -107,18 +107,24 @@ class _ParserSlot:
 
 
 def register(subparsers) -> None:
-    from servelab.simulator import cli as simulate_cli
-
     p = subparsers.add_parser(
         "compare", help="run a grid of simulations (policies x loads x ...) and report on it",
         description="Simulate every combination of the listed policies, request rates and "
                     "other knobs, store one run directory per point under DIR/runs (rerunning "
                     "skips finished points), and write DIR/index.html and DIR/report.md. Every "
                     "`servelab simulate` flag applies to all points.")
+    add_grid_arguments(p, rates_help=": mean request rates in req/s, the trace's arrivals rescaled to each")
+    p.set_defaults(func=functools.partial(_cmd_compare, parser=p))
+
+
+def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
+    """Every `servelab simulate` flag, the sweep lists and the execution flags: what
+    `compare` takes, and `capacity` with it."""
+    from servelab.simulator import cli as simulate_cli
+
     simulate_cli.register(_ParserSlot(p))   # adds --out DIR and every simulate flag
     g = p.add_argument_group("sweep (comma-separated lists; each replaces its single flag)")
-    notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")",
-             "rate": ": mean request rates in req/s, the trace's arrivals rescaled to each",
+    notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
              "chunked_prefill": " (token counts or off)"}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:
         g.add_argument(flag, dest=f"sweep_{axis}", type=_list_of(parse), default=None, metavar=metavar,
@@ -131,7 +137,6 @@ def register(subparsers) -> None:
                      help="run the points on a local Ray instance (pip install 'servelab[ray]')")
     ray.add_argument("--ray-address", metavar="ADDR",
                      help="run the points on the Ray cluster at ADDR ('auto': this machine's)")
-    p.set_defaults(func=functools.partial(_cmd_compare, parser=p))
 
 
 # --------------------------------------------------------------------------- the grid
@@ -188,21 +193,25 @@ def build_points(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------- the command
 class ProgressLines:
-    """One stderr line per settled point: points settled/total, what it was, time elapsed."""
+    """One stderr line per settled point: points settled/total, what it was (and `detail`
+    of its outcome, when given), time elapsed."""
 
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream=None, command: str = "compare",
+                 detail: Callable[[Any], str] | None = None) -> None:
         self.stream, self.start = stream or sys.stderr, time.monotonic()
+        self.command, self.detail, self.prefix = command, detail, ""
 
     def __call__(self, outcome, done: int, total: int) -> None:
         width = len(str(total))
         state = {"ran": "done", "done before": "done before, skipped", "failed": "FAILED"}[outcome.status]
         error = f": {outcome.error}" if outcome.error else ""
-        self.stream.write(f"compare: [{done:>{width}}/{total}] {outcome.point.describe()}  "
-                          f"{state}{error}  (elapsed {time.monotonic() - self.start:.1f} s)\n")
+        detail = self.detail(outcome) if self.detail is not None and not outcome.error else ""
+        self.stream.write(f"{self.command}: {self.prefix}[{done:>{width}}/{total}] {outcome.point.describe()}  "
+                          f"{state}{error}{detail}  (elapsed {time.monotonic() - self.start:.1f} s)\n")
         self.stream.flush()
 
 
-def _plural(n: int, noun: str, suffix: str = "s") -> str:
+def plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
@@ -214,9 +223,9 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     out = Path(args.out)
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \
-        "a local Ray instance" if args.ray else _plural(min(workers, len(points)), "worker process", "es")
+        "a local Ray instance" if args.ray else plural(min(workers, len(points)), "worker process", "es")
     shape = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items())
-    print(f"compare: {_plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
+    print(f"compare: {plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
     try:
         outcome = run_sweep(points, out, workers=workers, ray=args.ray, ray_address=args.ray_address,
                             axes=axes, progress=ProgressLines())
@@ -224,6 +233,9 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         raise CLIError(str(exc)) from None
     except OSError as exc:
         raise CLIError(f"cannot write the sweep directory {out}: {exc}") from None
+    errors = {failed.error for failed in outcome.failed}
+    if len(outcome.failed) == len(points) and len(errors) == 1:
+        raise CLIError(f"every point failed, no report written: {errors.pop()}")
     if outcome.failed:
         print(f"compare: {len(outcome.failed)} of {len(points)} points failed:", file=sys.stderr)
         for failed in outcome.failed:

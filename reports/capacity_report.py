@@ -1,0 +1,180 @@
+"""The report of a capacity search: DIR/index.html and DIR/report.md, opening with the
+answer ("priority sustains 16.3 req/s at 90% SLO attainment, sjf 15.4, ..."), then the
+brackets, the SLO attainment curves with each capacity marked, what the run length means
+for the answer, and the comparison report of every policy at every capacity found.
+
+    files = write_capacity_report(Path("runs/cap"))   # DIR as `servelab capacity` left it
+
+Reads DIR/capacity.json (`sweeps/capacity.py`), DIR/sweep.json and the runs, so it can be
+rebuilt at any time. Cost: each probe's requests.csv is read once (per-tenant attainment),
+then the comparison report's cost.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servelab.reports import plots
+from servelab.reports.comparison import RUNS_DIR, describe_labels, load_comparison, show_value
+from servelab.reports.document import Bullets, Heading, Image, ReportFiles, Table, Text, write_document
+from servelab.reports.metrics import slo_outcomes
+from servelab.reports.plots_load import CapacityCurve, attainment_curves
+from servelab.reports.report import build_document
+from servelab.reports.runio import read_json, read_requests_csv
+from servelab.reports.slo import slo_tiers, tenants_tightest_first
+
+CAPACITY_FILE, CAPACITY_FORMAT = "capacity.json", "servelab.capacity/1"
+
+
+def write_capacity_report(out_dir: Path) -> ReportFiles:
+    out_dir = Path(out_dir)
+    data = read_json(out_dir / CAPACITY_FILE)
+    if not isinstance(data, dict) or data.get("format") != CAPACITY_FORMAT:
+        raise ValueError(f"{out_dir / CAPACITY_FILE}: not a servelab capacity file ({CAPACITY_FORMAT})")
+    return write_document(out_dir, build_capacity_document(data, out_dir))
+
+
+def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
+    comparison = load_comparison(out_dir)
+    first = comparison.points[0].config
+    target, tolerance = data["attainment_target"], data["tolerance"]
+    groups = data["groups"]
+    colours = plots.policy_colours(g["labels"].get("policy", "") for g in groups)
+    doc: list = [Heading(1, f"Capacity at {target:.0%} SLO attainment: {first['trace']}"),
+                 Text(_answer(groups, target, tolerance, first, data.get("num_requests"))),
+                 _bracket_table(groups)]
+    first_run = comparison.points[0]
+    tenants = tenants_tightest_first(slo_tiers(first, first_run.requests))
+    for labels, members in _variants(groups).items():
+        suffix = f" ({describe_labels(dict(labels))})" if labels else ""
+        slug = "_".join(f"{a}-{show_value(v)}" for a, v in labels).replace("/", "-")
+        doc.append(Image(f"attainment{'_' + slug if slug else ''}", "SLO attainment vs request rate" + suffix,
+                         f"The share of requests within their SLOs at every rate the search probed, per "
+                         f"policy; the dashed line is the {target:.0%} target. A star and a dotted line mark "
+                         "each policy's capacity (the last rate that held); the right panel splits the "
+                         "attainment by tenant, which shows whose requests a policy gives up first.",
+                         attainment_curves({g["labels"].get("policy", "?"): _curve(g, out_dir) for g in members},
+                                           target, colours, "SLO attainment vs request rate" + suffix,
+                                           tenants=tenants)))
+    doc += [Heading(2, "How it was found"), Text(_method(target, tolerance, data["start_rates"]))]
+    doc += [Heading(2, "How the answer depends on run length"), *_run_length(groups, out_dir)]
+    notes = [f"{_who(g)}: {n}" for g in groups for n in g["notes"]]
+    if notes:
+        doc += [Heading(2, "Notes"), Bullets(notes)]
+    doc += build_document(comparison, title="The policies at each capacity found", level=2)
+    return doc
+
+
+def _who(group: Mapping[str, Any]) -> str:
+    return ", ".join(str(v) if a == "policy" else f"{a}={show_value(v)}" for a, v in group["labels"].items())
+
+
+def _variants(groups: Sequence[Mapping[str, Any]]) -> dict[tuple, list]:
+    out: dict[tuple, list] = {}
+    for g in groups:
+        key = tuple((a, v) for a, v in g["labels"].items() if a != "policy")
+        out.setdefault(key, []).append(g)
+    return out
+
+
+def _answer(groups, target: float, tolerance: float, config: Mapping[str, Any], num_requests) -> str:
+    """The opening sentence(s): every group's capacity, highest first."""
+    sentences = []
+    for labels, members in _variants(groups).items():
+        ranked = sorted(members, key=lambda g: -(g["capacity"] or 0.0))
+        names = [g["labels"].get("policy", "?") for g in ranked]
+        where = f"With {describe_labels(dict(labels))}, " if labels else ""
+        head = f"{where}{names[0]} sustains {_amount(ranked[0])} at {target:.0%} SLO attainment"
+        rest = [f"{name} {_amount(g)}" for name, g in zip(names[1:], ranked[1:])]
+        sentences.append(head + "".join(f", {r}" for r in rest) + ".")
+    runs = f"{num_requests:,} requests per run" if num_requests else "the whole trace per run"
+    return (" ".join(sentences) + f" ({config['model']} on {config['gpu']}, {runs}; each capacity is the "
+            f"highest rate that held, with the first rate that broke at most {tolerance:.0%} above it.)")
+
+
+def _amount(group: Mapping[str, Any]) -> str:
+    status = group["status"]
+    if status == "holds":
+        return f"more than {group['held']['rate']:g} req/s (it held at every rate tried)"
+    if status == "breaks":
+        return f"less than {group['broke']['rate']:g} req/s (it broke at every rate tried)"
+    if status == "failed":
+        return "an unknown rate (a run failed)"
+    return f"{group['capacity']:g} req/s"
+
+
+def _bracket_table(groups) -> Table:
+    rows = []
+    for g in groups:
+        held, broke = g["held"], g["broke"]
+        rows.append([_who(g),
+                     "n/a" if held is None else f"{held['rate']:g}",
+                     "n/a" if held is None else f"{100 * held['attainment']:.1f}",
+                     "n/a" if broke is None else f"{broke['rate']:g}",
+                     "n/a" if broke is None else f"{100 * broke['attainment']:.1f}",
+                     "n/a" if g["bracket_width"] is None else f"{100 * g['bracket_width']:.1f}%",
+                     str(len(g["probes"])),
+                     "yes" if g.get("steady_state_warning") is None else "no (see below)"])
+    return Table(["Policy", "Capacity (req/s)", "SLO met there (%)", "First broken (req/s)",
+                  "SLO met there (%)", "Bracket", "Runs", "Queue settled at capacity"], rows)
+
+
+def _curve(group: Mapping[str, Any], out_dir: Path) -> CapacityCurve:
+    per_tenant: dict[str, list[tuple[float, float]]] = {}
+    probes = []
+    for p in group["probes"]:
+        if p["attainment"] is None:
+            continue
+        probes.append((p["rate"], p["attainment"]))
+        run = out_dir / RUNS_DIR / p["run"]
+        requests = read_requests_csv(run / "requests.csv")
+        config = read_json(run / "config.json")["config"]
+        met = slo_outcomes(requests, slo_ttft_ms=config["slo_ttft_ms"], slo_tpot_ms=config["slo_tpot_ms"]).met
+        tenants = np.array([r.tenant for r in requests])
+        for tenant in sorted(set(tenants)):
+            per_tenant.setdefault(tenant, []).append((p["rate"], float(met[tenants == tenant].mean())))
+    return CapacityCurve(probes, per_tenant, group["capacity"],
+                         None if group["broke"] is None else group["broke"]["rate"])
+
+
+def _method(target: float, tolerance: float, start: Sequence[float]) -> str:
+    return (f"Every policy ran the same seeded workload, rescaled to each rate probed, starting from "
+            f"{', '.join(f'{r:g}' for r in start)} req/s. While every rate held, the next was higher by a "
+            "factor 1.25 (squared at each further step), while every rate broke, lower by it; then the "
+            "bracket between the last rate that held and the first that broke was bisected (in log "
+            f"space) until it was within {tolerance:.0%}. A rate holds when at least {target:.0%} of all "
+            "requests finish within their SLOs (a request's own SLO first; rejected requests count as "
+            "misses). Each probe is an ordinary run directory under runs/: rerunning the command "
+            "reuses them.")
+
+
+def _run_length(groups, out_dir: Path) -> list:
+    spans = []
+    for g in groups:
+        if g["held"] is not None:
+            requests = read_requests_csv(out_dir / RUNS_DIR / g["held"]["run"] / "requests.csv")
+            arrivals = [r.arrival_s for r in requests]
+            spans.append((len(requests), max(arrivals) - min(arrivals)))
+    doc = []
+    if spans:
+        counts = sorted({n for n, _ in spans})
+        low, high = min(s for _, s in spans), max(s for _, s in spans)
+        doc.append(Text(
+            f"Each run replays {', '.join(f'{n:,}' for n in counts)} requests: {low:,.0f} to {high:,.0f} s of "
+            "arrivals at the capacities found. A run answers whether the SLOs hold for that long: an overload "
+            "so slight that its queue needs longer to push latencies past the SLOs goes unseen, so a capacity "
+            "from a short run is an upper bound, and a longer run (a larger --num-requests) gives an equal or "
+            "lower one. A policy that meets the target by giving up one tenant (priority starving the batch "
+            "tenant) drops the most as runs grow, because the tenant it gives up waits longer and longer."))
+    unsteady = [f"{_who(g)}: {g['steady_state_warning']}." for g in groups if g.get("steady_state_warning")]
+    if unsteady:
+        doc += [Text("Where the queue had not settled at the capacity: a longer run at that rate would "
+                     "likely miss the target, so treat these capacities as upper bounds."),
+                Bullets(unsteady)]
+    elif spans:
+        doc.append(Text("At every capacity the waiting queue had settled by the end of the run (it did not grow "
+                        "over the second half of the arrivals), so a longer run should give about the same answer."))
+    return doc

@@ -1,0 +1,168 @@
+"""`servelab capacity`: how much traffic each policy serves within its SLOs.
+
+    servelab capacity --trace default --policies fcfs,priority,sjf,fair --num-requests 4000 --out DIR
+
+For each policy (and each value of any other swept knob: --gpus, --chunk-sizes, ...), the
+highest request rate at which at least --attainment of the requests meet their SLOs,
+bracketed and bisected to --tolerance on the same seeded workload (`sweeps/capacity.py`).
+It takes every `servelab compare` flag; --rates (or --rate) gives the rates to start from
+(default: the trace's own mean rate). Then every policy is run at every capacity found, so
+the report can show what each policy does at the others' limits.
+
+DIR receives the probes and those runs under runs/ (the store `compare` uses: rerunning
+skips what is done), capacity.json (the brackets, per group), sweep.json (the grid at the
+capacities), and index.html / report.md opening with the answer. Exit status 1 when a
+probe failed. Importing this module is cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+from servelab.cli import CLIError
+from servelab.sweeps.cli import ProgressLines, add_grid_arguments, grid_axes, plural, point_config
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1) such as 0.02, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    from servelab.sweeps.capacity import DEFAULT_ATTAINMENT, DEFAULT_TOLERANCE
+
+    p = subparsers.add_parser(
+        "capacity", help="find the highest request rate each policy serves within its SLOs",
+        description="For each policy (and any other swept knob), find the highest request rate at "
+                    "which at least --attainment of the requests meet their SLOs, by bracketing "
+                    "and bisection on the same seeded workload; then run every policy at every "
+                    "capacity found, and write DIR/capacity.json, DIR/index.html and DIR/report.md. "
+                    "Every `servelab compare` flag applies.")
+    add_grid_arguments(p, rates_help=": rates to start the search from (default: the trace's own rate)")
+    c = p.add_argument_group("capacity")
+    c.add_argument("--attainment", type=_fraction, default=DEFAULT_ATTAINMENT, metavar="F",
+                   help="share of requests that must meet their SLOs (default %(default)s)")
+    c.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="F",
+                   help="stop when the bracket (first broken rate / last held - 1) is at most F "
+                        "(default %(default)s)")
+    p.set_defaults(func=functools.partial(_cmd_capacity, parser=p))
+
+
+def _start_rates(args, parser, axes) -> list[float]:
+    """--rates / --rate, else the trace's own mean rate (over the requests replayed)."""
+    from servelab.simulator.cli import user_errors
+    from servelab.simulator.run import load_workload
+
+    given = [r for r in axes["rate"] if r is not None]
+    if given:
+        return given
+    with user_errors():
+        trace = load_workload(point_config(args, parser, {}))
+    if not trace.mean_rate:
+        raise CLIError("the trace has no arrival rate to start from: give --rate or --rates")
+    return [float(f"{trace.mean_rate:.3g}")]
+
+
+def _check_slos(args, parser) -> None:
+    """A capacity needs an SLO to miss: a global one, or the requests' own."""
+    from servelab.simulator.cli import user_errors
+    from servelab.simulator.run import load_workload
+
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        return
+    with user_errors():
+        trace = load_workload(point_config(args, parser, {}))
+    if not any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in trace.records):
+        raise CLIError("a capacity needs an SLO to hold: give --slo-ttft-ms and/or --slo-tpot-ms "
+                       "(the trace's requests carry none of their own)")
+
+
+def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from servelab.reports.capacity_report import write_capacity_report
+    from servelab.reports.slo import slo_attainment
+    from servelab.sweeps.capacity import Search, search_capacity, steady_state_warning, write_capacity_file
+    from servelab.sweeps.sweep import SweepError, SweepPoint, SweepRunner, default_workers, write_sweep_file
+
+    axes = dict(grid_axes(args, parser))
+    _check_slos(args, parser)
+    start = _start_rates(args, parser, axes)
+    others = {axis: values for axis, values in axes.items() if axis != "rate"}
+    searches = []
+    for combo in itertools.product(*others.values()):
+        values = dict(zip(others, combo))
+        searches.append(Search(tuple(values.items()), functools.partial(_config_at, args, parser, values)))
+    for s in searches:   # bad flags fail here, once, as one-line errors
+        s.build(start[0])
+    out = Path(args.out)
+    workers = args.workers or default_workers()
+    print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
+          f"req/s to {args.attainment:.0%} SLO attainment, within {args.tolerance:.0%}, "
+          f"{plural(workers, 'worker')}, into {out}", file=sys.stderr)
+    progress = ProgressLines(command="capacity", detail=lambda o: f" ({slo_attainment(o.summary):.1%} within SLO)")
+    try:
+        with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address) as runner:
+            found = search_capacity(searches, runner, start_rates=start, target=args.attainment,
+                                    tolerance=args.tolerance, progress=progress,
+                                    on_round=lambda k, n: setattr(progress, "prefix", f"round {k} "))
+            if all(c.status == "failed" for c in found):
+                raise CLIError("every search failed: " + next(p.error for p in found[0].probes if p.error))
+            rates = sorted({c.rate for c in found if c.rate is not None}) or [min(start)]
+            grid = {**others, "rate": tuple(rates)}
+            points = [SweepPoint(s.build(rate), (*s.labels, ("rate", rate))) for s in searches for rate in rates]
+            progress.prefix = "at the capacities "
+            runner.run(points, progress)
+            write_sweep_file(out, points, grid)
+            warnings = {i: steady_state_warning(c, runner.runs_dir) for i, c in enumerate(found)}
+            write_capacity_file(out, found, warnings, start_rates=start,
+                                num_requests=args.num_requests)
+    except SweepError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot write the sweep directory {out}: {exc}") from None
+    for i, c in enumerate(found):
+        print(_describe(c))
+        for note in c.notes:
+            print(f"  note: {note}")
+        if warnings[i]:
+            print(f"  not steady: {warnings[i]}: an upper bound (a larger --num-requests tells)")
+    report = write_capacity_report(out)
+    print(f"report: {report.html.resolve()}\n        {report.markdown.resolve()}")
+    return 1 if any(c.status == "failed" for c in found) else 0
+
+
+def _config_at(args, parser, values: dict, rate: float):
+    return point_config(args, parser, {**values, "rate": rate})
+
+
+def _describe(c) -> str:
+    who = ", ".join(f"{v}" if a == "policy" else f"{a}={v}" for a, v in c.labels.items())
+    if c.status == "failed":
+        error = next(p.error for p in c.probes if p.error)
+        return f"{who}: failed: {error}"
+    if c.status == "holds":
+        return (f"{who}: held at every rate tried, up to {c.held.rate:g} req/s "
+                f"({c.held.attainment:.1%} within SLO): the capacity is higher")
+    if c.status == "breaks":
+        return (f"{who}: broke at every rate tried, down to {c.broke.rate:g} req/s "
+                f"({c.broke.attainment:.1%} within SLO)")
+    return (f"{who}: {c.held.rate:g} req/s ({c.held.attainment:.1%} within SLO; {c.broke.rate:g} req/s "
+            f"broke at {c.broke.attainment:.1%}; bracket {c.width:.1%})"
+            + ("" if c.status == "found" else " - not narrowed to the tolerance"))

@@ -1,0 +1,160 @@
+"""Capacity search: the bracketing and bisection on a synthetic attainment curve (a fake
+runner), and `servelab capacity` end to end on a small workload, whose answer a fresh
+`servelab simulate` at the reported rates must confirm."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from servelab.cli import main
+from servelab.reports.slo import slo_attainment
+from servelab.simulator.run import SimulationConfig
+from servelab.sweeps.capacity import MAX_BRACKET_STEPS, Search, search_capacity
+from servelab.sweeps.sweep import PointOutcome
+
+BASE = SimulationConfig(trace="default", num_requests=50)
+
+
+class FakeRunner:
+    """Stands in for a SweepRunner: the attainment at a rate is `curve(policy, rate)`."""
+
+    def __init__(self, curve, workers: int = 1) -> None:
+        self.curve, self.workers, self.batches = curve, workers, []
+
+    def run(self, points, progress=None):
+        self.batches.append([(p.config.policy, p.config.rate) for p in points])
+        out = []
+        for p in points:
+            attained = self.curve(p.config.policy, p.config.rate)
+            summary = {"completed": 1000, "rejected": 0, "duration": 1.0, "request_goodput": 1000 * attained}
+            out.append(PointOutcome(p, Path("unused") / p.name, "ran", summary))
+        return out
+
+
+def _searches(*policies: str) -> list[Search]:
+    from dataclasses import replace
+    return [Search((("policy", p),), lambda rate, p=p: replace(BASE, policy=p, rate=rate)) for p in policies]
+
+
+def _cliff(at: dict[str, float]):
+    """Attainment 1.0 up to at[policy] req/s, 0.5 above."""
+    return lambda policy, rate: 1.0 if rate <= at[policy] else 0.5
+
+
+def test_the_bracket_straddles_the_cliff_within_the_tolerance():
+    cliffs = {"fcfs": 11.3, "sjf": 27.0, "fair": 4.1}
+    runner = FakeRunner(_cliff(cliffs))
+    found = search_capacity(_searches(*cliffs), runner, start_rates=[10.0], target=0.9, tolerance=0.02)
+    for c, (policy, cliff) in zip(found, cliffs.items()):
+        assert c.status == "found", policy
+        assert c.held.rate <= cliff < c.broke.rate
+        assert c.width <= 0.02 * (1 + 1e-9)
+        assert c.held.held and not c.broke.held and c.held.attainment == 1.0
+    assert runner.batches[0] == [("fcfs", 10.0), ("sjf", 10.0), ("fair", 10.0)]   # a shared start
+
+
+def test_one_group_fills_the_workers_with_probes_per_round():
+    one = FakeRunner(_cliff({"fcfs": 13.7}), workers=1)
+    three = FakeRunner(_cliff({"fcfs": 13.7}), workers=3)
+    a = search_capacity(_searches("fcfs"), one, start_rates=[10.0], tolerance=0.01)[0]
+    b = search_capacity(_searches("fcfs"), three, start_rates=[10.0], tolerance=0.01)[0]
+    assert a.status == b.status == "found"
+    assert max(map(len, three.batches[2:])) == 3
+    assert len(three.batches) < len(one.batches)
+
+
+def test_a_group_that_always_holds_or_always_breaks_says_so():
+    runner = FakeRunner(lambda policy, rate: 1.0 if policy == "fcfs" else 0.0)
+    holds, breaks = search_capacity(_searches("fcfs", "sjf"), runner, start_rates=[10.0])
+    assert holds.status == "holds" and holds.broke is None and holds.rate > 10.0
+    assert breaks.status == "breaks" and breaks.held is None and breaks.rate is None
+    assert len(holds.probes) == len(breaks.probes) == 1 + MAX_BRACKET_STEPS
+
+
+def test_a_rate_above_the_first_break_that_held_is_a_note_and_the_bracket_stays_below():
+    """Attainment dips at 12-13 req/s and recovers at 15: the capacity stays below 12."""
+    curve = lambda policy, rate: 0.5 if 12.0 <= rate < 13.0 or rate > 20.0 else 1.0  # noqa: E731
+    c = search_capacity(_searches("fcfs"), FakeRunner(curve), start_rates=[10.0, 12.5, 15.0])[0]
+    assert 12.0 <= c.broke.rate <= 12.5 and c.held.rate < 12.0 and c.status == "found"
+    assert any("not monotone" in n and "15 req/s" in n for n in c.notes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"target": 0.0}, "attainment target"), ({"tolerance": 1.5}, "tolerance"),
+    ({"start_rates": [-5.0]}, "start rates must be > 0"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    args = {"start_rates": [10.0], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        search_capacity(_searches("fcfs"), FakeRunner(_cliff({"fcfs": 1.0})), **args)
+
+
+# --------------------------------------------------------------------------- end to end
+FLAGS = ["--trace", "default", "--num-requests", "300", "--policies", "fcfs,priority",
+         "--slo-ttft-ms", "10000", "--slo-tpot-ms", "200"]
+
+
+@pytest.fixture(scope="module")
+def capacity_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("capacity") / "cap"
+    assert main(["capacity", *FLAGS, "--workers", "2", "--out", str(out)]) == 0
+    return out
+
+
+def _simulate_attainment(tmp: Path, policy: str, rate: float) -> float:
+    run = tmp / f"{policy}-{rate:g}"
+    assert main(["simulate", *[f for f in FLAGS if f not in ("--policies", "fcfs,priority")],
+                 "--policy", policy, "--rate", repr(rate), "--out", str(run)]) == 0
+    return slo_attainment(json.loads((run / "summary.json").read_text()))
+
+
+def test_a_fresh_run_at_the_capacity_holds_and_at_the_first_broken_rate_does_not(capacity_dir, tmp_path):
+    data = json.loads((capacity_dir / "capacity.json").read_text())
+    assert [g["labels"]["policy"] for g in data["groups"]] == ["fcfs", "priority"]
+    for group in data["groups"]:
+        assert group["status"] == "found", group
+        held, broke = group["held"]["rate"], group["broke"]["rate"]
+        assert broke / held - 1 <= data["tolerance"] * (1 + 1e-9)
+        assert group["bracket_width"] == pytest.approx(broke / held - 1)
+        policy = group["labels"]["policy"]
+        assert _simulate_attainment(tmp_path, policy, held) >= data["attainment_target"]
+        assert _simulate_attainment(tmp_path, policy, broke) < data["attainment_target"]
+
+
+def test_the_report_opens_with_the_answer_and_draws_the_attainment_curves(capacity_dir):
+    data = json.loads((capacity_dir / "capacity.json").read_text())
+    text = (capacity_dir / "report.md").read_text()
+    first = text.split("\n\n")[1]
+    ranked = sorted(data["groups"], key=lambda g: -g["capacity"])
+    assert first.startswith(f"{ranked[0]['labels']['policy']} sustains {ranked[0]['capacity']:g} req/s "
+                            f"at 90% SLO attainment, {ranked[1]['labels']['policy']} {ranked[1]['capacity']:g} req/s")
+    assert (capacity_dir / "figures" / "attainment.png").stat().st_size > 15_000
+    assert "How the answer depends on run length" in text
+    sweep = json.loads((capacity_dir / "sweep.json").read_text())   # every policy at every capacity
+    assert sorted(sweep["axes"]["rate"]) == sorted({g["capacity"] for g in data["groups"]})
+    assert len(sweep["points"]) == 2 * len(sweep["axes"]["rate"])
+
+
+def test_rerunning_the_search_reuses_every_probe(capacity_dir, capsys):
+    assert main(["capacity", *FLAGS, "--workers", "2", "--out", str(capacity_dir)]) == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("capacity: round")]
+    assert lines and all("done before, skipped" in l for l in lines)
+
+
+def test_a_capacity_needs_an_slo(tmp_path, capsys):
+    from servelab.traces import Trace, TraceRecord, write_csv
+    trace = tmp_path / "plain.csv"   # its requests carry no SLO of their own
+    write_csv(Trace(tuple(TraceRecord(0.1 * i, 50, 20) for i in range(20))), trace)
+    assert main(["capacity", "--trace", str(trace), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a capacity needs an SLO" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_tolerance_and_attainment_are_checked(capsys):
+    for flag, value in (("--tolerance", "0"), ("--attainment", "1.5")):
+        with pytest.raises(SystemExit):
+            main(["capacity", flag, value, "--out", "unused"])
+        assert f"argument {flag}" in capsys.readouterr().err
