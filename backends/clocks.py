@@ -9,7 +9,6 @@ time pass until the next arrival (`wait_until`):
 """
 from __future__ import annotations
 
-import sys
 import time
 
 __all__ = ["VirtualClock", "WallClock", "Progress"]
@@ -46,10 +45,15 @@ class WallClock:
 
 
 class Progress:
-    """One refreshed line on stderr, at most every half second of wall time."""
+    """The engine loop's progress bar (`servelab.progress.RequestProgress`): requests done,
+    rate and time left, the run's clock, and what the scheduler holds; refreshed at most
+    every half second of wall time (the loop calls `update` every step)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool, clock: str = "virtual") -> None:
+        from servelab.progress import RequestProgress
+
+        self.enabled = enabled
+        self._bar = RequestProgress(total, command="run", clock=f"{clock} clock", enabled=enabled)
         self._last = -1.0
 
     def update(self, done: int, now: float, steps: int, sched, force: bool = False) -> None:
@@ -59,10 +63,8 @@ class Progress:
         if not force and t - self._last < 0.5:
             return
         self._last = t
-        print(f"\rrun: {done}/{self.total} requests done, {sched.num_running} running, "
-              f"{sched.num_waiting} waiting, {sched.num_swapped} swapped, "
-              f"{steps} steps, t={now:.2f} s", end="", file=sys.stderr, flush=True)
+        self._bar.update(done, now, f"{sched.num_running} running, {sched.num_waiting} waiting, "
+                                    f"{sched.num_swapped} swapped, {steps} steps")
 
     def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
+        self._bar.close()

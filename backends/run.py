@@ -288,7 +288,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
     if config.warmup and device.type == "cuda":
         _warm_up(runner)
     progress = Progress(len(live), sys.stderr.isatty() if config.progress is None
-                         else config.progress)
+                        else config.progress, config.clock)
     records, steps, preempted = _serve(scheduler, executor, list(live.values()),
                                        WallClock() if config.clock == "wall" else VirtualClock(),
                                        progress)

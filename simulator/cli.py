@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -84,13 +85,13 @@ def config_from_args(args: argparse.Namespace):
     cache = opts.cache
     with user_errors():
         return SimulationConfig(
-            trace=args.trace,
-            trace_dir=str(trace_dir_from(args.trace_dir)) if args.trace in DATASETS else None,
+            trace=_absolute_if_file(args.trace),
+            trace_dir=os.path.abspath(trace_dir_from(args.trace_dir)) if args.trace in DATASETS else None,
             trace_format=args.trace_format, on_bad_row=args.on_bad_row, rate=args.rate,
             arrival_cv=args.arrival_cv, rate_scale=args.rate_scale or 1.0,
             num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
-            model=args.model, gpu=args.gpu, tp=args.tp, weight_dtype=args.weight_dtype,
-            kv_dtype=args.kv_dtype, calibration=args.calibration,
+            model=_absolute_if_file(args.model), gpu=args.gpu, tp=args.tp, weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype, calibration=_absolute_if_file(args.calibration),
             gpu_memory_utilization=args.gpu_memory_utilization, scheduler=opts.scheduler,
             policy=opts.policy, policy_options=opts.policy_options,
             block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
@@ -98,6 +99,14 @@ def config_from_args(args: argparse.Namespace):
             prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
             replicas=args.replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward)
+
+
+def _absolute_if_file(value: str | None) -> str | None:
+    """A path given on the command line, made absolute, so that config.json reruns from any
+    directory; names ('default', a dataset, a catalog model) are kept as they are."""
+    if value is None or not os.path.exists(value):
+        return value
+    return os.path.abspath(value)
 
 
 @contextlib.contextmanager
@@ -115,47 +124,53 @@ def user_errors() -> Iterator[None]:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from servelab.progress import RequestProgress
     from servelab.simulator.run import build_simulation, write_run_dir
 
     config = config_from_args(args)
     with user_errors():
         sim = build_simulation(config)
-    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
-    result = sim.run(bar)
-    if bar is not None:
-        bar.close()
+    bar = RequestProgress(len(sim.trace), command="simulate", clock="simulated")
+    result = sim.run(lambda sim_s, done, total: bar.update(done, sim_s))
+    bar.close()
     out = Path(args.out)
     try:
         write_run_dir(result, out)
     except OSError as exc:
         raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
-    print(format_summary(result.summary, out))
+    print(format_summary(result, out))
+    if not result.summary["completed"]:
+        from servelab.reports.health import format_reasons, rejection_reasons
+        print(f"servelab simulate: error: no request finished: {result.summary['rejected']:,} rejected "
+              f"({format_reasons(rejection_reasons(result.requests))})", file=sys.stderr)
+        return 1
     return 0
 
 
-class ProgressBar:
-    """A one-line text bar on a terminal: simulated time and requests done."""
+def format_summary(result, out: Path) -> str:
+    """The lines `servelab simulate` prints: counts, throughput and goodput (n/a without an
+    SLO), latencies (n/a over nothing), rejection reasons, and an overload warning."""
+    from servelab.reports.health import format_reasons, overload, rejection_reasons
+    from servelab.reports.slo import slo_attainment
 
-    def __init__(self, stream, width: int = 30) -> None:
-        self.stream, self.width = stream, width
+    s, config = result.summary, result.config
+    has_slo = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None or any(
+        r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in result.requests)
+    goodput = (f"goodput {s['request_goodput']:.2f} req/s ({slo_attainment(s):.1%} of requests within "
+               "their SLOs)" if has_slo else "goodput n/a (no SLO: give --slo-ttft-ms / --slo-tpot-ms)")
+    lines = [f"{s['completed']} requests finished, {s['rejected']} rejected, "
+             f"{s['num_preemptions']} preemptions in {s['duration']:.1f} simulated s",
+             f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} output tok/s; {goodput}",
+             f"TTFT mean {_ms(s['mean_ttft_ms'], 1)}, p99 {_ms(s['p99_ttft_ms'], 1)}; "
+             f"TPOT mean {_ms(s['mean_tpot_ms'], 2)}, p99 {_ms(s['p99_tpot_ms'], 2)}"]
+    if s["rejected"]:
+        lines.append(f"rejected: {format_reasons(rejection_reasons(result.requests))}")
+    sign = overload(result.requests, result.steps)
+    if sign is not None:
+        lines.append(f"warning: {sign.describe()}")
+    lines.append(f"wrote {out}/config.json, summary.json, requests.csv, steps.csv")
+    return "\n".join(lines)
 
-    def __call__(self, sim_s: float, done: int, total: int) -> None:
-        filled = self.width * done // max(total, 1)
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
-                          f"{done}/{total} requests  simulated {sim_s:,.1f} s")
-        self.stream.flush()
 
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def format_summary(summary: dict, out: Path) -> str:
-    s = summary
-    return (f"{s['completed']} requests finished, {s['rejected']} rejected, "
-            f"{s['num_preemptions']} preemptions in {s['duration']:.1f} simulated s\n"
-            f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} output tok/s; "
-            f"goodput {s['request_goodput']:.2f} req/s\n"
-            f"TTFT mean {s['mean_ttft_ms']:.1f} ms, p99 {s['p99_ttft_ms']:.1f} ms; "
-            f"TPOT mean {s['mean_tpot_ms']:.2f} ms, p99 {s['p99_tpot_ms']:.2f} ms\n"
-            f"wrote {out}/config.json, summary.json, requests.csv, steps.csv")
+def _ms(value: float | None, decimals: int) -> str:
+    return "n/a" if value is None else f"{value:.{decimals}f} ms"

@@ -255,6 +255,7 @@ class Simulation:
             gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs)
+        _check_some_request_fits(self.trace, self.kv_blocks, c.block_size)
         cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks,
                             num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
                             enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager)
@@ -294,6 +295,19 @@ class Simulation:
             summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms,
                                 slo_tpot_ms=c.slo_tpot_ms, tenant_weights=c.tenant_weights)
         return SimulationResult(c, requests, steps, summary, self.derived())
+
+
+def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
+    """Refuse a run in which no request can ever finish: each needs KV slots for its prompt
+    and all its output but the last token, alone in the cache at best. (A run that passes
+    may still reject every request, e.g. under contiguous reservations: the command says so
+    after the run.)"""
+    capacity = kv_blocks * block_size
+    need = min(r.prompt_tokens + max(r.output_tokens, 1) - 1 for r in trace.records)
+    if need > capacity:
+        raise ValueError(f"KV cache of {kv_blocks:,} blocks ({capacity:,} tokens) cannot hold any request: "
+                         f"the smallest needs {need:,} tokens (prompt + output); give more --kv-blocks "
+                         "or a larger --gpu-memory-utilization")
 
 
 def build_simulation(config: SimulationConfig) -> Simulation:

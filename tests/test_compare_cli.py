@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from servelab.cli import CLIError, build_parser
+from servelab.cli import CLIError, build_parser, main
 from servelab.simulator.cli import config_from_args
 from servelab.sweeps.cli import build_points
 
@@ -99,3 +99,31 @@ def test_bad_lists_are_usage_errors(argv, message, capsys):
 def test_inconsistent_flags_are_clear_errors(argv, message):
     with pytest.raises(CLIError, match=message):
         compare(*argv)
+
+
+def test_a_grid_where_no_request_fits_fails_with_the_reason_once(tmp_path, capsys):
+    assert main(["compare", *COMMON[:4], "--kv-blocks", "2", "--rates", "5", "--policies", "fcfs,sjf",
+                 "--workers", "1", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("servelab compare: error: every point failed, no report written: ValueError: "
+                              "KV cache of 2 blocks (32 tokens) cannot hold any request")
+    assert not (tmp_path / "x" / "index.html").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "-5,8"], "argument --rates: expected a finite number > 0, got '-5'"),
+    (["--tps", "-2"], "argument --tps: expected an integer >= 1, got -2"),
+    (["--slo-ttft-ms", "-100"], "argument --slo-ttft-ms: expected a finite number > 0, got '-100'"),
+    (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3"),
+])
+def test_option_errors_are_one_line_with_a_hint_and_negative_values_reach_the_validator(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", *argv, "--out", "unused"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"servelab compare: error: {message} (see 'servelab compare --help')\n"
+
+
+def test_a_negative_rate_reaches_the_config_check(tmp_path, capsys):
+    assert main(["simulate", "--rate", "-.5", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == "servelab simulate: error: --rate must be a finite number > 0, got -0.5\n"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
 from servelab.cli import main
 from servelab.reports.runio import read_requests_csv, read_steps_csv
-from servelab.simulator.cli import ProgressBar
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.run import SimulationConfig, load_config, run_simulation
 from servelab.traces import TraceRecord, Trace, write_csv
@@ -162,12 +162,32 @@ def test_unknown_dtypes_are_refused_with_the_known_ones(capsys):
     assert all(f"'{dtype}'" in err for dtype in DTYPE_BYTES), err
 
 
-def test_progress_bar_shows_requests_and_simulated_time():
-    stream = io.StringIO()
-    bar = ProgressBar(stream, width=10)
-    bar(12.5, 3, 10)
-    bar.close()
-    assert stream.getvalue() == "\r[###.......] 3/10 requests  simulated 12.5 s\n"
+def test_the_summary_names_rejections_overload_and_a_missing_slo(tmp_path, trace_file, capsys):
+    assert simulate("--trace", str(trace_file), "--rate-scale", "20", "--max-model-len", "300",
+                    "--out", str(tmp_path / "a")) == 0
+    out = capsys.readouterr().out
+    assert "goodput n/a (no SLO" in out
+    rejected = json.loads((tmp_path / "a" / "summary.json").read_text())["rejected"]
+    assert rejected > 0 and f"rejected: {rejected} x prompt of " in out and "exceeds max_model_len 300" in out
+    assert simulate("--trace", "default", "--num-requests", "600", "--rate", "40", "--slo-ttft-ms", "1000",
+                    "--out", str(tmp_path / "b")) == 0
+    out = capsys.readouterr().out
+    assert "of requests within their SLOs" in out
+    assert "warning: overloaded: the waiting queue grew from" in out
+
+
+def test_a_run_where_no_request_can_be_served_exits_non_zero_with_the_reason(tmp_path, trace_file, capsys):
+    assert simulate("--trace", str(trace_file), "--kv-blocks", "2", "--out", str(tmp_path / "a")) == 2
+    err = capsys.readouterr().err
+    assert "KV cache of 2 blocks (32 tokens) cannot hold any request" in err and err.count("\n") == 1
+    assert not (tmp_path / "a").exists()
+    # every prompt is longer than the model may hold: the run happens, rejects everything, says why
+    assert simulate("--trace", str(trace_file), "--max-model-len", "30", "--out", str(tmp_path / "b")) == 1
+    captured = capsys.readouterr()
+    assert "no request finished: 60 rejected (60 x prompt of" in captured.err
+    assert "TTFT mean n/a, p99 n/a" in captured.out
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["completed"] == 0 and summary["mean_ttft_ms"] is None
 
 
 def test_the_collector_is_paused_while_simulating_and_restored_after(tmp_path, trace_file):
@@ -196,3 +216,23 @@ def test_the_collector_is_paused_while_simulating_and_restored_after(tmp_path, t
         with run_module._gc_paused():
             raise RuntimeError("a failing run")
     assert gc.isenabled()
+
+
+def test_config_json_reruns_from_another_directory(tmp_path, trace_file, traces_dir, monkeypatch):
+    """Relative paths on the command line are stored absolute: the trace file, --trace-dir."""
+    import shutil
+    here = tmp_path / "here"
+    here.mkdir()
+    shutil.copy(trace_file, here / "t.csv")
+    monkeypatch.chdir(here)
+    assert simulate("--trace", "t.csv", "--num-requests", "10", "--out", "a") == 0
+    assert simulate("--trace", "azure-conv-2023", "--trace-dir", os.path.relpath(traces_dir, here),
+                    "--num-requests", "10", "--out", "b") == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for run in ("a", "b"):
+        config = load_config(here / run / "config.json")
+        assert config.trace_dir is None or config.trace_dir == str(traces_dir.resolve())
+        run_simulation(config, elsewhere / run)
+        assert (elsewhere / run / "requests.csv").read_bytes() == (here / run / "requests.csv").read_bytes()

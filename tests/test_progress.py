@@ -1,0 +1,38 @@
+"""Progress bars of long runs: `servelab simulate` and `servelab run` show requests done,
+the time left and the run's own clock, on a terminal only."""
+from __future__ import annotations
+
+import io
+import types
+
+from servelab.backends.clocks import Progress
+from servelab.progress import RequestProgress
+
+
+def test_the_bar_shows_requests_the_run_clock_and_an_eta():
+    stream = io.StringIO()
+    bar = RequestProgress(10, command="simulate", clock="simulated", stream=stream, enabled=True,
+                          min_interval_s=0)
+    bar.update(3, 12.5)
+    bar.close()
+    text = stream.getvalue()
+    assert "simulate:" in text and "3/10 requests" in text and "simulated 12.5 s" in text
+    assert "<" in text   # elapsed<remaining: the ETA
+
+
+def test_off_a_terminal_nothing_is_drawn():
+    quiet = io.StringIO()
+    bar = RequestProgress(10, command="simulate", clock="simulated", stream=quiet)
+    bar.update(3, 1.0)
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+def test_the_real_engine_loop_shows_its_clock_and_the_scheduler_state(capsys):
+    sched = types.SimpleNamespace(num_running=4, num_waiting=7, num_swapped=0)
+    progress = Progress(20, enabled=True, clock="wall")
+    progress.update(5, 3.25, 40, sched, force=True)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "run:" in err and "5/20 requests" in err and "wall clock 3.2 s" in err
+    assert "4 running, 7 waiting, 0 swapped, 40 steps" in err
