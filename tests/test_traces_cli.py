@@ -36,12 +36,19 @@ def test_stats_reports_dropped_rows_and_errors_exit_2(tmp_path, traces_dir, caps
     assert "requests: 2 of 4 data rows" in out and "dropped rows: 2" in out
     assert "1 x non-numeric value (first: line 3: num_prefill_tokens is 'x', not a number)" in out
     assert "1 x non-positive length (first: line 4:" in out
-    assert main(["trace", "stats", "sharegpt-lengths", "--trace-dir", str(traces_dir)]) == 2
-    assert "length-only table" in capsys.readouterr().err
     assert main(["trace", "stats", "sharegpt-lengths", "--trace-dir", str(tmp_path), "--no-download"]) == 2
     assert "is not in" in capsys.readouterr().err
     assert main(["trace", "stats", "no-such-trace"]) == 2
     assert "not 'default', a dataset name" in capsys.readouterr().err
+
+
+def test_stats_of_a_length_only_table_without_rate_prints_the_lengths(traces_dir, capsys):
+    assert main(["trace", "stats", "sharegpt-lengths", "--trace-dir", str(traces_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "requests: 30731 of 30731 data rows" in out
+    assert "arrivals: none (a length-only table); they are drawn only when you pass --rate" in out
+    assert "prompt         min 1  mean 2340.0  p50 1730" in out
+    assert "span:" not in out and "inter-arrival" not in out and "arrivals drawn" not in out
 
 
 def test_stats_of_lengths_with_rate_and_default(traces_dir, capsys):

@@ -101,11 +101,22 @@ def _add_stats_and_convert_options(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from servelab.traces.record import NeedsRateError
     from servelab.traces.stats import format_stats, trace_stats
     if args.bins < 1:
         raise CLIError(f"--bins must be >= 1, got {args.bins}")
-    trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
-    print(format_stats(trace_stats(trace, bins=args.bins)))
+    try:
+        trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
+        lengths_only = False
+    except CLIError as exc:
+        if not isinstance(exc.__cause__, NeedsRateError):
+            raise
+        # A length-only table: its lengths are worth showing; arrivals exist only once drawn.
+        # Any rate loads it; the arrival figures are left out of the output.
+        with_rate = argparse.Namespace(**{**vars(args), "rate": 1.0})
+        trace = trace_from_args(with_rate, seed=args.seed, max_model_len=args.max_model_len)
+        lengths_only = True
+    print(format_stats(trace_stats(trace, bins=args.bins), lengths_only=lengths_only))
     return 0
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 from servelab.traces._fast import fast_columns, fast_mooncake, fast_servelab
 from servelab.traces._rows import (BadRow, RowSink, enforce_order, parse_int, parse_length,
                                    parse_number, read_lines, split_cells)
-from servelab.traces.record import MAX_HASH, Trace, TraceError, TraceFormatError, TraceRecord
+from servelab.traces.record import MAX_HASH, NeedsRateError, Trace, TraceError, TraceFormatError, TraceRecord
 
 FORMATS = ("azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
 FAILED_REASON = "failed request (0 response tokens)"
@@ -94,8 +94,8 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
         raise TraceFormatError(path_s, header_no, "the first line is not valid UTF-8 text")
     fmt = detect_format(path_s, header) if format == "auto" else format
     if fmt == "lengths" and rate is None:
-        raise TraceError(f"{path_s} is a length-only table (no timestamps): pass a request rate "
-                         "(rate=..., --rate) for the synthetic arrival process")
+        raise NeedsRateError(f"{path_s} is a length-only table (no timestamps): pass a request rate "
+                             "(rate=..., --rate) for the synthetic arrival process")
     if fmt != "lengths" and cv != 1.0:
         raise TraceError(f"cv applies only to length-only tables (drawn arrivals); {path_s} is {fmt}")
     if keep_failed and fmt != "burstgpt":

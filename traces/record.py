@@ -24,6 +24,11 @@ class TraceError(ValueError):
     """A trace could not be read or built as asked (bad argument, missing dataset, ...)."""
 
 
+class NeedsRateError(TraceError):
+    """A length-only table (no timestamps) was loaded without a request rate to draw its
+    arrivals from; `servelab trace stats` catches it to show the lengths anyway."""
+
+
 class TraceFormatError(TraceError):
     """A trace file is malformed; names the file, the line (1-based, header = line 1) and the problem."""
 

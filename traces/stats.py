@@ -139,16 +139,23 @@ def _summary_row(name: str, s: Summary | None, unit: str = "") -> str:
             f"p99 {f(s.p99)}  max {f(s.max)}")
 
 
-def format_stats(st: TraceStats) -> str:
+def format_stats(st: TraceStats, *, lengths_only: bool = False) -> str:
+    """The text of `servelab trace stats`. lengths_only: a length-only table loaded without
+    --rate, whose arrival times are placeholders: they are left out, and the output says
+    how to draw them."""
     lines = [f"trace: {st.source}  (format {st.format})"]
     rows = f" of {st.source_rows} data rows" if st.source_rows is not None else ""
     lines.append(f"requests: {st.num_requests}{rows}")
-    rate = f"{st.mean_rate:.3f} req/s" if st.mean_rate is not None else "-"
-    lines.append(f"span: {st.span_s:.3f} s ({st.span_s / 60:.1f} min)   mean rate: {rate}"
-                 + (f"   inter-arrival CV: {st.interarrival_cv:.3f}" if st.interarrival_cv is not None else ""))
-    lines += ["lengths (tokens):", _summary_row("prompt", st.prompt), _summary_row("output", st.output),
-              "inter-arrival:", _summary_row("gap", st.interarrival, "s")]
-    lines += render_histogram(st.histogram)
+    if lengths_only:
+        lines.append("arrivals: none (a length-only table); they are drawn only when you pass --rate "
+                     "REQ_PER_S (a Gamma renewal process: --cv CV, 1 = Poisson; --seed N)")
+    else:
+        rate = f"{st.mean_rate:.3f} req/s" if st.mean_rate is not None else "-"
+        lines.append(f"span: {st.span_s:.3f} s ({st.span_s / 60:.1f} min)   mean rate: {rate}"
+                     + (f"   inter-arrival CV: {st.interarrival_cv:.3f}" if st.interarrival_cv is not None else ""))
+    lines += ["lengths (tokens):", _summary_row("prompt", st.prompt), _summary_row("output", st.output)]
+    if not lengths_only:
+        lines += ["inter-arrival:", _summary_row("gap", st.interarrival, "s"), *render_histogram(st.histogram)]
     if len(st.tenants) > 1 or (st.tenants and st.tenants[0][0] != "default") or any(
             p != (0,) for _, _, p in st.tenants):
         lines.append("tenants:")
@@ -160,7 +167,8 @@ def format_stats(st: TraceStats) -> str:
     for title, issues in (("dropped rows", st.dropped), ("clipped requests", st.clipped)):
         lines.append(f"{title}: {sum(i.count for i in issues)}")
         lines += [f"  {i.count} x {i.reason} (first: {i.example})" for i in issues]
-    if st.notes:
+    notes = [n for n in st.notes if not (lengths_only and n.startswith("arrivals drawn"))]
+    if notes:
         lines.append("notes:")
-        lines += [f"  {n}" for n in st.notes]
+        lines += [f"  {n}" for n in notes]
     return "\n".join(lines)
