@@ -6,8 +6,8 @@ for the answer, and the comparison report of every policy at every capacity foun
     files = write_capacity_report(Path("runs/cap"))   # DIR as `servelab capacity` left it
 
 Reads DIR/capacity.json (`sweeps/capacity.py`), DIR/sweep.json and the runs, so it can be
-rebuilt at any time. Cost: each probe's requests.csv is read once (per-tenant attainment),
-then the comparison report's cost.
+rebuilt at any time. Cost: each probe's summary.json, the held probes' requests.csv (run
+length), then the comparison report's cost.
 """
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from servelab.reports import plots
 from servelab.reports.comparison import RUNS_DIR, describe_labels, load_comparison, show_value
 from servelab.reports.document import Bullets, Heading, Image, ReportFiles, Table, Text, write_document
-from servelab.reports.metrics import slo_outcomes
 from servelab.reports.plots_load import CapacityCurve, attainment_curves
 from servelab.reports.report import build_document
 from servelab.reports.runio import read_json, read_requests_csv
@@ -123,19 +120,17 @@ def _bracket_table(groups) -> Table:
 
 
 def _curve(group: Mapping[str, Any], out_dir: Path) -> CapacityCurve:
+    """A group's probes, with each tenant's attainment from the probe's summary.json."""
     per_tenant: dict[str, list[tuple[float, float]]] = {}
     probes = []
     for p in group["probes"]:
         if p["attainment"] is None:
             continue
         probes.append((p["rate"], p["attainment"]))
-        run = out_dir / RUNS_DIR / p["run"]
-        requests = read_requests_csv(run / "requests.csv")
-        config = read_json(run / "config.json")["config"]
-        met = slo_outcomes(requests, slo_ttft_ms=config["slo_ttft_ms"], slo_tpot_ms=config["slo_tpot_ms"]).met
-        tenants = np.array([r.tenant for r in requests])
-        for tenant in sorted(set(tenants)):
-            per_tenant.setdefault(tenant, []).append((p["rate"], float(met[tenants == tenant].mean())))
+        summary = read_json(out_dir / RUNS_DIR / p["run"] / "summary.json")
+        for tenant, row in summary["per_tenant"].items():
+            total = row["completed"] + row["rejected"]
+            per_tenant.setdefault(tenant, []).append((p["rate"], row["within_slo"] / total if total else 0.0))
     return CapacityCurve(probes, per_tenant, group["capacity"],
                          None if group["broke"] is None else group["broke"]["rate"])
 
@@ -143,7 +138,7 @@ def _curve(group: Mapping[str, Any], out_dir: Path) -> CapacityCurve:
 def _method(target: float, tolerance: float, start: Sequence[float]) -> str:
     return (f"Every policy ran the same seeded workload, rescaled to each rate probed, starting from "
             f"{', '.join(f'{r:g}' for r in start)} req/s. While every rate held, the next was higher by a "
-            "factor 1.25 (squared at each further step), while every rate broke, lower by it; then the "
+            "factor 1.1 (squared at each further step), while every rate broke, lower by it; then the "
             "bracket between the last rate that held and the first that broke was bisected (in log "
             f"space) until it was within {tolerance:.0%}. A rate holds when at least {target:.0%} of all "
             "requests finish within their SLOs (a request's own SLO first; rejected requests count as "
@@ -167,8 +162,10 @@ def _run_length(groups, out_dir: Path) -> list:
             "arrivals at the capacities found. A run answers whether the SLOs hold for that long: an overload "
             "so slight that its queue needs longer to push latencies past the SLOs goes unseen, so a capacity "
             "from a short run is an upper bound, and a longer run (a larger --num-requests) gives an equal or "
-            "lower one. A policy that meets the target by giving up one tenant (priority starving the batch "
-            "tenant) drops the most as runs grow, because the tenant it gives up waits longer and longer."))
+            "lower one. A policy that meets the target by giving up one tenant drops the most as runs grow, "
+            "because the requests it gives up wait longer and longer. The answer is also that of one sample "
+            "of arrivals (--seed): near a capacity, bursts decide which requests miss, so another seed can "
+            "move it; rerun with --seed N to see by how much."))
     unsteady = [f"{_who(g)}: {g['steady_state_warning']}." for g in groups if g.get("steady_state_warning")]
     if unsteady:
         doc += [Text("Where the queue had not settled at the capacity: a longer run at that rate would "

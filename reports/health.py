@@ -4,12 +4,15 @@ and overload (arrivals outpacing service, so every latency depends on how long t
     reasons = rejection_reasons(requests)          # [("prompt of N tokens ... KV cache", 2000)]
     warning = overload(requests, steps)            # None, or an `Overload` that says why
 
-A stable system's queue settles at a level that depends on the load; an overloaded one
-grows for as long as requests arrive, and its latencies are then set by the run's length,
-not by the policy. Both signals below are read from the records alone:
+A stable system's queue comes and goes: even near full load it empties now and then, and
+bursts of arrivals fill it for a while. An overloaded one never empties again once the
+backlog builds, and its latencies are then set by the run's length, not by the policy.
+Both signals below are read from the records alone:
 
-- the waiting queue still grows in the last half of the arrivals (a least-squares slope
-  over QUEUE_WINDOWS windows of that half, time-weighted by step duration);
+- the waiting queue never emptied in the last quarter of the arrivals: its lowest value
+  there is at least MIN_QUEUE_FLOOR requests (a burst of arrivals fills the queue for a
+  while, which its mean or slope mistakes for growth; only a backlog keeps it from
+  emptying for a quarter of the run);
 - the run lasts far longer than its arrivals (simulated span / arrival span above
   DRAIN_RATIO): a backlog was drained after the last arrival.
 
@@ -26,13 +29,9 @@ import numpy as np
 
 from servelab.records import RequestRecord, StepRecord
 
-QUEUE_WINDOWS = 4
-"""Windows over the last half of the arrival span in which the mean queue is taken."""
-MIN_QUEUE_GROWTH = 5.0
-GROWTH_SHARE = 0.25
-"""The queue counts as growing when the trend over that half gains more than
-MIN_QUEUE_GROWTH requests and more than GROWTH_SHARE of the half's mean queue: a handful
-of waiting requests, or a wobble around a high but steady level, is not a trend."""
+MIN_QUEUE_FLOOR = 5
+"""Requests that must wait at every step of the last quarter of the arrivals for the queue
+to count as never emptying: one or two stragglers are not a backlog."""
 DRAIN_RATIO = 1.5
 """A run longer than this many times its arrival span drained a backlog."""
 
@@ -64,11 +63,9 @@ def format_reasons(reasons: Sequence[tuple[str, int]]) -> str:
 class Overload:
     """Why a run looks overloaded, in words and numbers."""
 
-    queue_start: float
-    """Mean waiting requests in the first window of the last half of the arrivals."""
-    queue_end: float
-    """... and in its last window."""
-    queue_growing: bool
+    queue_floor: int | None
+    """The fewest requests waiting at any step of the last quarter of the arrivals, when
+    that shows a backlog that never drains (else None)."""
     run_s: float
     """First arrival to last finish (or rejection)."""
     arrival_span_s: float
@@ -76,11 +73,11 @@ class Overload:
     """The run lasted more than DRAIN_RATIO x the arrival span."""
 
     def evidence(self) -> str:
-        """What was seen, in words ("the waiting queue grew from 3 to 40 requests ...")."""
+        """What was seen, in words ("the waiting queue never emptied ...")."""
         parts = []
-        if self.queue_growing:
-            parts.append(f"the waiting queue grew from {self.queue_start:,.0f} to {self.queue_end:,.0f} "
-                         "requests over the second half of the arrivals")
+        if self.queue_floor is not None:
+            parts.append(f"the waiting queue never emptied over the last quarter of the arrivals (at least "
+                         f"{self.queue_floor:,} requests waited throughout)")
         if self.drained:
             parts.append(f"the run took {self.run_s:,.0f} simulated s for {self.arrival_span_s:,.0f} s of "
                          "arrivals")
@@ -102,31 +99,11 @@ def overload(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> 
         return None
     end = max(r.finish_s for r in requests if r.finish_s is not None)
     start = np.fromiter((s.start_s for s in steps), float, len(steps))
-    duration = np.fromiter((s.duration_s for s in steps), float, len(steps))
-    waiting = np.fromiter((s.num_waiting for s in steps), float, len(steps))
-    edges = np.linspace((first + last) / 2, last, QUEUE_WINDOWS + 1)
-    means = window_means(start, duration, waiting, edges)
-    growing = False
-    if np.isfinite(means).sum() >= 2:
-        centres = ((edges[:-1] + edges[1:]) / 2)[np.isfinite(means)]
-        slope = np.polyfit(centres, means[np.isfinite(means)], 1)[0]
-        gain = slope * (last - first) / 2
-        growing = bool(gain > max(MIN_QUEUE_GROWTH, GROWTH_SHARE * np.nanmean(means)))
+    waiting = np.fromiter((s.num_waiting for s in steps), np.int64, len(steps))
+    inside = (start >= first + 0.75 * (last - first)) & (start <= last)
+    floor = int(waiting[inside].min()) if inside.any() else 0
+    never_empty = floor >= MIN_QUEUE_FLOOR
     drained = (end - first) > DRAIN_RATIO * (last - first)
-    if not (growing or drained):
+    if not (never_empty or drained):
         return None
-    finite = means[np.isfinite(means)]
-    return Overload(float(finite[0]) if len(finite) else 0.0, float(finite[-1]) if len(finite) else 0.0,
-                    growing, end - first, last - first, drained)
-
-
-def window_means(start: np.ndarray, duration: np.ndarray, values: np.ndarray,
-                 edges: np.ndarray) -> np.ndarray:
-    """Mean of `values` over the steps that start in each window [edges[i], edges[i+1]),
-    weighted by step duration (NaN for a window with no step of positive duration)."""
-    index = np.searchsorted(edges, start, side="right") - 1
-    inside = (index >= 0) & (index < len(edges) - 1)
-    weight = np.bincount(index[inside], weights=duration[inside], minlength=len(edges) - 1)
-    total = np.bincount(index[inside], weights=(duration * values)[inside], minlength=len(edges) - 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(weight > 0, total / weight, np.nan)
+    return Overload(floor if never_empty else None, end - first, last - first, drained)

@@ -80,8 +80,8 @@ SUMMARY_KEYS: tuple[str, ...] = (
 """Keys of `summarize()`'s result, in order. ``per_tenant`` maps tenant -> TENANT_KEYS."""
 
 TENANT_KEYS: tuple[str, ...] = (
-    "completed", "rejected", "total_input_tokens", "total_output_tokens", "mean_ttft_ms",
-    "service_tokens_per_s",
+    "completed", "rejected", "within_slo", "total_input_tokens", "total_output_tokens",
+    "mean_ttft_ms", "service_tokens_per_s",
 )
 
 
@@ -146,7 +146,7 @@ def summarize(
         "p99_queueing_delay_ms": _percentiles(queueing, [99])[99],
         **_step_stats(steps),
     }
-    per_tenant = _per_tenant(r, ttft, duration_s)
+    per_tenant = _per_tenant(r, ttft, good, duration_s)
     values["jain_fairness_index"] = _jain_index(per_tenant, tenant_weights or {})
     values["per_tenant"] = per_tenant
     return {key: values[key] for key in SUMMARY_KEYS}
@@ -351,8 +351,10 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float | None]:
     }
 
 
-def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, duration_s: float) -> dict[str, dict]:
-    """TENANT_KEYS per tenant (sorted by name); every tenant that sent a request appears."""
+def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, good_finished: np.ndarray,
+                duration_s: float) -> dict[str, dict]:
+    """TENANT_KEYS per tenant (sorted by name); every tenant that sent a request appears.
+    ``within_slo`` counts its finished requests that met every SLO (goodput's numerator)."""
     codes = {name: c for c, name in enumerate(dict.fromkeys(r.tenants))}
     k = len(codes)
     if k == 1:
@@ -370,6 +372,9 @@ def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, duration_s: float)
     input_tokens = by_tenant(fin, r.prompt_tokens[fin]).astype(np.int64)
     output_tokens = by_tenant(fin, (r.output_tokens * r.n)[fin]).astype(np.int64)
     ttft_sum = by_tenant(fin, ttft_finished)
+    good = np.zeros(len(fin), dtype=bool)
+    good[fin] = good_finished
+    within = by_tenant(good)
     result = {}
     for name in sorted(codes):
         c = codes[name]
@@ -377,6 +382,7 @@ def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, duration_s: float)
         result[name] = {
             "completed": int(completed[c]),
             "rejected": int(rejected[c]),
+            "within_slo": int(within[c]),
             "total_input_tokens": int(input_tokens[c]),
             "total_output_tokens": int(output_tokens[c]),
             "mean_ttft_ms": float(ttft_sum[c] / completed[c]) if completed[c] else None,

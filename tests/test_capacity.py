@@ -158,3 +158,21 @@ def test_tolerance_and_attainment_are_checked(capsys):
         with pytest.raises(SystemExit):
             main(["capacity", flag, value, "--out", "unused"])
         assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_a_capacity_whose_run_had_not_settled_is_flagged(tmp_path):
+    from servelab.sweeps.capacity import Capacity, Probe, steady_state_warning
+
+    runs = tmp_path / "runs"
+    for rate in (3.0, 40.0):
+        assert main(["simulate", "--trace", "default", "--num-requests", "300", "--rate", f"{rate:g}",
+                     "--out", str(runs / f"r{rate:g}")]) == 0
+
+    def warning(rate: float):
+        held = Probe(rate, f"r{rate:g}", 0.95, True)
+        return steady_state_warning(Capacity({"policy": "fcfs"}, 0.9, 0.02, (held,), held, None), runs)
+
+    assert warning(3.0) is None
+    flagged = warning(40.0)
+    assert flagged.startswith("at 40 req/s only ") and "second half of the run" in flagged
+    assert "the waiting queue never emptied over the last quarter of the arrivals" in flagged

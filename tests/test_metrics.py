@@ -85,10 +85,11 @@ def test_summary_matches_hand_computed_values():
         "jain_fairness_index": 1936 / 2080,    # service a=28, b=16: 44^2 / (2*(28^2 + 16^2))
         "per_tenant": {
             # a: service (30 + 2*13) / 2 = 28
-            "a": {"completed": 2, "rejected": 0, "total_input_tokens": 30,
+            # within_slo: request 0 meets every SLO, request 1 misses its own TTFT SLO
+            "a": {"completed": 2, "rejected": 0, "within_slo": 1, "total_input_tokens": 30,
                   "total_output_tokens": 13, "mean_ttft_ms": 500.0, "service_tokens_per_s": 28.0},
             # b: service (30 + 2*1) / 2 = 16
-            "b": {"completed": 1, "rejected": 1, "total_input_tokens": 30,
+            "b": {"completed": 1, "rejected": 1, "within_slo": 1, "total_input_tokens": 30,
                   "total_output_tokens": 1, "mean_ttft_ms": 750.0, "service_tokens_per_s": 16.0},
         },
     }
@@ -169,8 +170,8 @@ def test_nothing_finished_gives_zero_counts_and_null_statistics(requests):
             assert s[key] == len(requests)
         elif key == "per_tenant":
             assert s[key] == ({} if not requests else {"b": {
-                "completed": 0, "rejected": 1, "total_input_tokens": 0, "total_output_tokens": 0,
-                "mean_ttft_ms": None, "service_tokens_per_s": 0.0}})
+                "completed": 0, "rejected": 1, "within_slo": 0, "total_input_tokens": 0,
+                "total_output_tokens": 0, "mean_ttft_ms": None, "service_tokens_per_s": 0.0}})
         elif key in COUNTS_AND_RATES:
             assert s[key] == 0, key
         else:
@@ -239,8 +240,11 @@ def test_matches_a_plain_per_record_computation():
             itl += [(b - a) * 1e3 for a, b in zip(r.token_times, r.token_times[1:])]
         else:
             itl += [r.tpot_ms] * (r.output_tokens - 1) if r.output_tokens > 1 else []
-    good = sum((r.ttft_ms <= (r.slo_ttft_ms if r.slo_ttft_ms is not None else 500.0))
-               and (r.tpot_ms or 0.0) <= 25.0 and r.e2el_ms <= 2000.0 for r in done)
+    def meets(r) -> bool:
+        return ((r.ttft_ms <= (r.slo_ttft_ms if r.slo_ttft_ms is not None else 500.0))
+                and (r.tpot_ms or 0.0) <= 25.0 and r.e2el_ms <= 2000.0)
+
+    good = sum(map(meets, done))
     series = {"ttft": [r.ttft_ms for r in done], "e2el": [r.e2el_ms for r in done],
               "tpot": [r.tpot_ms for r in done if r.tpot_ms is not None], "itl": itl}
     want = {
@@ -261,6 +265,7 @@ def test_matches_a_plain_per_record_computation():
         service = sum(r.prompt_tokens + 2 * r.output_tokens * r.n for r in mine) / duration
         assert row["service_tokens_per_s"] == pytest.approx(service, rel=1e-12)
         assert row["mean_ttft_ms"] == pytest.approx(np.mean([r.ttft_ms for r in mine]), rel=1e-12)
+        assert row["within_slo"] == sum(map(meets, mine))
 
 
 def test_token_times_gaps_are_used_per_request():
