@@ -88,8 +88,13 @@ def _answer(groups, target: float, tolerance: float, config: Mapping[str, Any], 
         rest = [f"{name} {_amount(g)}" for name, g in zip(names[1:], ranked[1:])]
         sentences.append(head + "".join(f", {r}" for r in rest) + ".")
     runs = f"{num_requests:,} requests per run" if num_requests else "the whole trace per run"
+    unsteady = [g["labels"].get("policy", "?") for g in groups if g.get("steady_state_warning")]
+    caveat = (f" The run at {' and '.join(unsteady)}'s capacity had not settled: treat "
+              f"{'that figure' if len(unsteady) == 1 else 'those figures'} as an upper bound (see run length "
+              "below).") if unsteady else ""
     return (" ".join(sentences) + f" ({config['model']} on {config['gpu']}, {runs}; each capacity is the "
-            f"highest rate that held, with the first rate that broke at most {tolerance:.0%} above it.)")
+            f"highest rate that held, with the first rate that broke at most {tolerance:.0%} above it.)"
+            + caveat)
 
 
 def _amount(group: Mapping[str, Any]) -> str:

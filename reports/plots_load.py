@@ -183,8 +183,6 @@ def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colour
                 ax.plot([c.capacity], [100 * dict(c.probes)[c.capacity]], "*", color=colour,
                         ms=18 - 2 * i, mec="black", mew=0.8, gid=f"capacitymark:{policy}")
         ax.axhline(100 * target, color="black", ls="--", lw=1.2, gid="target")
-        ax.annotate(f"target {target:.0%}", (0.99, 100 * target), xycoords=("axes fraction", "data"),
-                    ha="right", va="bottom", fontsize=10)
         ax.set_title("all requests (star: the capacity, the last rate that held)")
         ax.set_ylabel("requests within their SLOs (%)")
         low = min((100 * v for c in curves.values() for _, v in c.probes), default=100.0)
@@ -208,6 +206,7 @@ def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colour
                           ms=10, mec="black", mew=0.5,
                           label=f"{p}: {c.capacity:g} req/s" if c.capacity is not None else f"{p}: none held")
                    for p, c in curves.items()]
+        handles.append(Line2D([], [], color="black", ls="--", lw=1.2, label=f"target {target:.0%}"))
         fig.suptitle(title, y=1 - 0.15 / height)
         _legend_on_top(fig, handles, [h.get_label() for h in handles], y=1 - 0.55 / height)
     return fig

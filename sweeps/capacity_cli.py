@@ -27,22 +27,19 @@ from servelab.sweeps.cli import ProgressLines, add_grid_arguments, grid_axes, pl
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
+    """A share in (0, 1]: --attainment."""
+    from servelab.options import positive_float
+    value = positive_float(text)
+    if value > 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
 def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1) such as 0.02, got {text!r}")
+    """A relative width in (0, 1): --tolerance."""
+    value = _fraction(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction below 1 such as 0.02, got {text!r}")
     return value
 
 
