@@ -17,7 +17,8 @@ from servelab.config import SchedulerConfig
 from servelab.reports import plots
 from servelab.reports.report import Image, build_document, load_comparison
 from servelab.simulator.run import SimulationConfig
-from servelab.sweeps.sweep import expand_grid, override_builder, run_sweep
+from servelab.sweeps.runner import run_sweep
+from servelab.sweeps.sweep import expand_grid, override_builder
 
 
 def main() -> None:

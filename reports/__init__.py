@@ -1,10 +1,10 @@
 """Metrics, run-directory files and (later) plots computed offline from run records."""
 from __future__ import annotations
 
+from servelab.reports.columns import REQUEST_STATUSES
 from servelab.reports.metrics import (
     LATENCY_METRICS,
     PERCENTILES,
-    REQUEST_STATUSES,
     SUMMARY_KEYS,
     TENANT_KEYS,
     summarize,

@@ -53,14 +53,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from servelab.records import RequestRecord, StepRecord
+from servelab.reports.columns import RequestArrays, column, describe_record, floats, ints, is_number
 
-REQUEST_STATUSES = ("finished", "rejected")
 PERCENTILES = (90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 VTC_INPUT_WEIGHT = 1.0
@@ -106,12 +105,12 @@ def summarize(
     """
     for name, slo in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms),
                       ("slo_e2el_ms", slo_e2el_ms)):
-        if slo is not None and not (_is_number(slo) and 0 <= slo < math.inf):
+        if slo is not None and not (is_number(slo) and 0 <= slo < math.inf):
             raise ValueError(f"{name} must be a finite number >= 0 or None, got {slo!r}")
-    if duration_s is not None and not (_is_number(duration_s) and 0 < duration_s < math.inf):
+    if duration_s is not None and not (is_number(duration_s) and 0 < duration_s < math.inf):
         raise ValueError(f"duration_s must be a finite number > 0 or None, got {duration_s!r}")
 
-    r = _RequestArrays(requests)
+    r = RequestArrays(requests)
     fin = r.finished
     if duration_s is None:
         duration_s = float(r.finish[fin].max() - r.arrival.min()) if fin.any() else 0.0
@@ -175,7 +174,7 @@ def slo_outcomes(requests: Sequence[RequestRecord], *, slo_ttft_ms: float | None
                  slo_tpot_ms: float | None = None, slo_e2el_ms: float | None = None) -> SLOOutcomes:
     """Which requests met their SLOs and which SLO each missed (a record's own SLO first),
     for analyses finer than goodput: attainment per tenant, the metric that broke. O(n)."""
-    r = _RequestArrays(requests)
+    r = RequestArrays(requests)
     ttft, tpot_all, e2el = _latencies(r)
     misses = _slo_misses(r, ttft, tpot_all, e2el, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms)
     full = np.zeros((3, len(r.finished)), dtype=bool)
@@ -185,7 +184,7 @@ def slo_outcomes(requests: Sequence[RequestRecord], *, slo_ttft_ms: float | None
     return SLOOutcomes(r.finished, *full, has_slo=has_slo)
 
 
-def _latencies(r: "_RequestArrays") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _latencies(r: "RequestArrays") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(TTFT, TPOT, E2EL) in ms of the finished requests; TPOT is 0 for one-token requests,
     as vLLM's goodput has it (`summarize` leaves them out of the TPOT statistics)."""
     fin = r.finished
@@ -198,7 +197,7 @@ def _latencies(r: "_RequestArrays") -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return ttft, tpot_all, e2el
 
 
-def _slo_misses(r: "_RequestArrays", ttft: np.ndarray, tpot: np.ndarray, e2el: np.ndarray,
+def _slo_misses(r: "RequestArrays", ttft: np.ndarray, tpot: np.ndarray, e2el: np.ndarray,
                 slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                 slo_e2el_ms: float | None) -> np.ndarray:
     """(3, finished) booleans: TTFT, TPOT and E2E SLO missed, a record's own SLO first; a
@@ -215,75 +214,14 @@ def _slo_misses(r: "_RequestArrays", ttft: np.ndarray, tpot: np.ndarray, e2el: n
     return missed
 
 
-class _RequestArrays:
-    """Columns of the request records as numpy arrays (None -> NaN), checked for consistency.
-
-    Building them is the only per-record Python work in `summarize()`: one pass per column
-    (about 0.1 s per million records each), then the checks are vectorised.
-    """
-
-    def __init__(self, requests: Sequence[RequestRecord]) -> None:
-        self.requests = requests
-        statuses = _column(requests, "status")
-        unknown = set(statuses).difference(REQUEST_STATUSES)
-        if unknown:
-            bad = np.array([s in unknown for s in statuses])
-            got = statuses[int(bad.argmax())]
-            self._fail(bad, f"status must be one of {REQUEST_STATUSES}, got {got!r}")
-        self.finished = np.fromiter(map("finished".__eq__, statuses), dtype=bool,
-                                    count=len(statuses))
-        self.tenants = _column(requests, "tenant")
-        if not all(isinstance(t, str) for t in set(self.tenants)):
-            bad = np.array([not isinstance(t, str) for t in self.tenants])
-            self._fail(bad, "tenant must be a string")
-        self.arrival = _floats(requests, "arrival_s")
-        self.scheduled = _floats(requests, "scheduled_s")
-        self.first_token = _floats(requests, "first_token_s")
-        self.finish = _floats(requests, "finish_s")
-        self.slo_ttft = _floats(requests, "slo_ttft_ms")
-        self.slo_tpot = _floats(requests, "slo_tpot_ms")
-        self.prompt_tokens = _ints(requests, "prompt_tokens")
-        self.output_tokens = _ints(requests, "output_tokens")
-        self.num_preemptions = _ints(requests, "num_preemptions")
-        self.n = _ints(requests, "n")
-        self._check()
-
-    def _check(self) -> None:
-        fin = self.finished
-        with np.errstate(invalid="ignore"):  # NaN compares False; NaN is checked first
-            checks = (
-                (~np.isfinite(self.arrival), "arrival_s must be a finite number"),
-                (self.prompt_tokens < 0, "prompt_tokens must be >= 0"),
-                (self.output_tokens < 0, "output_tokens must be >= 0"),
-                (self.num_preemptions < 0, "num_preemptions must be >= 0"),
-                (self.n < 1, "n must be >= 1"),
-                (self.slo_ttft < 0, "slo_ttft_ms must be >= 0"),
-                (self.slo_tpot < 0, "slo_tpot_ms must be >= 0"),
-                (fin & (self.output_tokens < 1),
-                 "a finished request must have output_tokens >= 1"),
-                (fin & ~(np.isfinite(self.scheduled) & np.isfinite(self.first_token)
-                         & np.isfinite(self.finish)),
-                 "a finished request needs finite scheduled_s, first_token_s and finish_s"),
-                (fin & ~((self.arrival <= self.scheduled) & (self.scheduled <= self.first_token)
-                         & (self.first_token <= self.finish)),
-                 "times must satisfy arrival_s <= scheduled_s <= first_token_s <= finish_s"),
-            )
-        for bad, what in checks:
-            if bad.any():
-                self._fail(bad, what)
-
-    def _fail(self, bad: np.ndarray, what: str) -> None:
-        raise ValueError(f"{_describe(self.requests, int(np.argmax(bad)))}: {what}")
-
-
-def _itl_gaps(r: _RequestArrays) -> tuple[np.ndarray, np.ndarray]:
+def _itl_gaps(r: RequestArrays) -> tuple[np.ndarray, np.ndarray]:
     """(gap values in ms, how many gaps each value stands for) over the finished requests.
 
     Exact gaps come from ``token_times`` (weight 1 each), all requests' times concatenated
     and differenced at once; a request without them stands for output_tokens - 1 gaps equal
     to its mean gap.
     """
-    times = _column(r.requests, "token_times")
+    times = column(r.requests, "token_times")
     has_times = np.zeros(len(times), dtype=bool)
     if times.count(None) != len(times):
         has_times = np.array([t is not None for t in times], dtype=bool)
@@ -301,7 +239,7 @@ def _itl_gaps(r: _RequestArrays) -> tuple[np.ndarray, np.ndarray]:
         valid = False
     if not valid:
         bad = next(i for i in exact_idx if not _non_decreasing(times[i]))
-        raise ValueError(f"{_describe(r.requests, bad)}: token_times must be a list of finite, "
+        raise ValueError(f"{describe_record(r.requests, bad)}: token_times must be a list of finite, "
                          f"non-decreasing numbers")
 
     approx = r.finished & ~has_times & (r.output_tokens > 1)
@@ -328,11 +266,11 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float | None]:
     """
     if not steps:
         return {"mean_kv_cache_usage": None, "max_kv_cache_usage": None, "mean_batch_size": None}
-    duration = _floats(steps, "duration_s")
-    num_steps = _ints(steps, "num_steps")
-    used = _ints(steps, "kv_blocks_used")
-    total = _ints(steps, "kv_blocks_total")
-    running = _ints(steps, "num_running")
+    duration = floats(steps, "duration_s")
+    num_steps = ints(steps, "num_steps")
+    used = ints(steps, "kv_blocks_used")
+    total = ints(steps, "kv_blocks_total")
+    running = ints(steps, "num_running")
     for bad, what in ((~(np.isfinite(duration) & (duration >= 0)),
                        "duration_s must be finite and >= 0"),
                       (num_steps < 1, "num_steps must be >= 1"),
@@ -341,7 +279,7 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float | None]:
                        "kv_blocks_used must be in [0, kv_blocks_total]"),
                       (running < 0, "num_running must be >= 0")):
         if bad.any():
-            raise ValueError(f"{_describe(steps, int(np.argmax(bad)))}: {what}")
+            raise ValueError(f"{describe_record(steps, int(np.argmax(bad)))}: {what}")
     usage = used / total
     weight = duration if duration.sum() > 0 else num_steps.astype(float)
     return {
@@ -351,7 +289,7 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, float | None]:
     }
 
 
-def _per_tenant(r: _RequestArrays, ttft_finished: np.ndarray, good_finished: np.ndarray,
+def _per_tenant(r: RequestArrays, ttft_finished: np.ndarray, good_finished: np.ndarray,
                 duration_s: float) -> dict[str, dict]:
     """TENANT_KEYS per tenant (sorted by name); every tenant that sent a request appears.
     ``within_slo`` counts its finished requests that met every SLO (goodput's numerator)."""
@@ -398,7 +336,7 @@ def _jain_index(per_tenant: dict[str, dict], tenant_weights: Mapping[str, float]
     None when nobody was served (fairness of nothing is undefined).
     """
     for name, w in tenant_weights.items():
-        if not (_is_number(w) and 0 < w < math.inf):
+        if not (is_number(w) and 0 < w < math.inf):
             raise ValueError(f"tenant_weights[{name!r}] must be a finite number > 0, got {w!r}")
     x = np.array([t["service_tokens_per_s"] / tenant_weights.get(name, 1.0)
                   for name, t in per_tenant.items()], dtype=float)
@@ -461,54 +399,3 @@ def _percentiles(values: np.ndarray, ps: Sequence[float]) -> dict[float, float |
 
 def _mean(values: np.ndarray) -> float | None:
     return float(values.mean()) if len(values) else None
-
-
-def _is_number(x: object) -> bool:
-    return _is_real(x) and not math.isnan(x)
-
-
-def _column(records: Sequence, name: str) -> list:
-    return list(map(attrgetter(name), records))
-
-
-def _floats(records: Sequence, name: str) -> np.ndarray:
-    """One float column; None becomes NaN."""
-    try:  # fast path: no None, no intermediate list
-        return np.fromiter(map(attrgetter(name), records), dtype=float, count=len(records))
-    except (TypeError, ValueError):
-        pass
-    column = _column(records, name)
-    if column.count(None) == len(column):
-        return np.full(len(column), math.nan)
-    try:
-        return np.array(column, dtype=float)
-    except (TypeError, ValueError):
-        i = next((i for i, v in enumerate(column) if v is not None and not _is_real(v)), 0)
-        raise ValueError(f"{_describe(records, i)}: {name} must be a number or None, "
-                         f"got {column[i]!r}") from None
-
-
-def _ints(records: Sequence, name: str) -> np.ndarray:
-    """One integer column (counts, exact below 2**53); a non-integral value is an error."""
-    try:
-        values = np.fromiter(map(attrgetter(name), records), dtype=float, count=len(records))
-    except (TypeError, ValueError):
-        values = np.full(len(records), math.nan)
-    integral = np.isfinite(values) & (values == np.floor(values))
-    if not integral.all():
-        column = _column(records, name)
-        i = next((i for i, v in enumerate(column) if isinstance(v, bool) or not isinstance(v, int)),
-                 int(np.argmin(integral)))
-        raise ValueError(f"{_describe(records, i)}: {name} must be an integer, got {column[i]!r}")
-    return values.astype(np.int64)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
-def _describe(records: Sequence, i: int) -> str:
-    record = records[i]
-    if isinstance(record, RequestRecord):
-        return f"request {record.request_id}"
-    return f"step record {i}"

@@ -19,7 +19,6 @@ dozen points of thousands of requests.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from servelab.records import RequestRecord, StepRecord
-from servelab.reports.metrics import REQUEST_STATUSES
+from servelab.reports.columns import REQUEST_STATUSES
 
 PathLike = str | os.PathLike[str]
 

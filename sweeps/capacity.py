@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from servelab.simulator.run import SimulationConfig
-from servelab.sweeps.sweep import PointOutcome, Progress, SweepPoint, SweepRunner
+from servelab.sweeps.runner import SweepRunner
+from servelab.sweeps.sweep import PointOutcome, Progress, SweepPoint
 
 DEFAULT_ATTAINMENT = 0.9
 DEFAULT_TOLERANCE = 0.02

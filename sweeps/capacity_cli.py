@@ -96,7 +96,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from servelab.reports.capacity_report import write_capacity_report
     from servelab.reports.slo import slo_attainment
     from servelab.sweeps.capacity import Search, search_capacity, steady_state_warning, write_capacity_file
-    from servelab.sweeps.sweep import SweepError, SweepPoint, SweepRunner, default_workers, write_sweep_file
+    from servelab.sweeps.runner import SweepRunner, default_workers
+    from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
     axes = dict(grid_axes(args, parser))
     _check_slos(args, parser)

@@ -217,7 +217,8 @@ def plural(n: int, noun: str, suffix: str = "s") -> str:
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.report import write_report
-    from servelab.sweeps.sweep import SweepError, default_workers, run_sweep
+    from servelab.sweeps.runner import default_workers, run_sweep
+    from servelab.sweeps.sweep import SweepError
 
     axes, points = build_points(args, parser)
     out = Path(args.out)

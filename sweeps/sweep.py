@@ -1,8 +1,7 @@
 """Sweeps: a grid of simulations, each point run once, stored atomically, resumable.
 
     points = expand_grid({"policy": ["fcfs", "sjf"], "rate": [12.0, 16.0]}, override_builder(base))
-    outcome = run_sweep(points, Path("runs/cmp"), workers=4)            # local process pool
-    outcome = run_sweep(points, Path("runs/cmp"), ray_address="auto")    # a Ray cluster
+    outcome = run_sweep(points, Path("runs/cmp"), workers=4)            # sweeps/runner.py
 
 Layout of the sweep directory DIR:
 
@@ -25,13 +24,8 @@ sweep) cannot both land: the second rename finds the first one's directory and d
 its own copy. One sweep per DIR at a time: the driver holds an exclusive lock on
 DIR/.sweep.lock (released by the kernel if the driver is killed).
 
-Execution: a local `ProcessPoolExecutor` (spawn context: no state inherited from the
-driver), or Ray, imported only when asked for. Pool workers write their own points (the
-CSV formatting is CPU work worth spreading); Ray tasks return their results and the
-driver writes them, so a Ray cluster needs no shared file system. `SweepRunner` keeps the
-pool (or Ray) and the lock across batches, for searches that pick points as they go;
-`run_sweep` is one batch that is a grid. Nothing here reads a clock: callers time the
-progress lines themselves.
+Running the points (a process pool or Ray) is `sweeps/runner.py`: `run_sweep` for a grid,
+`SweepRunner` for batches chosen as a search goes.
 """
 from __future__ import annotations
 
@@ -40,18 +34,16 @@ import hashlib
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from servelab.config import SchedulerConfig
-from servelab.simulator.run import SimulationConfig, SimulationResult, run_simulation, write_run_dir
+from servelab.simulator.run import SimulationConfig
 
 KEY_FORMAT = "servelab.sweep-key/1"
 SWEEP_FORMAT = "servelab.sweep/1"
@@ -248,7 +240,7 @@ def commit_point(point: SweepPoint, runs_dir: Path, write: Callable[[Path], None
 
 
 @contextlib.contextmanager
-def _locked(out_dir: Path) -> Iterator[None]:
+def sweep_lock(out_dir: Path) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock, one sweep per DIR is up to the user
@@ -287,184 +279,3 @@ def _axes_of(points: Sequence[SweepPoint]) -> dict[str, list[Any]]:
             if value not in values:
                 values.append(value)
     return axes
-
-
-# --------------------------------------------------------------------------- running
-def default_workers() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def run_sweep(points: Sequence[SweepPoint], out_dir: Path, *, workers: int | None = None,
-              ray: bool = False, ray_address: str | None = None,
-              axes: Mapping[str, Sequence[Any]] | None = None,
-              progress: Progress | None = None) -> SweepOutcome:
-    """Run every point not already done in out_dir and list them in DIR/sweep.json; return
-    one outcome per point.
-
-    workers: parallel simulations (default: the CPUs available); with Ray, the CPUs of the
-    local instance it starts (ignored with ray_address). ray / ray_address: run on a local
-    Ray instance, or on the cluster at that address ("auto" for the one this machine
-    belongs to). Points whose inputs fail (POINT_ERRORS) are 'failed' outcomes; any other
-    exception stops the sweep and propagates, finished points staying stored.
-    """
-    _check_points(points)
-    with SweepRunner(out_dir, workers=workers, ray=ray, ray_address=ray_address) as runner:
-        write_sweep_file(runner.out_dir, points, axes)
-        outcomes = runner.run(points, progress)
-    return SweepOutcome(Path(out_dir), tuple(outcomes))
-
-
-def _check_points(points: Sequence[SweepPoint]) -> None:
-    if not points:
-        raise ValueError("a sweep needs at least one point")
-    names = [p.name for p in points]
-    if len(set(names)) != len(names):
-        raise ValueError("a sweep lists the same point twice")
-
-
-class SweepRunner:
-    """Runs batches of points into one DIR, holding its lock and one process pool (or one
-    Ray connection) across batches: a search that decides its next points from the last
-    ones (`sweeps/capacity.py`) pays for starting the workers once, not per batch (a spawned
-    worker imports the simulator: about a second).
-
-        with SweepRunner(Path("runs/x"), workers=2) as runner:
-            outcomes = runner.run(points)          # as many batches as wanted
-    """
-
-    def __init__(self, out_dir: Path, *, workers: int | None = None, ray: bool = False,
-                 ray_address: str | None = None) -> None:
-        workers = default_workers() if workers is None else workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-        self.out_dir, self.workers = Path(out_dir), workers
-        self.runs_dir = self.out_dir / RUNS_DIR
-        self.use_ray, self.ray_address = ray or ray_address is not None, ray_address
-        self._stack: contextlib.ExitStack | None = None
-        self._pool: ProcessPoolExecutor | None = None
-        self._ray = None
-
-    def __enter__(self) -> "SweepRunner":
-        self.runs_dir.mkdir(parents=True, exist_ok=True)
-        stack = contextlib.ExitStack()
-        stack.enter_context(_locked(self.out_dir))
-        for entry in self.runs_dir.glob(".*.tmp"):   # left by killed sweeps
-            shutil.rmtree(entry, ignore_errors=True)
-        self._stack = stack
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if self._pool is not None:
-                self._pool.shutdown(wait=exc is None, cancel_futures=exc is not None)
-            if self._ray is not None and self._ray[1]:   # a Ray instance this runner started
-                self._ray[0].shutdown()
-        finally:
-            self._pool = self._ray = None
-            self._stack.close()
-
-    def run(self, points: Sequence[SweepPoint], progress: Progress | None = None) -> list[PointOutcome]:
-        """Run the points not already stored; one outcome per point, in order. `progress`
-        numbers the points of this batch."""
-        _check_points(points)
-        settled: dict[str, PointOutcome] = {}
-
-        def settle(outcome: PointOutcome) -> None:
-            settled[outcome.point.key] = outcome
-            if progress is not None:
-                progress(outcome, len(settled), len(points))
-
-        pending = []
-        for p in points:
-            if is_done(self.runs_dir / p.name, p.key):
-                settle(PointOutcome(p, self.runs_dir / p.name, "done before",
-                                    _read_summary(self.runs_dir / p.name)))
-            else:
-                pending.append(p)
-        for point in pending:   # incomplete directories of killed sweeps
-            stale = self.runs_dir / point.name
-            if stale.exists():
-                shutil.rmtree(stale)
-        if pending:
-            if self.use_ray:
-                self._run_on_ray(pending, settle)
-            else:
-                self._run_on_pool(pending, settle)
-        return [settled[p.key] for p in points]
-
-    def _run_on_pool(self, pending: Sequence[SweepPoint], settle: Callable[[PointOutcome], None]) -> None:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=min(self.workers, len(pending)),
-                                             mp_context=multiprocessing.get_context("spawn"))
-        runs_dir, order = self.runs_dir, {p.key: i for i, p in enumerate(pending)}
-        futures = {self._pool.submit(_simulate_and_commit, p, runs_dir): p for p in pending}
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in sorted(done, key=lambda f: order[futures[f].key]):
-                point = futures.pop(future)
-                try:
-                    summary = future.result()
-                except POINT_ERRORS as exc:
-                    settle(_failed(point, runs_dir, exc))
-                else:
-                    settle(PointOutcome(point, runs_dir / point.name, "ran", summary))
-
-    def _run_on_ray(self, pending: Sequence[SweepPoint], settle: Callable[[PointOutcome], None]) -> None:
-        if self._ray is None:
-            ray = import_ray()
-            started = not ray.is_initialized()
-            if started:
-                if self.ray_address is None:
-                    ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
-                else:
-                    ray.init(address=self.ray_address, log_to_driver=False)
-            self._ray = (ray, started, ray.remote(num_cpus=1)(_simulate))
-        ray, _, task = self._ray
-        refs = {task.remote(p): p for p in pending}
-        while refs:
-            (ref,), _ = ray.wait(list(refs), num_returns=1)
-            point = refs.pop(ref)
-            try:
-                result = ray.get(ref)
-            except POINT_ERRORS as exc:  # a RayTaskError is also an instance of its cause's class
-                settle(_failed(point, self.runs_dir, exc))
-                continue
-            commit_point(point, self.runs_dir, lambda d: write_run_dir(result, d))
-            settle(PointOutcome(point, self.runs_dir / point.name, "ran", result.summary))
-
-
-def _read_summary(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _simulate_and_commit(point: SweepPoint, runs_dir: Path) -> dict[str, Any]:
-    """Pool task: simulate one point and store it; returns its summary."""
-    result = run_simulation(point.config)
-    commit_point(point, runs_dir, lambda d: write_run_dir(result, d))
-    return result.summary
-
-
-def _simulate(point: SweepPoint) -> SimulationResult:
-    """Ray task: simulate one point; the driver stores it."""
-    return run_simulation(point.config)
-
-
-def _failed(point: SweepPoint, runs_dir: Path, exc: BaseException) -> PointOutcome:
-    cause = getattr(exc, "cause", None) or exc  # Ray wraps a task's exception
-    return PointOutcome(point, runs_dir / point.name, "failed", error=f"{type(cause).__name__}: {cause}")
-
-
-def import_ray():
-    """The `ray` module, or SweepError saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise SweepError(f"running a sweep on Ray needs the ray package: {RAY_INSTALL_HINT}") from None
-    return ray

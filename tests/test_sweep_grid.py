@@ -11,8 +11,9 @@ import pytest
 from servelab.config import SchedulerConfig
 from servelab.reports.runio import read_requests_csv, read_steps_csv
 from servelab.simulator.run import SimulationConfig
+from servelab.sweeps.runner import run_sweep
 from servelab.sweeps.sweep import (DONE_MARKER, LOCK_FILE, RUNS_DIR, SweepError, SweepPoint,
-                                      commit_point, expand_grid, is_done, override_builder, run_sweep)
+                                      commit_point, expand_grid, is_done, override_builder)
 
 BASE = SimulationConfig(trace="default", model="llama-2-7b", kv_blocks=300, num_requests=20,
                         scheduler=SchedulerConfig(max_model_len=4096))

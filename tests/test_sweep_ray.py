@@ -9,8 +9,8 @@ import pytest
 
 from servelab.config import SchedulerConfig
 from servelab.simulator.run import SimulationConfig
-from servelab.sweeps.sweep import (RAY_INSTALL_HINT, RUNS_DIR, SweepError, expand_grid,
-                                      override_builder, run_sweep)
+from servelab.sweeps.runner import run_sweep
+from servelab.sweeps.sweep import RAY_INSTALL_HINT, RUNS_DIR, SweepError, expand_grid, override_builder
 
 BASE = SimulationConfig(trace="default", model="llama-2-7b", kv_blocks=300, num_requests=30,
                         scheduler=SchedulerConfig(max_model_len=4096))
