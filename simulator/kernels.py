@@ -461,14 +461,19 @@ def elementwise_time(nbytes, gpu: GPUSpec, p: ElementwiseParams):
 class CollectiveParams(_Params):
     """All-reduce across the tensor-parallel GPUs of one node.
 
-    Two algorithms, as engines ship them: a custom one for small messages (each GPU reads
-    its peers' buffers directly; vLLM uses it up to `custom_max_bytes`, and without NVLink
-    only between `pcie_custom_max_gpus` GPUs) and a ring (NCCL) otherwise. A ring moves
-    2(n-1)/n of the message per GPU; without NVLink every GPU's share crosses the host's
-    PCIe fabric, which `fabric_gbps` caps."""
+    As engines ship it: a custom all-reduce for small messages (vLLM uses it up to
+    `custom_max_bytes`, and without NVLink only between `pcie_custom_max_gpus` GPUs, the
+    pair a PCIe switch connects peer to peer), in two flavours — one-shot (every GPU reads
+    all its peers' whole buffers: (n-1) x the message, one synchronisation) and two-shot
+    (reduce-scatter then all-gather: 2(n-1)/n of it, a second synchronisation) — of which
+    the faster is taken, as the engine's size thresholds pick; a ring (NCCL) otherwise,
+    moving 2(n-1)/n of the message per GPU. Without NVLink a group larger than a switch's
+    pair sends every GPU's share across the host's fabric, which `fabric_gbps` caps."""
 
     custom_latency_s: float = 0.0
     """Seconds of a small custom all-reduce: launch plus a barrier over the peers."""
+    two_shot_s: float = 0.0
+    """Extra seconds of the two-shot flavour's second phase (one more barrier)."""
     custom_link_eff: float = 1.0
     """Fraction of per-direction link bandwidth the custom all-reduce moves data at."""
     ring_latency_s: float = 0.0
@@ -501,8 +506,13 @@ def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
     moved = 2.0 * (n - 1) / np.maximum(n, 1)       # bus bytes per message byte
     ring_bw = link * p.ring_link_eff
     if gpu.nvlink_gbps is None and p.fabric_gbps:
-        ring_bw = np.minimum(ring_bw, p.fabric_gbps * 1e9 / np.maximum(n - 1, 1))
-    custom = p.custom_latency_s + (n - 1) * p.hop_s + nbytes * moved / (link * p.custom_link_eff)
+        ring_bw = np.where(n > p.pcie_custom_max_gpus,
+                           np.minimum(ring_bw, p.fabric_gbps * 1e9 / np.maximum(n - 1, 1)), ring_bw)
+    custom_bw = link * p.custom_link_eff
+    sync = p.custom_latency_s + (n - 1) * p.hop_s
+    one_shot = sync + nbytes * (n - 1) / custom_bw
+    two_shot = sync + p.two_shot_s + nbytes * moved / custom_bw
+    custom = np.minimum(one_shot, two_shot)
     ring = p.ring_latency_s + (n - 1) * p.hop_s + nbytes * moved / ring_bw
     use_custom = nbytes <= p.custom_max_bytes
     if gpu.nvlink_gbps is None:

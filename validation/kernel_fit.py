@@ -266,7 +266,8 @@ FAMILIES: dict[str, Family] = {
                      for r in (300.0, 1000.0) for b in (1.5, 12.0))),
     "collective": Family(
         "collective", "allreduce", lambda t: t["backend"] == "vllm_graph",
-        {"custom_latency_s": (1e-7, 1e-4, 5e-6), "custom_link_eff": (0.01, 1.0, 0.5),
+        {"custom_latency_s": (1e-7, 1e-4, 5e-6), "two_shot_s": (1e-8, 1e-4, 5e-6),
+         "custom_link_eff": (0.01, 1.0, 0.5),
          "ring_latency_s": (1e-7, 1e-3, 1e-5), "ring_link_eff": (0.01, 1.0, 0.7),
          "hop_s": (1e-10, 1e-4, 3e-7), "fabric_gbps": (0.1, 1e3, 20.0)},
         _allreduce_predict,
