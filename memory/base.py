@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import ClassVar, Hashable, Iterable, Sequence
 
 
 class AllocStatus(enum.Enum):
@@ -79,19 +79,18 @@ class BlockManager(abc.ABC):
     num_gpu_blocks: int
     num_cpu_blocks: int
 
-    grows_by_block: bool = False
-    """True if a sequence with an unshared last block takes exactly one free block each
-    time its length crosses a block boundary and none otherwise, whatever else it
-    holds, and appending the same slots in one call or in several takes the same
-    blocks. The scheduler then grows plain decodes lazily: it calls `append_slots` only
-    at boundaries, with every slot since the last call (paging: yes; reservations: no).
-    Block counts then stay exact, but between boundaries a batched sequence's token
-    count here (and `usage().token_slots_used`) lags until `Scheduler.sync()`."""
-
-    later_is_monotone: bool = False
-    """True if, for a sequence without cached prefix contents, `can_allocate` answering
-    LATER means it stays LATER while `num_free_blocks` does not grow (paging: yes). The
-    scheduler then does not re-check a waiting head until memory is freed."""
+    grows_by_block: ClassVar[bool] = False
+    """The one optional capability: does block use follow the paging law? That is, a
+    sequence whose last block is unshared holds exactly ceil(tokens / block_size) blocks,
+    takes one free block each time its length crosses a block boundary and none
+    otherwise, whatever else is held; appending n slots in one call takes the same blocks
+    as n calls of one; and whether a new sequence without cached contents fits
+    (`can_allocate`) depends only on its block count against `num_free_blocks`, so it
+    does not turn from LATER to OK while free blocks do not grow. A scheduler may then
+    append a decoding sequence's slots lazily, several at once at block boundaries, and
+    reason about growth and admission by counting blocks. Paging: yes; reservations
+    (contiguous): no. False, the default, is always correct, only slower; a manager that
+    declares it is held to the law by tests/test_memory_properties.py."""
 
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
@@ -137,30 +136,13 @@ class BlockManager(abc.ABC):
         (after a fork) and partially filled, it is first copied: the returned
         (src, dst) GPU block pairs are copies the executor must perform."""
 
-    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """`append_slots(seq_id, num_new_tokens)` for each pair in turn (each sequence at
-        most once), returning all copies. This default checks each sequence first
-        (`can_append_slots`), so bad input and a sequence with no room change nothing;
-        only growths that fit one at a time but not together (they compete for the same
-        free blocks) can fail halfway. Managers override it with one pass over the batch
-        that checks the whole batch first (paging does, counting copy-on-write copies as
-        the calls in turn make them: a manager that shares blocks should override it)."""
-        unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
-        for seq_id, num_new_tokens in growth:
-            if not self.can_append_slots(seq_id, num_new_tokens):
-                raise BlockManagerError(f"append_slots_many: no room for {num_new_tokens} more "
-                                        f"tokens of sequence {seq_id!r}")
-        copies: list[tuple[int, int]] = []
-        for seq_id, num_new_tokens in growth:
-            copies += self.append_slots(seq_id, num_new_tokens)
-        return copies
-
     def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
         """The largest k <= limit such that every listed sequence can append k slots,
         one at a time and all together, with no failure and no copy-on-write. May
-        under-estimate (it bounds a simulator fast-forward; a smaller k only shortens
-        the run), must never over-estimate, and should cost O(1) or O(len(seq_ids))."""
-        raise NotImplementedError
+        under-estimate (it bounds a simulator fast-forward: a smaller k only shortens the
+        run), must never over-estimate, and should cost O(1) or O(len(seq_ids)). This
+        default, 0, is always correct: decode steps are then simulated one by one."""
+        return 0
 
     @abc.abstractmethod
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:

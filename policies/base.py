@@ -21,6 +21,10 @@ from servelab.request import Request
 _REGISTRY: dict[str, type["Policy"]] = {}
 
 
+class SchedulerError(RuntimeError):
+    """The scheduler was driven against its protocol (e.g. update() with a foreign output)."""
+
+
 def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
     """Class decorator adding a policy under `name`; a duplicate name is an error."""
 

@@ -20,32 +20,25 @@ recompute (free the KV, back to the waiting queue) or swap (KV to the CPU pool,
 falling back to recompute when the pool is full). A step that preempted anything
 admits nothing new and swaps nothing in.
 
-Batched decodes. Most steps of a busy engine are mostly plain decodes: single-sample
-requests computing one token each. With a block manager that `grows_by_block`, the
-scheduler does not touch those sequences one by one: they advance together with a tick
-counter (a `_Member` derives each one's lengths from the tick), only those whose next
-slot starts a new block (one in block_size, found by bucket) get `append_slots`, and
-finishes come off a heap keyed by the tick they happen at. The step reports them as one
-`DecodeBatch`. Whenever the step could not give every one of them its token with no
-preemption, or anything needs them individually, they are written back to their
-Sequences (`_unbatch`) and the step is scheduled one by one: the decisions are those of
-the one-by-one path, which a property test checks.
+This file is the one-by-one path: every decision is made here, request by request. Plain
+decodes (single-sample requests computing one token) are handed to a `DecodeBatch`
+(policies/decode_batch.py) between steps, which advances them in bulk as long as the
+decisions stay those of this path, gives them back whenever they do not, and applies runs
+of plain decode steps in closed form (`decode_run_bound`, `advance_decodes`). Requests
+are current whenever the scheduler shows them: to a policy, or through `running` and
+`requests`.
 """
 from __future__ import annotations
 
-import heapq
-
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.outputs import (DecodeBatch, PreemptionMode, ScheduledSeq, SchedulerOutput,
-                              StepResult)
-from servelab.policies.base import Policy
+from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
+from servelab.policies.base import Policy, SchedulerError
+from servelab.policies.decode_batch import DecodeBatch
 from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
 
-
-class SchedulerError(RuntimeError):
-    """The scheduler was driven against its protocol (e.g. update() with a foreign output)."""
+__all__ = ["Scheduler", "SchedulerError"]
 
 
 class Scheduler:
@@ -56,7 +49,7 @@ class Scheduler:
     `keep_token_times=True` records every token time of sample 0 (for exact ITL).
     `batch_decodes=False` lists every decode one by one (same decisions, slower; for
     comparison): batching is also off when either option above is on, when the policy
-    charges service per request, or when the block manager is not `grows_by_block`.
+    charges service per request, or when the block manager does not grow by block.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy, *,
@@ -71,48 +64,42 @@ class Scheduler:
         self._charges_service = type(policy).on_service is not Policy.on_service
         self.block_size = block_manager.block_size
         self._chunk = config.chunked_prefill or (1 << 62)
-        self.requests: dict[int, Request] = {}
-        self.running: dict[int, Request] = {}      # insertion order = admission order
+        self._requests: dict[int, Request] = {}
+        self._running: dict[int, Request] = {}     # insertion order = admission order
+        self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
         self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
         self._admit_seq: dict[int, int] = {}
         self._next_admit = 0
         self._growth_preempted = False
         self._pending_rejects: list[tuple[int, str]] = []
         self._finished_records: list[RequestRecord] = []
+        self._scheduled: SchedulerOutput | None = None   # the step update() expects
+        self._scheduled_listed: list[ScheduledSeq] = []
         self.num_preemptions = 0
         # A static batch runs until all its members finish: nothing preempts it for a
         # waiting request (which could not join it anyway).
         self._may_preempt = type(policy).may_preempt_for is not Policy.may_preempt_for \
             and bool(getattr(policy, "preemptive", True)) and config.batching != "static"
-        # Batched decodes (see the module docstring): off when the executor needs block
-        # tables or token times per sequence, or the policy charges service per request.
-        self._batching = (batch_decodes and block_manager.grows_by_block and not emit_block_tables
-                          and not keep_token_times and not self._charges_service)
-        self._eager: dict[int, Request] = {}       # running requests not batched
-        self._members: dict[int, _Member] = {}     # batched, in joining order
-        self._rows: dict[int, tuple] = {}          # their DecodeBatch rows
-        self._rows_tuple: tuple | None = ()        # cached tuple(self._rows.values())
-        self._buckets: list[dict[int, _Member]] = [{} for _ in range(self.block_size)]
-        self._finishes: list[tuple[int, int, int]] = []  # (finish tick, join no, request id)
-        self._tick = 0
-        self._base_sum = 0
-        self._joins = 0
-        self._pending_batch: DecodeBatch | None = None  # scheduled, not yet updated
+        # Plain decodes join the batch unless the executor needs block tables or token
+        # times per sequence, or the policy charges service per request.
+        self._batch = DecodeBatch(config, block_manager, enabled=(
+            batch_decodes and block_manager.grows_by_block and not emit_block_tables
+            and not keep_token_times and not self._charges_service))
         # The last request whose allocation was LATER: (request, tokens, free blocks then).
         # Only where LATER is monotone in free blocks (see `_known_later`): prefix hits
         # make a request's need depend on what is cached.
-        self._use_later_memo = block_manager.later_is_monotone and not enable_prefix_caching
+        self._use_later_memo = block_manager.grows_by_block and not enable_prefix_caching
         self._later_memo: tuple[Request, int, int] | None = None
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
         """Admission control at arrival. Returns False if the request was rejected (it
         then appears in the next SchedulerOutput.rejected and in the records)."""
-        if req.request_id in self.requests:
+        if req.request_id in self._requests:
             raise SchedulerError(f"request {req.request_id} was already added")
         if req.status is not RequestStatus.WAITING:
             raise SchedulerError(f"request {req.request_id} is {req.status.value}, not new")
-        self.requests[req.request_id] = req
+        self._requests[req.request_id] = req
         reason = self._never_fits(req)
         if reason is None and self.config.waiting_queue_limit is not None \
                 and len(self.policy) >= self.config.waiting_queue_limit:
@@ -150,12 +137,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queries
     @property
+    def running(self) -> dict[int, Request]:
+        """Running requests in admission order, their sequences current (batched ones
+        are written back first: O(batched sequences) once per step)."""
+        self._batch.sync()
+        return self._running
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Every request added, by id, their sequences current (see `running`)."""
+        self._batch.sync()
+        return self._requests
+
+    @property
     def num_waiting(self) -> int:
         return len(self.policy)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._running)
 
     @property
     def num_swapped(self) -> int:
@@ -169,7 +169,7 @@ class Scheduler:
         return self._charges_service
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.swapped or len(self.policy))
+        return bool(self._running or self.swapped or len(self.policy))
 
     def pop_records(self) -> list[RequestRecord]:
         """Records of requests that finished or were rejected since the last call."""
@@ -182,6 +182,7 @@ class Scheduler:
         if self._pending_rejects:
             out.rejected, self._pending_rejects = self._pending_rejects, []
         self._growth_preempted = False
+        self._batch.pending = False  # a step that was never updated is forgotten
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         # memory freed for the waiting head is not handed to swapped requests first
         freed_for_head = self._preempt_for_waiting(now, out)
@@ -197,15 +198,16 @@ class Scheduler:
             if not freed_for_head:
                 self._swap_in(out, step)
             self._admit(now, out, step)
-        listed = out.listed
+        listed: list[ScheduledSeq] = []
         for entries in step.entries.values():
             listed.extend(entries)
+        out.scheduled = work = self._batch.work(listed)
         if self.emit_block_tables:
             table = self.bm.block_table
-            out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
-        if not (listed or out.decode_batch or out.swap_in or out.preempted or out.rejected) \
-                and self.has_unfinished():
+            out.block_tables = {e.seq_id: table(e.seq_id) for e in work}
+        if not (work or out.swap_in or out.preempted or out.rejected) and self.has_unfinished():
             self._stalled(now)
+        self._scheduled, self._scheduled_listed = out, listed
         return out
 
     def _running_order(self, requests: dict[int, Request]) -> list[Request]:
@@ -213,31 +215,23 @@ class Scheduler:
         victim — taken from the end — is always one not yet scheduled this step."""
         adm = self._admit_seq
         if type(self.policy).victim_key is Policy.victim_key:
-            if requests is self.running:
+            if requests is self._running:
                 return list(requests.values())  # admission order is the victim order
             return sorted(requests.values(), key=lambda r: adm[r.request_id])
         key = self.policy.victim_key
         return sorted(requests.values(), key=lambda r: key(r, adm[r.request_id]))
 
-    def _schedule_running(self, now, out, step: "_Step", prefill) -> None:
+    def _schedule_running(self, now, out, step: _Step, prefill) -> None:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
         the scheduler preempt from the end of the order — possibly the request itself.
-        Batched decodes run as one DecodeBatch when all of the step's running work fits
-        with no preemption; otherwise they are unbatched and scheduled one by one."""
+        The batch takes its members' part first, or hands them back to be listed."""
         bm = self.bm
-        if self._members:
-            if prefill is True and self._batch_fits(step, run_batch=False):
-                # batched ones never prefill
-                order = self._running_order(self._eager) if self._eager else []
-            elif prefill is not True and self._batch_fits(step, run_batch=True):
-                self._schedule_batch(out, step)
-                order = self._running_order(self._eager) if self._eager else []
-            else:
-                self._unbatch()
-                order = self._running_order(self.running)
+        batch = self._batch
+        if batch and batch.take_step(self._listed, step, prefill, out.copies):
+            order = self._running_order(self._listed) if self._listed else []
         else:
-            order = self._running_order(self.running)
+            order = self._running_order(self._running)
         end = len(order)
         i = 0
         while i < end:
@@ -303,7 +297,7 @@ class Scheduler:
             if end > i:
                 end -= 1
                 self._preempt(order[end], now, out)
-            elif len(self.running) == 1:
+            elif len(self._running) == 1:
                 self._abort(req, now, out)
                 return None
             else:
@@ -311,7 +305,7 @@ class Scheduler:
                 return None
         return end
 
-    def _plan(self, req: Request, step: "_Step", allocated: bool) -> list[ScheduledSeq] | None:
+    def _plan(self, req: Request, step: _Step, allocated: bool) -> list[ScheduledSeq] | None:
         """The work for a request this step within what is left of the budget, or None
         if none fits. The samples of a request may run partly (those that fit), each
         sample's work being whole (one decode, or one prefill chunk). Before allocation
@@ -341,121 +335,6 @@ class Scheduler:
             tokens_left -= chunk
             seqs_left -= 1
         return entries or None
-
-    # ------------------------------------------------------------------ batched decodes
-    def _batch_fits(self, step: "_Step", run_batch: bool) -> bool:
-        """Would the one-by-one path give every running request its whole work this step
-        (every batched decode its token if `run_batch`, every other request its full next
-        chunk or decodes) with no preemption? Then the batched sequences need not be in
-        the order victims are taken from. A one-token append takes at most one block (a
-        new one at a boundary, or the copy of a shared partial last block).
-        O(unbatched sequences)."""
-        if not run_batch:
-            # A prefill-only pass: the budget goes to unbatched requests alone, as in the
-            # one-by-one path; only a sample that decodes beside its prefilling siblings
-            # (multi-sample recompute) can need memory and preempt.
-            need = sum(1 for r in self._eager.values() for s in r.seqs
-                       if not s.finished and not s.is_prefilling)
-            return need <= self.bm.num_free_blocks
-        n = len(self._members)
-        tokens = seqs = blocks = 0
-        chunk = self._chunk
-        for req in self._eager.values():
-            for s in req.seqs:
-                if s.finished:
-                    continue
-                seqs += 1
-                if s.is_prefilling:
-                    tokens += min(s.num_tokens - s.num_computed_tokens, chunk)
-                else:
-                    tokens += 1
-                    blocks += 1
-        blocks += len(self._buckets[self._tick % self.block_size])
-        return n + tokens <= step.tokens and n + seqs <= step.seqs \
-            and blocks <= self.bm.num_free_blocks
-
-    def _schedule_batch(self, out: SchedulerOutput, step: "_Step") -> None:
-        """Every batched sequence decodes one token; those whose token starts a new block
-        get their slots since they last grew, together in one `append_slots_many`."""
-        tick = self._tick
-        bucket = self._buckets[tick % self.block_size].values()
-        if bucket:
-            growth = [(m.seq.seq_id, m.base + tick + 1 - m.bm_tokens) for m in bucket]
-            copies = self.bm.append_slots_many(growth)
-            if copies:
-                out.copies.extend(copies)
-            for m in bucket:
-                m.bm_tokens = m.base + tick + 1
-        rows = self._rows_tuple
-        if rows is None:
-            rows = self._rows_tuple = tuple(self._rows.values())
-        n = len(rows)
-        out.decode_batch = self._pending_batch = DecodeBatch(rows, tick, n,
-                                                             self._base_sum + n * (tick + 1))
-        step.tokens -= n
-        step.seqs -= n
-
-    def _join(self, req: Request) -> None:
-        """Batch a running single-sample request that has just drawn a token and goes on
-        decoding (its Sequence and block table are up to date)."""
-        seq = req.seqs[0]
-        tick = self._tick
-        base = seq.num_computed_tokens - tick
-        out_base = seq.num_output_tokens - tick
-        finish = min(req.output_len - out_base, self.config.max_model_len - base - 1)
-        self._joins += 1
-        m = _Member(req, seq, base, out_base, seq.num_tokens - 1, finish, self._joins)
-        rid = req.request_id
-        del self._eager[rid]
-        self._members[rid] = m
-        self._rows[rid] = (rid, seq.seq_id, base)
-        self._rows_tuple = None
-        self._buckets[-base % self.block_size][rid] = m
-        heapq.heappush(self._finishes, (finish, m.join_no, rid))
-        self._base_sum += base
-
-    def _write_back(self, m: "_Member") -> None:
-        """Bring a batched Sequence, and its slots in the block manager, up to the tick."""
-        seq, tick = m.seq, self._tick
-        seq.num_computed_tokens = m.base + tick
-        seq.num_tokens = m.base + tick + 1
-        seq.num_output_tokens = m.out_base + tick
-        behind = m.base + tick - m.bm_tokens
-        if behind > 0:
-            if self.bm.append_slots(seq.seq_id, behind):
-                raise SchedulerError(f"catching up {seq.seq_id} needed a block copy")
-            m.bm_tokens += behind
-
-    def _leave(self, m: "_Member") -> None:
-        """List one sequence individually again (its heap entry goes stale)."""
-        rid = m.req.request_id
-        self._write_back(m)
-        self._eager[rid] = m.req
-        del self._members[rid]
-        del self._rows[rid]
-        self._rows_tuple = None
-        del self._buckets[-m.base % self.block_size][rid]
-        self._base_sum -= m.base
-
-    def _unbatch(self) -> None:
-        """Write every batched sequence back and list them one by one again."""
-        self._pending_batch = None  # a batch scheduled before this cannot be updated
-        for m in self._members.values():
-            self._write_back(m)
-            self._eager[m.req.request_id] = m.req
-        self._members.clear()
-        self._rows.clear()
-        self._rows_tuple = ()
-        for bucket in self._buckets:
-            bucket.clear()
-        self._finishes.clear()
-        self._base_sum = 0
-
-    def sync(self) -> None:
-        """Write every batched sequence's lengths back to its Sequence and block table
-        (they stay batched). For inspection between steps; O(batched sequences)."""
-        for m in self._members.values():
-            self._write_back(m)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
@@ -498,15 +377,17 @@ class Scheduler:
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
-        if head is None or not self.running or self._fits(head) or not any(
-                self.policy.may_preempt_for(head, r) for r in self.running.values()):
+        if head is None or not self._running or self._fits(head):
             return False
-        self._unbatch()  # victim keys and preemption read every Sequence
-        key, adm = self.policy.victim_key, self._admit_seq
+        running, policy = self.running, self.policy  # current sequences for the policy
+        if not any(policy.may_preempt_for(head, r) for r in running.values()):
+            return False
+        self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
+        key, adm = policy.victim_key, self._admit_seq
         preempted = False
-        while self.running and not self._fits(head):
-            victim = max(self.running.values(), key=lambda r: key(r, adm[r.request_id]))
-            if not self.policy.may_preempt_for(head, victim):
+        while running and not self._fits(head):
+            victim = max(running.values(), key=lambda r: key(r, adm[r.request_id]))
+            if not policy.may_preempt_for(head, victim):
                 break
             self._preempt(victim, now, out)
             preempted = True
@@ -517,7 +398,7 @@ class Scheduler:
         return self.bm.num_free_blocks >= need
 
     # ------------------------------------------------------------------ swap in
-    def _swap_in(self, out, step: "_Step") -> None:
+    def _swap_in(self, out, step: _Step) -> None:
         """Bring swapped requests back, oldest swap first, unless running requests ran
         out of memory this step."""
         if self._growth_preempted or not self.swapped:
@@ -531,7 +412,7 @@ class Scheduler:
                 raise SchedulerError(f"swapped request {rid} can never return to the GPU")
             if status is not AllocStatus.OK:
                 return
-            if self.running and bm.num_free_blocks < sum(
+            if self._running and bm.num_free_blocks < sum(
                     len(bm.block_table(sid)) + 1 for sid in seq_ids):
                 return  # it would come back unable to grow and be preempted again
             entries = self._plan(req, step, allocated=True)
@@ -556,26 +437,26 @@ class Scheduler:
 
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
-        self.running[req.request_id] = req
-        self._eager[req.request_id] = req
+        self._running[req.request_id] = req
+        self._listed[req.request_id] = req
         self._admit_seq[req.request_id] = self._next_admit
         self._next_admit += 1
 
     def _stop_running(self, rid: int) -> None:
-        """Forget a running request that is not batched (finished or preempted)."""
-        del self.running[rid]
-        del self._eager[rid]
+        """Forget a running request (finished or preempted; never a batched one)."""
+        del self._running[rid]
+        self._listed.pop(rid, None)
         del self._admit_seq[rid]
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, now, out, step: "_Step") -> None:
+    def _admit(self, now, out, step: _Step) -> None:
         """Admit waiting requests in policy order while they fit; stop at the first
         that does not (no skipping ahead: the policy's order is a guarantee). A step in
         which running requests ran out of memory admits nothing (vLLM's rule); memory
         freed by a preemptive policy for the waiting head is used at once."""
         if self._growth_preempted:
             return
-        if self.config.batching == "static" and (self.running or self.swapped):
+        if self.config.batching == "static" and (self._running or self.swapped):
             return
         policy = self.policy
         seats = None
@@ -585,18 +466,18 @@ class Scheduler:
                 return
             if seats is None:
                 # max_num_seqs bounds the running sequences, scheduled this step or not
-                seats = self.config.max_num_seqs - len(self._members) - sum(
-                    1 for r in self._eager.values() for s in r.seqs if not s.finished)
+                seats = self.config.max_num_seqs - len(self._batch) - sum(
+                    1 for r in self._listed.values() for s in r.seqs if not s.finished)
             live = sum(1 for s in req.seqs if not s.finished)
             if live > seats:
                 return
-            if self._later_memo is not None and (self.running or self.swapped) \
+            if self._later_memo is not None and (self._running or self.swapped) \
                     and self._known_later(req):
                 return  # still waiting for memory: allocating would say LATER again
             if self._plan(req, step, allocated=False) is None:
                 return
             status = self._allocate(req)
-            if status is AllocStatus.LATER and (self.running or self.swapped):
+            if status is AllocStatus.LATER and (self._running or self.swapped):
                 return
             if status is not AllocStatus.OK:
                 # NEVER, or LATER with nothing running that could free memory.
@@ -639,108 +520,27 @@ class Scheduler:
     def _known_later(self, req: Request) -> bool:
         """Is `req` known not to fit (LATER) with the memory free now? True when its
         allocation already failed with as many free blocks or more and it has not grown
-        since (the block manager declares `later_is_monotone`: with paging and no prefix
-        caching, LATER means free < need + watermark, and fewer free blocks cannot make it
-        fit). Single-sequence requests only. Saves the
-        repeated check in an engine whose waiting head waits for memory step after step.
-        O(1)."""
+        since (a block manager that grows by block says LATER exactly when free < need +
+        watermark, so fewer free blocks cannot make it fit; without a prefix cache, the
+        need is fixed). Single-sequence requests only. Saves the repeated check in an
+        engine whose waiting head waits for memory step after step. O(1)."""
         memo_req, tokens, free = self._later_memo
         if memo_req is not req or len(req.seqs) != 1:
             return False
         seq = req.seqs[0]
         return seq.num_tokens == tokens and not seq.finished and self.bm.num_free_blocks <= free
 
-    def _stalled(self, now: float) -> None:
-        """A step with nothing to run while requests remain would spin forever: with
-        correct admission control it cannot happen, so it is reported as a bug."""
-        head = self.policy.peek(now)
-        raise SchedulerError(
-            f"no progress at t={now}: {len(self.running)} running, {len(self.swapped)} "
-            f"swapped, {len(self.policy)} waiting (head: "
-            f"{head.request_id if head else None}), {self.bm.num_free_blocks} free blocks")
-
-    # ------------------------------------------------------------------ fast-forward
-    def decode_run_bound(self, now: float, limit: int) -> int:
-        """How many of the next steps (at most `limit`) are certain to be plain decode
-        steps — every running sequence decodes one token, and nothing is admitted,
-        swapped, preempted, copied or finished — whatever time they take. Such a run can
-        be advanced in closed form by `advance_decodes`, with exactly the effect of
-        scheduling it step by step. Call it between update() and the next schedule().
-        Cost: O(block_size + waiting candidates) when every running sequence is batched;
-        otherwise O(running sequences), and batched sequences are unbatched when
-        unbatched ones decode beside them (multi-sample requests)."""
-        self._check_between_steps("decode_run_bound")
-        if self.swapped or self._pending_rejects or not self.running or limit <= 0:
-            return 0
-        if self._members:
-            if not self._eager:
-                return self._batch_run_bound(now, limit)
-            if any(s.is_prefilling for r in self._eager.values() for s in r.seqs):
-                return 0
-            self._unbatch()
-        cfg = self.config
-        k = limit
-        seq_ids = []
-        for req in self.running.values():
-            if len(req.seqs) < req.n:
-                return 0
-            fresh_fork = req.n > 1
-            for s in req.seqs:
-                if s.finished:
-                    continue
-                if s.num_computed_tokens != s.num_tokens - 1 or s.num_computed_tokens < s.prefill_len:
-                    return 0  # still prefilling
-                if s.num_output_tokens > 1:
-                    fresh_fork = False
-                # a sample finishes in the step that draws its last token
-                k = min(k, req.output_len - s.num_output_tokens - 1,
-                        cfg.max_model_len - s.num_tokens - 1)
-                seq_ids.append(s.seq_id)
-            if fresh_fork:
-                return 0  # its first decode copies the shared last block
-        if k <= 0 or len(seq_ids) > cfg.max_num_seqs or len(seq_ids) > cfg.max_num_batched_tokens:
-            return 0
-        if len(self.policy) and not self._admission_blocked(now, len(seq_ids)):
-            return 0
-        return self.bm.max_uniform_growth(seq_ids, k)
-
-    def _batch_run_bound(self, now: float, limit: int) -> int:
-        """decode_run_bound when every running sequence is batched: the earliest finish
-        from the heap, and the blocks the run takes counted by bucket. O(block_size)."""
-        finishes, members = self._finishes, self._members
-        while finishes and (finishes[0][2] not in members
-                            or members[finishes[0][2]].join_no != finishes[0][1]):
-            heapq.heappop(finishes)  # stale: that sequence left the batch
-        tick, n, cfg = self._tick, len(members), self.config
-        k = min(limit, finishes[0][0] - tick - 1)
-        if k <= 0 or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
-            return 0
-        if len(self.policy) and not self._admission_blocked(now, n):
-            return 0
-        # Step j of the run (at tick + j) takes one block per sequence of bucket
-        # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
-        # first r buckets of the cycle.
-        bs, buckets = self.block_size, self._buckets
-        q, spare = divmod(self.bm.num_free_blocks, n)
-        if k <= q * bs:
-            return k  # memory for q whole cycles: the finish comes first
-        r = 0
-        while r < bs - 1:
-            spare -= len(buckets[(tick + r) % bs])
-            if spare < 0:
-                break
-            r += 1
-        return min(k, q * bs + r)
-
     def _admission_blocked(self, now: float, num_seqs: int) -> bool:
-        """True if no waiting request can be admitted while running decodes only grow
-        (free memory only shrinks, the step budget stays as full)."""
+        """True if no waiting request can be admitted while `num_seqs` running sequences
+        only decode (free memory only shrinks, the step budget stays as full): the
+        rules of `_admit` and `_preempt_for_waiting`, for a fast-forward run."""
         cfg = self.config
         candidates = self.policy.candidates(now)
-        if self._may_preempt:
+        if self._may_preempt and candidates:
+            running = self.running  # current sequences for the policy
             for head in candidates:
                 # a preemptive policy may evict for it once memory runs short
-                if any(self.policy.may_preempt_for(head, r) for r in self.running.values()):
+                if any(self.policy.may_preempt_for(head, r) for r in running.values()):
                     return False
         if cfg.batching == "static":
             return True
@@ -763,70 +563,30 @@ class Scheduler:
                     return False
         return True
 
-    def advance_decodes(self, num_steps: int) -> None:
-        """Apply `num_steps` plain decode steps at once (see `decode_run_bound`, which
-        must have allowed at least that many). Per-sequence cost O(1), not O(steps)."""
-        self._check_between_steps("advance_decodes")
-        bm, policy = self.bm, self.policy
-        if self._members:
-            # every running sequence is batched: decode_run_bound allows a run with
-            # batched sequences only when nothing else runs
-            start = self._tick
-            self._tick = tick = start + num_steps
-            bs = self.block_size
-            # only sequences whose slots crossed a block boundary during the run grow now
-            growing = self._members.values() if num_steps >= bs else [
-                m for j in range(num_steps) for m in self._buckets[(start + j) % bs].values()]
-            growing = [m for m in growing if m.base + tick > m.bm_tokens]
-            # the slots of the run's last step
-            if bm.append_slots_many([(m.seq.seq_id, m.base + tick - m.bm_tokens) for m in growing]):
-                raise SchedulerError("a fast-forward needed a block copy")
-            for m in growing:
-                m.bm_tokens = m.base + tick
-            return
-        for req in self.running.values():
-            live = 0
-            for s in req.seqs:
-                if s.finished:
-                    continue
-                copies = bm.append_slots(s.seq_id, num_steps)
-                if copies:
-                    raise SchedulerError(f"fast-forward of {s.seq_id} needed a block copy")
-                s.num_tokens += num_steps
-                s.num_computed_tokens += num_steps
-                s.num_output_tokens += num_steps
-                live += 1
-            policy.on_service(req, 0, live * num_steps)
-
-    def _check_between_steps(self, op: str) -> None:
-        if self._pending_batch is not None:
-            raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
-                                 "step must be updated first")
-
-    def decode_shape(self) -> tuple[int, int]:
-        """(sequences, Σ (context + 1)) of the next step if every running sequence
-        decodes one token: the first step of a decode run. O(1) when all are batched."""
-        if self._members and not self._eager:
-            n = len(self._members)
-            return n, self._base_sum + n * (self._tick + 1)
-        num_seqs = context = 0
-        for req in self.running.values():
-            for seq in req.seqs:
-                if not seq.finished:
-                    num_seqs += 1
-                    context += seq.num_computed_tokens
-        return num_seqs, context + num_seqs
+    def _stalled(self, now: float) -> None:
+        """A step with nothing to run while requests remain would spin forever: with
+        correct admission control it cannot happen, so it is reported as a bug."""
+        head = self.policy.peek(now)
+        raise SchedulerError(
+            f"no progress at t={now}: {len(self._running)} running, {len(self.swapped)} "
+            f"swapped, {len(self.policy)} waiting (head: "
+            f"{head.request_id if head else None}), {self.bm.num_free_blocks} free blocks")
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
         """Advance every scheduled sequence by the step's work; returns the records of
-        requests that finished or were rejected in this step. O(listed sequences +
-        batched sequences that finish), or O(all scheduled) when the executor returns
-        sampled tokens or stops. Sequences that finish in one step free their blocks in
-        seq-id order (with prefix caching, that order is the LRU order of their blocks),
-        however the step listed them."""
+        requests that finished or were rejected in this step. `out` must be the output
+        of the last schedule(), updated once. O(listed sequences + batched sequences
+        that finish), or O(all scheduled) when the executor returns sampled tokens or
+        stops. Sequences that finish in one step free their blocks in seq-id order (with
+        prefix caching, that order is the LRU order of their blocks), however the step
+        listed them."""
+        if out is not self._scheduled:
+            raise SchedulerError("update() for an output that is not the one the last "
+                                 "schedule() made, or that was updated already")
+        self._scheduled = None
         t_end = out.now + result.duration_s
-        bm, running = self.bm, self.running
+        bm, running, batch = self.bm, self._running, self._batch
         sampled, stopped = result.sampled, result.stopped
         max_len = self.config.max_model_len
         commit = self.prefix_caching
@@ -834,10 +594,11 @@ class Scheduler:
         service: dict[int, list[int]] | None = {} if self._charges_service else None
         ended: list[Request] = []
         freed: list = []
-        if out.decode_batch is not None:
-            self._update_batch(out.decode_batch, sampled, stopped, ended, freed)
+        if batch.pending:
+            batch.update(sampled, stopped, ended, freed)
         joining: list[Request] = []
-        for e in out.listed:
+        join = batch.enabled
+        for e in self._scheduled_listed:
             rid = e.request_id
             req = running.get(rid)
             if req is None:
@@ -873,7 +634,7 @@ class Scheduler:
                     s.finished = True
                     freed.append(s.seq_id)
                     ended.append(req)
-                elif req.n == 1 and self._batching:
+                elif join and req.n == 1:
                     joining.append(req)
             if req.first_token_s is None:
                 req.first_token_s = t_end
@@ -885,7 +646,7 @@ class Scheduler:
             for sid in sorted(freed) if len(freed) > 1 else freed:
                 bm.free(sid)
         if service:
-            requests, on_service = self.requests, self.policy.on_service
+            requests, on_service = self._requests, self.policy.on_service
             for rid, (pre, drawn) in service.items():
                 on_service(requests[rid], pre, drawn)
         for req in ended:
@@ -896,39 +657,9 @@ class Scheduler:
                 self._stop_running(req.request_id)
                 self._finished_records.append(self._record(req))
         for req in joining:
-            self._join(req)
+            del self._listed[req.request_id]
+            batch.join(req)
         return self.pop_records()
-
-    def _update_batch(self, batch: DecodeBatch, sampled, stopped, ended: list[Request],
-                      freed: list) -> None:
-        """Every batched sequence drew a token: advance the tick, take sampled tokens and
-        stops one by one if the executor has them, and finish the sequences whose last
-        token this was (off the heap; their seq ids go to `freed`)."""
-        if batch is not self._pending_batch:
-            raise SchedulerError("update() for a decode batch that is not the one the last "
-                                 "schedule() made, or whose sequences were unbatched since")
-        self._pending_batch = None
-        self._tick = tick = batch.tick + 1
-        members = self._members
-        done: list[_Member] = []
-        if sampled is not None or stopped:
-            for rid, sid, _ in batch.rows:
-                m = members[rid]
-                if sampled is not None:
-                    m.seq.output_token_ids.append(sampled[sid][0])
-                if stopped and sid in stopped and m.finish_tick > tick:
-                    done.append(m)
-        finishes = self._finishes
-        while finishes and finishes[0][0] <= tick:
-            _, join_no, rid = heapq.heappop(finishes)
-            m = members.get(rid)
-            if m is not None and m.join_no == join_no:
-                done.append(m)
-        for m in done:
-            self._leave(m)
-            m.seq.finished = True
-            freed.append(m.seq.seq_id)
-            ended.append(m.req)
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         for i in range(len(req.seqs), req.n):
@@ -949,20 +680,43 @@ class Scheduler:
             slo_tpot_ms=req.slo_tpot_ms, n=req.n,
             token_times=list(req.token_times) if req.token_times else None)
 
+    # ------------------------------------------------------------------ fast-forward
+    def decode_run_bound(self, now: float, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to be plain decode
+        steps — every running sequence decodes one token, and nothing is admitted,
+        swapped, preempted, copied or finished — whatever time they take. Such a run can
+        be advanced in closed form by `advance_decodes`, with exactly the effect of
+        scheduling it step by step. Call it between update() and the next schedule().
+        O(block_size + waiting candidates) when every running sequence is batched,
+        otherwise O(running sequences) (see DecodeBatch.run_bound)."""
+        self._check_between_steps("decode_run_bound")
+        if self.swapped or self._pending_rejects or not self._running or limit <= 0:
+            return 0
+        batch = self._batch
+        if batch and self._listed:  # batched decodes beside listed requests
+            if any(s.is_prefilling for r in self._listed.values() for s in r.seqs):
+                return 0
+            batch.dissolve(self._listed)
+        policy = self.policy
+        return batch.run_bound(self._running, limit, lambda num_seqs: bool(len(policy))
+                               and not self._admission_blocked(now, num_seqs))
 
-class _Member:
-    """A batched decoding sequence. At tick t (the scheduler's count of batch steps) its
-    Sequence holds num_computed_tokens = base + t, num_tokens = base + t + 1 and
-    num_output_tokens = out_base + t; the fields are written back only when needed.
-    `bm_tokens` is what the block manager holds (it catches up at block boundaries);
-    the update that moves the tick to `finish_tick` draws its last token."""
+    def advance_decodes(self, num_steps: int) -> None:
+        """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
+        allowed at least that many). Per-sequence cost O(1), not O(steps)."""
+        self._check_between_steps("advance_decodes")
+        self._batch.advance(num_steps, self._running,
+                            self.policy.on_service if self._charges_service else None)
 
-    __slots__ = ("req", "seq", "base", "out_base", "bm_tokens", "finish_tick", "join_no")
+    def decode_shape(self) -> tuple[int, int]:
+        """(sequences, Σ (context + 1)) of the next step if every running sequence
+        decodes one token: the first step of a decode run. O(1) when all are batched."""
+        return self._batch.decode_shape(self._running)
 
-    def __init__(self, req: Request, seq: Sequence, base: int, out_base: int, bm_tokens: int,
-                 finish_tick: int, join_no: int) -> None:
-        self.req, self.seq, self.base, self.out_base = req, seq, base, out_base
-        self.bm_tokens, self.finish_tick, self.join_no = bm_tokens, finish_tick, join_no
+    def _check_between_steps(self, op: str) -> None:
+        if self._batch.pending:
+            raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
+                                 "step must be updated first")
 
 
 class _Step:

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from servelab.request import SeqId
 
 
 class PreemptionMode(enum.Enum):
+    """What a preemption did with a request's KV cache: the two outcomes an executor must
+    act on. Which one a preemption takes is the configured strategy's choice
+    (`servelab.policies.preemption`); a new strategy chooses between these two."""
+
     RECOMPUTE = "recompute"
+    """The KV was freed; the request waits to compute it again (prefill)."""
     SWAP = "swap"
+    """The KV moved to the CPU pool (SchedulerOutput.swap_out); it comes back by swap-in."""
 
 
 class ScheduledSeq(NamedTuple):
@@ -40,32 +46,68 @@ class ScheduledSeq(NamedTuple):
         return self.is_prefill and self.num_samples > 0
 
 
-class DecodeBatch(NamedTuple):
-    """Plain decode work of one step in aggregate: single-sample requests that each
-    compute one token. The scheduler advances such sequences together without touching
-    each one per step; this is its O(1) description of them. Row i is
-    (request_id, seq_id, base): that sequence's context length this step is
-    `base + tick`. `entries()` lists them as ScheduledSeqs (O(rows))."""
+class ScheduledWork:
+    """Every sequence's work in one step: a read-only sequence of ScheduledSeq.
 
-    rows: tuple[tuple[int, SeqId, int], ...]
-    tick: int
-    num_seqs: int
-    context_sum: int
-    """Σ (context_len + 1) over the rows: KV tokens their decode attention reads."""
+    Most of a busy step is plain decodes (single-sample requests computing one token)
+    that the scheduler advances together. It hands them over compactly: one
+    (request_id, seq_id, base) row each, whose context this step is base + tick. They
+    come first, then the work listed one entry per sequence (prefill chunks, samples of
+    multi-sample requests, every other decode). Iterating builds the compact decodes'
+    ScheduledSeqs on the fly (O(sequences)); `len`, `prefill_continues` and
+    `BatchShape.from_output` never do, so a cost model prices a step in O(listed work).
+    """
 
-    def entries(self) -> list[ScheduledSeq]:
-        t = self.tick
-        return [ScheduledSeq(rid, sid, 1, base + t, 1, False) for rid, sid, base in self.rows]
+    __slots__ = ("_rows", "_tick", "_rows_context_sum", "_listed")
+
+    def __init__(self, listed: list[ScheduledSeq] | tuple = (),
+                 rows: tuple[tuple[int, SeqId, int], ...] = (), tick: int = 0,
+                 rows_context_sum: int = 0) -> None:
+        self._listed = listed
+        self._rows = rows
+        self._tick = tick
+        self._rows_context_sum = rows_context_sum
+        """Σ (context + 1) over the rows: KV tokens their decode attention reads."""
+
+    def __len__(self) -> int:
+        return len(self._rows) + len(self._listed)
+
+    def __iter__(self) -> Iterator[ScheduledSeq]:
+        t = self._tick
+        for rid, sid, base in self._rows:
+            yield ScheduledSeq(rid, sid, 1, base + t, 1, False)
+        yield from self._listed
+
+    def __getitem__(self, index):
+        return list(self)[index]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ScheduledWork):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ScheduledWork({list(self)!r})"
+
+    def prefill_continues(self) -> bool:
+        """Does a prefill chunk that does not finish its prompt run in this step? Then
+        that request prefills again next step. O(listed work); prefill chunks come last
+        in a decode-first step, so the scan starts from the end."""
+        return any(e.is_prefill and not e.num_samples for e in reversed(self._listed))
+
+
+NO_WORK = ScheduledWork()
+"""The work of a step that computes nothing (a ScheduledWork never changes)."""
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     now: float
-    listed: list[ScheduledSeq] = field(default_factory=list)
-    """Work listed sequence by sequence: prefill chunks, samples of multi-sample
-    requests, and every decode the scheduler did not batch."""
-    decode_batch: DecodeBatch | None = None
-    """Plain decodes in aggregate (see DecodeBatch), or None."""
+    scheduled: ScheduledWork = NO_WORK
+    """Every sequence's work this step (see ScheduledWork)."""
     preempted: list[tuple[int, PreemptionMode]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(gpu_block, cpu_block) pairs to copy GPU → CPU before the step."""
@@ -78,28 +120,9 @@ class SchedulerOutput:
     """Block table of every scheduled sequence (the executor's view of its KV)."""
 
     @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """Every sequence's work this step: the batched decodes, then the listed work.
-        Built on each access (O(sequences)): hot paths read `listed` and
-        `decode_batch` instead."""
-        batch = self.decode_batch
-        return batch.entries() + self.listed if batch is not None else list(self.listed)
-
-    @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to move: an executor has no work."""
-        return not (self.listed or self.decode_batch or self.swap_out or self.swap_in
-                    or self.copies)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.listed if s.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        batch = self.decode_batch
-        return sum(s.num_tokens for s in self.listed if not s.is_prefill) + \
-            (batch.num_seqs if batch is not None else 0)
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(slots=True)
@@ -141,11 +164,11 @@ class BatchShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> "BatchShape":
-        nps = npt = pcs = pqc = pqq = nds = dcs = 0
-        batch = out.decode_batch
-        if batch is not None:
-            nds, dcs = batch.num_seqs, batch.context_sum
-        for s in out.listed:
+        """O(listed work): compact decodes count by their precomputed sums."""
+        work = out.scheduled
+        nps = npt = pcs = pqc = pqq = 0
+        nds, dcs = len(work._rows), work._rows_context_sum
+        for s in work._listed:
             if s.is_prefill:
                 nps += 1
                 npt += s.num_tokens

@@ -146,7 +146,8 @@ class Replica:
             yield _Timeout(env, step.result.duration_s, NORMAL)
             if step.records:
                 self._publish(step.records)
-            if self.fast_forward and not _mid_prefill(step.output.listed):
+            # a prompt still prefilling runs again next step: no decode run can start
+            if self.fast_forward and not step.output.scheduled.prefill_continues():
                 duration = self._decode_run(env.now)
                 if duration is not None:
                     yield _Timeout(env, duration, NORMAL)
@@ -187,14 +188,6 @@ class Replica:
             sched.num_swapped, bm.num_used_blocks, bm.num_gpu_blocks, 0, k, 0, 0, 0,
             shape.decode_context_sum))
         return duration
-
-
-def _mid_prefill(scheduled) -> bool:
-    """Did a step compute a prefill chunk that does not finish its prompt? That request
-    prefills again next step, so no decode run can start and asking the scheduler
-    (`decode_run_bound`, which walks every running sequence) can be skipped. Prefill
-    chunks come last in a decode-first step, so the scan starts from the end."""
-    return any(e.is_prefill and not e.num_samples for e in reversed(scheduled))
 
 
 class Cluster:

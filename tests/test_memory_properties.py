@@ -130,39 +130,38 @@ class ShadowMachine(RuleBasedStateMachine):
         self.compute(seq, start)
         return copies
 
-    @rule(mask=st.integers(1, (1 << 16) - 1), ks=st.lists(st.integers(0, 5), min_size=16, max_size=16))
-    def append_many(self, mask, ks):
-        """append_slots_many takes the very blocks (and makes the very copies) of
-        append_slots called for each sequence in turn, or fails changing nothing."""
-        group = [(s, ks[i % 16]) for i, s in enumerate(self.gpu_seqs()) if mask >> (i % 16) & 1]
-        if not group:
+    @rule(pick=st.integers(0, 1 << 16), k=st.integers(1, 2 * BS + 1), n=st.integers(1, 12))
+    def grows_by_block_law(self, pick, k, n):
+        """A manager that declares `grows_by_block` keeps the paging law: a sequence
+        whose last block is unshared, grown by k slots in one call, takes the very blocks
+        k calls of one slot take, one free block per block boundary crossed and no copy;
+        and whether a new sequence fits depends only on its block count."""
+        if not type(self.m).grows_by_block:
             return
-        one_by_one = copy.deepcopy(self.m)
-        try:
-            expected = [c for s, k in group for c in one_by_one.append_slots(s, k)]
-        except BlockManagerError:
-            expected = None
-        before = copy.deepcopy(self.m)
-        try:
-            copies = self.m.append_slots_many(group)
-        except BlockManagerError:
-            assert expected is None, "append_slots_many failed where one by one fits"
-            if isinstance(self.m, PagedBlockManager):   # all or nothing
-                assert self.state(self.m) == self.state(before)
-            else:  # the default grows one by one: what it grew before failing stays
-                self.m = before
+        fits = self.m.can_allocate(n)
+        assert self.m.can_allocate(-(-n // BS) * BS) is fits
+        if fits is not AllocStatus.OK:
+            assert self.m.can_allocate(n + BS) is not AllocStatus.OK
+        holders = Counter(b for s in self.gpu_seqs() for b in self.m.block_table(s))
+        seqs = [s for s in self.gpu_seqs()
+                if not (len(self.tokens[s]) % BS and holders[self.m.block_table(s)[-1]] > 1)]
+        if not seqs:
             return
-        assert expected is not None, "append_slots_many grew what one by one cannot"
-        assert copies == expected
-        assert self.state(self.m) == self.state(one_by_one)
-        others = {b for s in self.gpu_seqs() if s not in dict(group) for b in self.m.block_table(s)}
-        assert not {dst for _, dst in copies} & others, "copy-on-write into a shared block"
-        self.copy(copies, "gpu", "gpu")
-        for s, k in group:
-            start = len(self.tokens[s])
-            self.tokens[s] = self.tokens[s] + list(range(self.next_value, self.next_value + k))
-            self.next_value += k
-            self.compute(s, start)
+        seq = seqs[pick % len(seqs)]
+        if not self.m.can_append_slots(seq, k):
+            return
+        t = len(self.tokens[seq])
+        one_by_one, at_once = copy.deepcopy(self.m), copy.deepcopy(self.m)
+        for _ in range(k):
+            assert one_by_one.append_slots(seq, 1) == []
+        assert at_once.append_slots(seq, k) == []
+        assert self.state(at_once) == self.state(one_by_one)
+        crossed = -(-(t + k) // BS) - -(-t // BS)
+        table = self.m.block_table(seq)
+        assert at_once.block_table(seq)[:len(table)] == table
+        assert len(at_once.block_table(seq)) == len(table) + crossed
+        assert self.m.num_free_blocks - at_once.num_free_blocks == crossed
+        self.grow(seq, k)
 
     def state(self, m):
         tables = {s: (m.block_table(s), m.num_tokens(s)) for s in self.tokens}

@@ -259,18 +259,18 @@ def test_update_with_a_foreign_output_is_an_error():
     b = build_scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_gpu_blocks=8))
     a.add_request(Request(0, 0.0, 4, 2), 0.0)
     out = a.schedule(0.0)
-    with pytest.raises(SchedulerError, match="not running"):
+    with pytest.raises(SchedulerError, match="not the one the last schedule"):
         b.update(out, FakeExecutor().execute(out))
 
 
-def test_a_decode_batch_is_updated_once_and_only_by_its_own_step():
+def test_a_step_is_updated_once_and_batched_decodes_are_never_stale():
     sched = build_scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_gpu_blocks=16))
     for i in range(3):
         sched.add_request(Request(i, 0.0, 4, 10), 0.0)
     out = sched.schedule(0.0)
     sched.update(out, StepResult(0.01))          # prefills: the three now decode batched
     out = sched.schedule(0.01)
-    assert out.decode_batch is not None and out.decode_batch.num_seqs == 3 and not out.listed
+    assert [(e.request_id, e.context_len) for e in out.scheduled] == [(0, 4), (1, 4), (2, 4)]
     with pytest.raises(SchedulerError, match="between schedule"):
         sched.decode_run_bound(0.01, 100)        # would move the batch under the step
     with pytest.raises(SchedulerError, match="between schedule"):
@@ -278,9 +278,13 @@ def test_a_decode_batch_is_updated_once_and_only_by_its_own_step():
     sched.update(out, StepResult(0.01))
     with pytest.raises(SchedulerError, match="not the one the last schedule"):
         sched.update(out, StepResult(0.01))      # twice: the tokens would count twice
-    assert [s.num_output_tokens for r in sched.running.values() for s in r.seqs] == [1, 1, 1]
-    sched.sync()
-    assert [s.num_output_tokens for r in sched.running.values() for s in r.seqs] == [2, 2, 2]
+    for _ in range(2):
+        sched.update(sched.schedule(0.02), StepResult(0.01))
+    # what anyone reading the scheduler sees is current: 4 outputs, 4 + 4 tokens
+    assert [(s.num_output_tokens, s.num_tokens, s.num_computed_tokens)
+            for r in sched.running.values() for s in r.seqs] == [(4, 8, 7)] * 3
+    assert [sched.bm.num_tokens(s.seq_id) for r in sched.requests.values() for s in r.seqs] \
+        == [7] * 3
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
+from servelab.policies import PriorityPolicy
 from servelab.policies.scheduler import Scheduler
 from servelab.request import Request
 
@@ -102,12 +103,12 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
 
     def snapshot(batched):
         def on_step(scheduler, out):
-            scheduler.sync()  # batched lengths written back (they stay batched)
+            running = scheduler.running  # current: batched lengths are written back
             bm = scheduler.bm
             states[batched].append((sorted(
                 (s.seq_id, s.num_tokens, s.num_computed_tokens, s.num_output_tokens,
                  len(bm.block_table(s.seq_id)))
-                for r in scheduler.running.values() for s in r.seqs if not s.finished),
+                for r in running.values() for s in r.seqs if not s.finished),
                 bm.evictable_hashes()))
         return on_step
 
@@ -124,6 +125,46 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
     assert by_id(a) == by_id(b)  # requests ending in one step come out in listing order
     assert a.fast_forwarded == b.fast_forwarded
     assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
+
+
+class _Watcher(PriorityPolicy):
+    """Preemptive priority that notes what it is shown of running requests:
+    (steps done, call, head, request) -> the request's sequence lengths."""
+
+    def __init__(self) -> None:
+        super().__init__(aging_rate=1.0, preemptive=True)
+        self.steps, self.seen = 0, {}
+
+    def step_done(self, scheduler, out) -> None:
+        self.steps += 1
+
+    def _note(self, call, head, req) -> None:
+        self.seen[(self.steps, call, head, req.request_id)] = [
+            (s.num_tokens, s.num_computed_tokens, s.num_output_tokens) for s in req.seqs]
+
+    def may_preempt_for(self, head, running):
+        self._note("may_preempt_for", head.request_id, running)
+        return super().may_preempt_for(head, running)
+
+    def victim_key(self, req, admit_seq):
+        self._note("victim_key", None, req)
+        return super().victim_key(req, admit_seq)
+
+
+@SETTINGS
+@given(workloads(), st.booleans())
+def test_policies_see_batched_requests_as_they_are(w, fast_forward):
+    """Whatever the scheduler shows a policy of a running request is current: where the
+    batched and the one-by-one scheduler show the same request at the same point of the
+    run, its sequences read the same (batched lengths are written back first)."""
+    reqs, sched, cache, _, _ = w
+    watchers = {}
+    for batched in (True, False):
+        watcher = watchers[batched] = _Watcher()
+        simulate([r.fresh_copy() for r in reqs], sched, cache, watcher, batch_decodes=batched,
+                 fast_forward=fast_forward, on_step=watcher.step_done)
+    both = watchers[True].seen.keys() & watchers[False].seen.keys()
+    assert {k: watchers[True].seen[k] for k in both} == {k: watchers[False].seen[k] for k in both}
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.outputs import BatchShape, ScheduledSeq, SchedulerOutput
+from servelab.outputs import BatchShape, ScheduledSeq, ScheduledWork, SchedulerOutput
 from servelab.policies import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
@@ -144,13 +144,28 @@ def test_long_decodes_are_fast_forwarded_into_few_rows():
 
 
 def test_simulated_executor_prices_the_step_and_draws_no_tokens():
-    out = SchedulerOutput(0.0, listed=[ScheduledSeq(0, (0, 0), 128, 0, 1, True),
-                                          ScheduledSeq(1, (1, 0), 1, 700, 1, False)],
+    out = SchedulerOutput(0.0, ScheduledWork([ScheduledSeq(0, (0, 0), 128, 0, 1, True),
+                                              ScheduledSeq(1, (1, 0), 1, 700, 1, False)]),
                           swap_in=[(3, 4)])
     result = SimulatedExecutor(COST).execute(out)
     assert result.sampled is None
     assert result.duration_s == COST.step_time(BatchShape.from_output(out))
     assert result.duration_s > COST.step_time(BatchShape(1, 128, 0, 0, 128 * 128, 1, 701))  # swap costs
+
+
+def test_compact_decodes_price_as_their_listed_entries():
+    """A step's work prices the same whether its plain decodes come as compact rows or
+    listed one by one, and reads the same entries."""
+    rows = ((0, (0, 0), 10), (1, (1, 0), 33))
+    listed = [ScheduledSeq(2, (2, 0), 64, 16, 0, True), ScheduledSeq(3, (3, 1), 1, 40, 1, False)]
+    compact = ScheduledWork(listed, rows, 7, (10 + 8) + (33 + 8))
+    spelled = ScheduledWork(list(compact))
+    assert list(spelled) == [ScheduledSeq(0, (0, 0), 1, 17, 1, False),
+                             ScheduledSeq(1, (1, 0), 1, 40, 1, False), *listed]
+    assert compact == spelled and len(compact) == 4
+    assert BatchShape.from_output(SchedulerOutput(0.0, compact)) == \
+        BatchShape.from_output(SchedulerOutput(0.0, spelled))
+    assert compact.prefill_continues() and not ScheduledWork(listed[1:], rows, 7).prefill_continues()
 
 
 def test_requests_must_come_in_arrival_order():
