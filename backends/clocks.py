@@ -3,29 +3,18 @@
 A clock answers `now()`, is told how long each step took (`advance`), and is asked to let
 time pass until the next arrival (`wait_until`):
 
-- `VirtualClock`: time is the sum of measured step durations, idle gaps are jumped over
-  (nothing sleeps; a replay's timeline is comparable with the simulator's);
+- `VirtualClock` (servelab.engine's): time is the sum of measured step durations, idle
+  gaps are jumped over (nothing sleeps; a replay's timeline is comparable with the
+  simulator's);
 - `WallClock`: time is real; idle gaps are slept through.
 """
 from __future__ import annotations
 
 import time
 
+from servelab.engine import VirtualClock
+
 __all__ = ["VirtualClock", "WallClock", "Progress"]
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self._now = 0.0
-
-    def now(self) -> float:
-        return self._now
-
-    def advance(self, seconds: float) -> None:
-        self._now += seconds
-
-    def wait_until(self, t: float) -> None:
-        self._now = max(self._now, t)
 
 
 class WallClock:

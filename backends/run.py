@@ -40,7 +40,7 @@ from servelab.backends.model import ModelRunner, sliding_window, check_model_sup
 from servelab.backends.sampling import SamplingParams
 from servelab.backends.weights import resolve_device, resolve_dtype
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.engine import engine_step
+from servelab.engine import Replay, engine_loop, run_to_end
 from servelab.memory.base import BlockUsage
 from servelab.models import ModelSpec, load_model_spec
 from servelab.outputs import PreemptionMode
@@ -293,9 +293,9 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
                                        WallClock() if config.clock == "wall" else VirtualClock(),
                                        progress)
     records.sort(key=lambda r: r.request_id)
-    weights = config.policy_options.get("weights") if config.policy == "fair" else None
     summary = summarize(records, steps, slo_ttft_ms=config.slo_ttft_ms,
-                        slo_tpot_ms=config.slo_tpot_ms, tenant_weights=weights)
+                        slo_tpot_ms=config.slo_tpot_ms,
+                        tenant_weights=scheduler.policy.tenant_weights)
     outputs = {rid: [list(s.output_token_ids) for s in req.seqs]
                for rid, req in sorted(live.items())}
     if out is not None:
@@ -316,38 +316,36 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
 def _serve(scheduler, executor: RealExecutor, requests: list[Request], clock,
            progress: Progress) -> tuple[list[RequestRecord], list[StepRecord],
                                         dict[PreemptionMode, int]]:
-    """The replay loop; returns the request records, the step records and the number of
-    preemptions by mode."""
-    pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
-    bm = scheduler.bm
-    total = bm.num_gpu_blocks
-    records: list[RequestRecord] = []
-    steps: list[StepRecord] = []
-    preempted = dict.fromkeys(PreemptionMode, 0)
-    i = 0
-    while True:
-        now = clock.now()
-        while i < len(pending) and pending[i].arrival_s <= now:
-            scheduler.add_request(pending[i], now)
-            i += 1
-        step = engine_step(scheduler, executor, now, total, lambda: bm.num_used_blocks)
-        for record in step.records:
-            executor.release(record.request_id)
-        records += step.records
-        for _, mode in step.output.preempted:
-            preempted[mode] += 1
-        progress.update(len(records), now, len(steps), scheduler)
-        if step.result is None:
-            if i >= len(pending) and not scheduler.has_unfinished():
-                break
-            if i < len(pending) and not (step.output.preempted or step.output.rejected):
-                clock.wait_until(pending[i].arrival_s)
-            continue
-        steps.append(step.step)
-        clock.advance(step.result.duration_s)
-    progress.update(len(records), clock.now(), len(steps), scheduler, force=True)
+    """The replay loop (the shared engine loop); returns the request records, the step
+    records and the number of preemptions by mode."""
+    driver = _RealReplay(scheduler, requests, clock, executor, progress)
+    run_to_end(engine_loop(scheduler, executor, driver))
+    progress.update(len(driver.records), clock.now(), len(driver.steps), scheduler, force=True)
     progress.close()
-    return records, steps, preempted
+    return driver.records, driver.steps, driver.preempted
+
+
+class _RealReplay(Replay):
+    """Takes each step's records (releasing their executor state), step records and
+    preemptions, and shows progress."""
+
+    def __init__(self, scheduler, requests, clock, executor: RealExecutor,
+                 progress: Progress) -> None:
+        super().__init__(scheduler, requests, clock)
+        self.executor, self.progress = executor, progress
+        self.records: list[RequestRecord] = []
+        self.steps: list[StepRecord] = []
+        self.preempted = dict.fromkeys(PreemptionMode, 0)
+
+    def took(self, step) -> None:
+        for record in step.records:
+            self.executor.release(record.request_id)
+        self.records += step.records
+        for _, mode in step.output.preempted:
+            self.preempted[mode] += 1
+        self.progress.update(len(self.records), step.output.now, len(self.steps), self.scheduler)
+        if step.step is not None:
+            self.steps.append(step.step)
 
 
 def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton, cache_cfg,

@@ -136,6 +136,24 @@ class BlockManager(abc.ABC):
         (after a fork) and partially filled, it is first copied: the returned
         (src, dst) GPU block pairs are copies the executor must perform."""
 
+    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """`append_slots(seq_id, num_new_tokens)` for each pair in turn (each sequence at
+        most once), returning all copies. This default is always correct: it checks each
+        sequence first (`can_append_slots`), so bad input and a sequence with no room
+        change nothing; only growths that fit one at a time but not together (they
+        compete for the same free blocks) can fail halfway. A manager may override it
+        with one pass over the batch, for speed only: the same blocks and copies as the
+        calls in turn (tests/test_memory_properties.py holds an override to that)."""
+        unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
+        for seq_id, num_new_tokens in growth:
+            if not self.can_append_slots(seq_id, num_new_tokens):
+                raise BlockManagerError(f"append_slots_many: no room for {num_new_tokens} more "
+                                        f"tokens of sequence {seq_id!r}")
+        copies: list[tuple[int, int]] = []
+        for seq_id, num_new_tokens in growth:
+            copies += self.append_slots(seq_id, num_new_tokens)
+        return copies
+
     def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
         """The largest k <= limit such that every listed sequence can append k slots,
         one at a time and all together, with no failure and no copy-on-write. May

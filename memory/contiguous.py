@@ -27,11 +27,13 @@ reservation O(1).
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
 from .paged import check_count, check_size, unique_ids
+from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
 MODES = ("max", "pow2", "oracle")
@@ -157,6 +159,13 @@ class ContiguousBlockManager(BlockManager):
         self._cpu = Extents(num_cpu_blocks)
         self._slots_used = 0
         """Tokens in GPU reservations, each reservation counted once."""
+
+    @classmethod
+    def from_config(cls, cache, max_model_len: int, *, mode: str) -> ContiguousBlockManager:
+        """The manager a `CacheConfig` describes. No prefix cache: enable_prefix_caching
+        leaves it unchanged (its prefix hits stay 0, which is the comparison made)."""
+        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks, mode=mode,
+                   max_model_len=max_model_len, watermark_blocks=cache.watermark_blocks)
 
     # ------------------------------------------------------------------ admission
     def reservation_blocks(self, num_tokens: int, max_total_tokens: int | None = None,
@@ -467,6 +476,12 @@ class ContiguousBlockManager(BlockManager):
             if res.on_gpu:
                 slots += seqs[0].num_tokens
         _require(slots == self._slots_used, f"slot count {self._slots_used} != {slots}")
+
+
+for _mode in MODES:
+    register_block_manager(f"contiguous-{_mode}",
+                           functools.partial(ContiguousBlockManager.from_config, mode=_mode))
+del _mode
 
 
 def _require(condition: bool, message: str) -> None:

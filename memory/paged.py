@@ -31,6 +31,7 @@ from typing import Hashable, Iterable, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
+from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
 
@@ -113,6 +114,13 @@ class PagedBlockManager(BlockManager):
         """Token slots filled in referenced GPU blocks, each block counted once."""
         self._prefix_queries = 0
         self._prefix_hits = 0
+
+    @classmethod
+    def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
+        """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
+        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
+                   watermark_blocks=cache.watermark_blocks,
+                   enable_prefix_caching=cache.enable_prefix_caching)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
@@ -235,6 +243,80 @@ class PagedBlockManager(BlockManager):
                 blocks += new
         seq.num_tokens = t + num_new_tokens
         self._slots_used += num_new_tokens
+        return copies
+
+    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """`append_slots` for several sequences (each at most once) in one pass, all or
+        nothing: the same blocks, in the same order, as calling it for each in turn.
+        O(sequences + new blocks): what growing many decodes at once costs."""
+        seqs = self._seqs
+        bs = self.block_size
+        refcount = self._refcount
+        plan = []
+        total = 0
+        for seq_id, n in growth:
+            seq = seqs.get(seq_id)
+            if seq is None or not seq.on_gpu or type(n) is not int or n < 0:
+                self._reject_append("append_slots_many", seq_id, n)
+            t = seq.num_tokens
+            blocks = seq.blocks
+            if n and t % bs and refcount[blocks[-1]] > 1:
+                break  # a copy-on-write: take the general path
+            need = (t + n + bs - 1) // bs - len(blocks)
+            total += need
+            plan.append((seq, n, need))
+        else:
+            if len({seq_id for seq_id, _ in growth}) != len(plan):
+                raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
+                                        f"{[seq_id for seq_id, _ in growth]!r}")
+            free = self._free
+            if total <= len(free):  # no eviction: blocks come straight off the free stack
+                slots = 0
+                parked = self._parked
+                for seq, n, need in plan:
+                    if need == 1:
+                        b = free.pop()
+                        if not parked:
+                            refcount[b] = 1
+                        seq.blocks.append(b)
+                    elif need:
+                        new = free[:-need - 1:-1]  # top of the stack first, as _take
+                        del free[-need:]
+                        if not parked:
+                            for b in new:
+                                refcount[b] = 1
+                        seq.blocks += new
+                    seq.num_tokens += n
+                    slots += n
+                self._slots_used += slots
+                return []
+        return self._append_slots_each(growth)
+
+    def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """append_slots_many's general path (copies, eviction), checked as a whole first.
+        The blocks needed are counted as the calls in turn will take them: a sequence
+        that copies a shared partial block drops a reference to it, so the last of its
+        holders in the batch may write in place."""
+        ids = unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
+        need = 0
+        refcount = self._refcount
+        copied: dict[int, int] = {}   # shared block -> holders that copied it so far
+        bs = self.block_size
+        for seq_id, n in growth:
+            seq = self._gpu_seq("append_slots_many", seq_id)
+            check_count("append_slots_many", "num_new_tokens", n, 0)
+            t = seq.num_tokens
+            need += (t + n + bs - 1) // bs - len(seq.blocks)
+            last = seq.blocks[-1]
+            if n and t % bs and refcount[last] - copied.get(last, 0) > 1:
+                copied[last] = copied.get(last, 0) + 1
+                need += 1
+        if need > self.num_free_blocks:
+            raise BlockManagerError(f"append_slots_many: no room to grow {ids!r}: needs "
+                                    f"{need} blocks, {self.num_free_blocks} free")
+        copies: list[tuple[int, int]] = []
+        for seq_id, n in growth:
+            copies += self.append_slots(seq_id, n)
         return copies
 
     def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
@@ -576,6 +658,9 @@ class PagedBlockManager(BlockManager):
         _require(sum(fill.values()) == self._slots_used,
                  f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
         _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
+
+
+register_block_manager("paged", PagedBlockManager.from_config)
 
 
 def _check_pool(name: str, free: list[int], refs: list[int]) -> None:

@@ -1,16 +1,30 @@
-"""Scheduling policies and the scheduler core (pure Python: no torch, triton or simpy)."""
-from servelab.policies.base import KeyedQueue, Policy, make_policy, policy_names, register_policy
+"""Scheduling policies, preemption strategies and the scheduler core (pure Python: no
+torch, triton or simpy). Policies and strategies register themselves by name in the
+module that defines them; every module of this package is imported here, so a new one is
+one new file (docs/extending.md)."""
+from servelab.registry import import_submodules
+from servelab.policies.base import (KeyedQueue, Policy, PolicyFlag, SchedulerError, make_policy,
+                                    policy_names, register_policy)
 from servelab.policies.fair import FairSharePolicy
 from servelab.policies.fcfs import FCFSPolicy
+from servelab.policies.preemption import (Preemption, make_preemption, preemption_names,
+                                          register_preemption)
 from servelab.policies.priority import PriorityPolicy
-from servelab.policies.scheduler import Scheduler, SchedulerError
+from servelab.policies.scheduler import Scheduler
 from servelab.policies.sjf import OutputLengthPredictor, SJFPolicy
 
 __all__ = [
     "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "OutputLengthPredictor", "Policy",
-    "PriorityPolicy", "SJFPolicy", "Scheduler", "SchedulerError", "build_scheduler",
-    "make_policy", "policy_names", "register_policy",
+    "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy", "Scheduler", "SchedulerError",
+    "build_scheduler", "make_policy", "make_preemption", "policy_classes", "policy_names",
+    "preemption_names", "register_policy", "register_preemption",
 ]
+
+
+def policy_classes() -> dict[str, type[Policy]]:
+    """Every registered policy class, by name (for the command-line flags they declare)."""
+    from servelab.policies.base import POLICIES
+    return dict(sorted(POLICIES.items()))
 
 
 def build_scheduler(scheduler_config, cache_config, policy: str | Policy = "fcfs",
@@ -23,3 +37,6 @@ def build_scheduler(scheduler_config, cache_config, policy: str | Policy = "fcfs
     bm = make_block_manager(cache_config, scheduler_config.max_model_len)
     return Scheduler(scheduler_config, bm, policy,
                      enable_prefix_caching=cache_config.enable_prefix_caching, **scheduler_kwargs)
+
+
+import_submodules(__name__, __path__)

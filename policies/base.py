@@ -4,21 +4,26 @@ and the choice of preemption victim.
 The scheduler never branches on a policy's name. It asks the policy for the next
 request to admit (`peek`), tells it what happened (`add`, `requeue`, `remove`,
 `on_service`), and asks which running request to give up when memory runs out
-(`victim_key`: the running request with the largest key is preempted first).
+(`victim_key`: the running request with the largest key is preempted first). What a
+policy can do beyond ordering is declared, never guessed: `preemptive` (it may preempt
+running requests for a waiting one), `charges_service` (it accounts each step's
+service), its command-line `flags`, and the `tenant_weights` it shares service by.
 
-A new policy is one subclass decorated with `@register_policy("name")`; nothing else
-changes. Keys are tuples ending in the unique request id, so no two requests ever
-compare equal and runs are reproducible.
+A new policy is one file holding a subclass decorated with `@register_policy("name")`
+(docs/extending.md); nothing else changes. Keys are tuples ending in the unique request
+id, so no two requests ever compare equal and runs are reproducible.
 """
 from __future__ import annotations
 
 import abc
 import heapq
-from typing import Callable, ClassVar, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
+from servelab.registry import Registry
 from servelab.request import Request
 
-_REGISTRY: dict[str, type["Policy"]] = {}
+POLICIES: Registry[type["Policy"]] = Registry("policy")
 
 
 class SchedulerError(RuntimeError):
@@ -29,30 +34,47 @@ def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
     """Class decorator adding a policy under `name`; a duplicate name is an error."""
 
     def deco(cls: type[Policy]) -> type[Policy]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"policy name {name!r} is already registered by "
-                             f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
+        POLICIES.add(name, cls)
         cls.name = name
-        _REGISTRY[name] = cls
         return cls
 
     return deco
 
 
 def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(POLICIES.names())
 
 
 def make_policy(name: str, **options) -> "Policy":
     """Build a registered policy; unknown names and options are clear errors."""
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}") from None
+    cls = POLICIES.get(name)
     try:
         return cls(**options)
     except TypeError as exc:
         raise ValueError(f"bad options for policy {name!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PolicyFlag:
+    """A command-line flag a policy declares: `--<flag> VALUE` sets its constructor
+    keyword `keyword` to `parse(VALUE)` (then `to_option`, if given). The help shows
+    the constructor's default unless it is None (say it in `help` then)."""
+
+    flag: str
+    """Without the dashes, e.g. "sjf-predictor"."""
+    keyword: str
+    help: str
+    parse: Callable[[str], Any] | None = None
+    """argparse `type`; None for a switch."""
+    switch: bool = False
+    """A flag without a value: giving it sets the keyword to True."""
+    choices: tuple | None = None
+    metavar: str | None = None
+    to_option: Callable[[Any], Any] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.replace("-", "_")
 
 
 class KeyedQueue:
@@ -100,12 +122,44 @@ class KeyedQueue:
 
 
 class Policy(abc.ABC):
-    """Base class. Subclasses define `waiting_key` (and may override anything else)."""
+    """Base class. Subclasses define `waiting_key` (and may override anything else), and
+    declare what they do beyond ordering in the attributes below."""
 
     name: ClassVar[str] = "abstract"
 
+    preemptive: bool = False
+    """May this policy preempt running requests for a waiting one? The scheduler asks
+    `may_preempt_for` only when True. A class attribute, or set per instance from an
+    option (priority's `preemptive=True`)."""
+
+    charges_service: ClassVar[bool] = False
+    """Does `on_service` account each step's service (fair share)? Only then does the
+    scheduler call it — every step, for every scheduled request — which also keeps it
+    from batching decodes and a fast-forward run from passing an arrival."""
+
+    flags: ClassVar[tuple[PolicyFlag, ...]] = ()
+    """Command-line flags of this policy's options (`servelab simulate`, `run`, `compare`)."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.on_service is not Policy.on_service and not cls.charges_service:
+            raise TypeError(f"{cls.__qualname__} overrides on_service but does not declare "
+                            "charges_service = True, so it would never be called")
+
     def __init__(self) -> None:
         self._queue = KeyedQueue()
+
+    @classmethod
+    def options_from_flags(cls, options: dict, seed: int) -> dict:
+        """Constructor options from the flags given (`flags`), with the run's seed for a
+        policy that draws random numbers. Default: the options as they are."""
+        return options
+
+    @property
+    def tenant_weights(self) -> Mapping[str, float] | None:
+        """The tenants' shares this policy divides service by, which a run's fairness
+        index is measured against; None (the default): every tenant counts the same."""
+        return None
 
     # --- the waiting order -------------------------------------------------------
     @abc.abstractmethod
@@ -153,16 +207,16 @@ class Policy(abc.ABC):
         return (admit_seq, req.request_id)
 
     def may_preempt_for(self, head: Request, running: Request) -> bool:
-        """May `running` be preempted so that the waiting `head` can be admitted?
-        Only preemptive policies say yes. Decide on request-level fields (priority,
-        arrival, tenant): the sequence lengths of a running request may lag while the
-        scheduler batches its decodes."""
+        """May `running` be preempted so that the waiting `head` can be admitted? Asked
+        only of a policy that declares `preemptive`; every request it is shown is
+        current."""
         return False
 
     # --- accounting ----------------------------------------------------------------
     def on_service(self, req: Request, prefill_tokens: int, output_tokens: int) -> None:
-        """Called once per scheduled request per step: the prompt (or recomputed) tokens
-        it computed and the output tokens it drew."""
+        """Called, when the policy declares `charges_service`, once per scheduled request
+        per step (or once per request for a fast-forwarded run of steps): the prompt (or
+        recomputed) tokens it computed and the output tokens it drew."""
 
     def describe(self) -> dict:
         """The policy's name and options, for config.json."""

@@ -54,6 +54,8 @@ class DecodeBatch:
         """May requests join? Decided by the scheduler (see Scheduler.__init__)."""
         self.pending = False
         """The members decode in a step that was scheduled and not yet updated."""
+        self.num_members = 0
+        """Batched sequences (one per member request)."""
         self._bm = block_manager
         self._bs = block_manager.block_size
         self._max_model_len = config.max_model_len
@@ -70,9 +72,6 @@ class DecodeBatch:
         self._synced_tick = 0                      # every member written back at this tick
         self._step_rows: tuple = ()                # the rows of the pending step
 
-    def __len__(self) -> int:
-        return len(self._members)
-
     # ------------------------------------------------------------------ within a step
     def take_step(self, listed: dict[int, Request], step, prefill: bool | None,
                   copies: list) -> bool:
@@ -82,31 +81,24 @@ class DecodeBatch:
         now (their copy-on-write pairs, if any, go to `copies`), or, in a prefill-only
         pass, wait for the decode pass — and the scheduler lists `listed` alone. False
         after handing every member back into `listed`: the one-by-one path could have
-        to preempt, so it takes the whole step."""
-        if prefill is True:
-            if self._fits_prefill_pass(listed):
-                return True
-        elif self._fits(listed, step):
-            self._schedule(step, copies)
-            return True
-        self.dissolve(listed)
-        return False
+        to preempt, so it takes the whole step.
 
-    def _fits_prefill_pass(self, listed: dict[int, Request]) -> bool:
-        """A prefill-only pass gives the budget to listed requests alone, as the one-by-one
-        path does; only a sample that decodes beside its prefilling siblings (multi-sample
-        recompute) can need memory and preempt. A one-token append takes at most one block
-        (a new one at a boundary, or the copy of a shared partial last block)."""
-        need = sum(1 for r in listed.values() for s in r.seqs
-                   if not s.finished and not s.is_prefilling)
-        return need <= self._bm.num_free_blocks
-
-    def _fits(self, listed: dict[int, Request], step) -> bool:
-        """Would the one-by-one path give every running request its whole work this step
+        The test: would the one-by-one path give every running request its whole work
         (every member its token, every listed request its full next chunk or decodes)
-        with no preemption? Then the members need not be in the order victims are taken
-        from. O(listed sequences)."""
-        n = len(self._members)
+        with no preemption? A one-token append takes at most one block (a new one at a
+        boundary, or the copy of a shared partial last block). A prefill-only pass gives
+        the budget to listed requests alone, as the one-by-one path does: only a sample
+        that decodes beside its prefilling siblings (multi-sample recompute) can need
+        memory there. O(listed sequences)."""
+        bm = self._bm
+        if prefill is True:
+            need = sum(1 for r in listed.values() for s in r.seqs
+                       if not s.finished and not s.is_prefilling)
+            if need <= bm.num_free_blocks:
+                return True
+            self.dissolve(listed)
+            return False
+        n = self.num_members
         tokens = seqs = blocks = 0
         chunk = self._chunk
         for req in listed.values():
@@ -119,27 +111,29 @@ class DecodeBatch:
                 else:
                     tokens += 1
                     blocks += 1
-        blocks += len(self._buckets[self._tick % self._bs])
-        return n + tokens <= step.tokens and n + seqs <= step.seqs \
-            and blocks <= self._bm.num_free_blocks
-
-    def _schedule(self, step, copies: list) -> None:
-        """Every member decodes one token; those whose token starts a new block get
-        their slots since they last grew."""
         tick = self._tick
-        bm = self._bm
-        for m in self._buckets[tick % self._bs].values():
-            grown = bm.append_slots(m.seq.seq_id, m.base + tick + 1 - m.bm_tokens)
+        bucket = self._buckets[tick % self._bs].values()
+        if n + tokens > step.tokens or n + seqs > step.seqs \
+                or blocks + len(bucket) > bm.num_free_blocks:
+            self.dissolve(listed)
+            return False
+        # every member decodes one token; those whose token starts a new block get
+        # their slots since they last grew
+        if bucket:
+            grown = bm.append_slots_many(
+                [(m.seq.seq_id, m.base + tick + 1 - m.bm_tokens) for m in bucket])
             if grown:
                 copies.extend(grown)
-            m.bm_tokens = m.base + tick + 1
+            for m in bucket:
+                m.bm_tokens = m.base + tick + 1
         rows = self._rows_tuple
         if rows is None:
             rows = self._rows_tuple = tuple(self._rows.values())
         self._step_rows = rows
         self.pending = True
-        step.tokens -= len(rows)
-        step.seqs -= len(rows)
+        step.tokens -= n
+        step.seqs -= n
+        return True
 
     def work(self, listed: list) -> ScheduledWork:
         """The step's work: the members' decodes (when this step scheduled them), then
@@ -190,6 +184,7 @@ class DecodeBatch:
         m = _Member(req, seq, base, out_base, seq.num_tokens - 1, finish, self._joins)
         rid = req.request_id
         self._members[rid] = m
+        self.num_members += 1
         self._rows[rid] = (rid, seq.seq_id, base)
         self._rows_tuple = None
         self._buckets[-base % self._bs][rid] = m
@@ -213,6 +208,7 @@ class DecodeBatch:
         rid = m.req.request_id
         self._write_back(m)
         del self._members[rid]
+        self.num_members -= 1
         del self._rows[rid]
         self._rows_tuple = None
         del self._buckets[-m.base % self._bs][rid]
@@ -225,6 +221,7 @@ class DecodeBatch:
             self._write_back(m)
             listed[m.req.request_id] = m.req
         self._members.clear()
+        self.num_members = 0
         self._rows.clear()
         self._rows_tuple = ()
         for bucket in self._buckets:
@@ -248,8 +245,29 @@ class DecodeBatch:
         (`admits`). Either every running request is a member (O(block_size)) or none is
         (O(sequences)): the scheduler dissolves a batch that decodes beside listed
         requests first."""
-        if self._members:
-            return self._members_run_bound(limit, admits)
+        if self._members:  # O(block_size): the earliest finish off the heap, blocks by bucket
+            finishes, members = self._finishes, self._members
+            while finishes and (finishes[0][2] not in members
+                                or members[finishes[0][2]].join_no != finishes[0][1]):
+                heapq.heappop(finishes)  # stale: that member left
+            tick, n = self._tick, len(members)
+            k = min(limit, finishes[0][0] - tick - 1)
+            if k <= 0 or n > self._max_run_seqs or admits(n):
+                return 0
+            # Step j of the run (at tick + j) takes one block per member of bucket
+            # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
+            # first r buckets of the cycle.
+            bs, buckets = self._bs, self._buckets
+            q, spare = divmod(self._bm.num_free_blocks, n)
+            if k <= q * bs:
+                return k  # memory for q whole cycles: the finish comes first
+            r = 0
+            while r < bs - 1:
+                spare -= len(buckets[(tick + r) % bs])
+                if spare < 0:
+                    break
+                r += 1
+            return min(k, q * bs + r)
         k = limit
         seq_ids = []
         max_len = self._max_model_len
@@ -273,32 +291,6 @@ class DecodeBatch:
             return 0
         return self._bm.max_uniform_growth(seq_ids, k)
 
-    def _members_run_bound(self, limit: int, admits: Admits) -> int:
-        """run_bound when every running request is a member: the earliest finish from the
-        heap, and the blocks the run takes counted by bucket. O(block_size)."""
-        finishes, members = self._finishes, self._members
-        while finishes and (finishes[0][2] not in members
-                            or members[finishes[0][2]].join_no != finishes[0][1]):
-            heapq.heappop(finishes)  # stale: that member left
-        tick, n = self._tick, len(members)
-        k = min(limit, finishes[0][0] - tick - 1)
-        if k <= 0 or n > self._max_run_seqs or admits(n):
-            return 0
-        # Step j of the run (at tick + j) takes one block per member of bucket
-        # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
-        # first r buckets of the cycle.
-        bs, buckets = self._bs, self._buckets
-        q, spare = divmod(self._bm.num_free_blocks, n)
-        if k <= q * bs:
-            return k  # memory for q whole cycles: the finish comes first
-        r = 0
-        while r < bs - 1:
-            spare -= len(buckets[(tick + r) % bs])
-            if spare < 0:
-                break
-            r += 1
-        return min(k, q * bs + r)
-
     def advance(self, num_steps: int, running: dict[int, Request],
                 on_service: Callable[[Request, int, int], None] | None) -> None:
         """Apply `num_steps` plain decode steps at once (`run_bound` allowed at least that
@@ -313,11 +305,11 @@ class DecodeBatch:
             # only members whose slots crossed a block boundary during the run grow now
             growing = self._members.values() if num_steps >= bs else [
                 m for j in range(num_steps) for m in self._buckets[(start + j) % bs].values()]
+            growing = [m for m in growing if m.base + tick > m.bm_tokens]
+            if bm.append_slots_many([(m.seq.seq_id, m.base + tick - m.bm_tokens) for m in growing]):
+                raise SchedulerError("a fast-forward needed a block copy")
             for m in growing:
-                if m.base + tick > m.bm_tokens:
-                    if bm.append_slots(m.seq.seq_id, m.base + tick - m.bm_tokens):
-                        raise SchedulerError("a fast-forward needed a block copy")
-                    m.bm_tokens = m.base + tick
+                m.bm_tokens = m.base + tick
             return
         for req in running.values():
             live = 0

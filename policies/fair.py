@@ -1,9 +1,28 @@
 """Fair share across tenants with the Virtual Token Counter (VTC, OSDI'24)."""
 from __future__ import annotations
 
+import argparse
+
 from servelab._validate import check_float
-from servelab.policies.base import KeyedQueue, Policy, register_policy
+from servelab.options import positive_float
+from servelab.policies.base import KeyedQueue, Policy, PolicyFlag, register_policy
 from servelab.request import Request
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """'a=1,b=2.5' -> {'a': 1.0, 'b': 2.5}; each tenant once, each weight > 0."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT items, got {item!r}")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"tenant {name!r} is given twice")
+        weights[name] = positive_float(value)
+    if not weights:
+        raise argparse.ArgumentTypeError("expected at least one TENANT=WEIGHT item")
+    return weights
 
 
 @register_policy("fair")
@@ -21,6 +40,10 @@ class FairSharePolicy(Policy):
     Cost of `peek`: O(number of backlogged tenants).
     """
 
+    charges_service = True
+    flags = (PolicyFlag("tenant-weights", "weights", "tenant shares (default 1 each)",
+                        parse=parse_tenant_weights, metavar="A=W,B=W"),)
+
     def __init__(self, weights: dict[str, float] | None = None, input_weight: float = 1.0,
                  output_weight: float = 2.0) -> None:
         super().__init__()
@@ -36,6 +59,10 @@ class FairSharePolicy(Policy):
         self._base: dict[str, float] = {}
         self._tokens: dict[str, list[int]] = {}
         self._queues: dict[str, KeyedQueue] = {}
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return self.weights
 
     def counter(self, tenant: str) -> float:
         base = self._base.get(tenant, 0.0)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from servelab._validate import check_float
-from servelab.policies.base import Policy, register_policy
+from servelab.options import non_negative_float
+from servelab.policies.base import Policy, PolicyFlag, register_policy
 from servelab.request import Request
 
 
@@ -20,6 +21,13 @@ class PriorityPolicy(Policy):
     may preempt running requests of strictly lower priority (larger value) — under
     continuous batching only: a static batch is never preempted for a waiting request.
     """
+
+    flags = (
+        PolicyFlag("priority-aging-rate", "aging_rate", "effective priority improves by R per "
+                   "second waited", parse=non_negative_float, metavar="R"),
+        PolicyFlag("preemptive-priority", "preemptive", "a waiting request may preempt "
+                   "lower-priority running ones", switch=True),
+    )
 
     def __init__(self, aging_rate: float = 0.0, preemptive: bool = False) -> None:
         super().__init__()

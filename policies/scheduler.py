@@ -35,6 +35,7 @@ from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.decode_batch import DecodeBatch
+from servelab.policies.preemption import make_preemption
 from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
 
@@ -61,7 +62,8 @@ class Scheduler:
         self.prefix_caching = enable_prefix_caching
         self.emit_block_tables = emit_block_tables
         self.keep_token_times = keep_token_times
-        self._charges_service = type(policy).on_service is not Policy.on_service
+        self._charges_service = policy.charges_service
+        self._preemption = make_preemption(config.preemption)
         self.block_size = block_manager.block_size
         self._chunk = config.chunked_prefill or (1 << 62)
         self._requests: dict[int, Request] = {}
@@ -78,8 +80,7 @@ class Scheduler:
         self.num_preemptions = 0
         # A static batch runs until all its members finish: nothing preempts it for a
         # waiting request (which could not join it anyway).
-        self._may_preempt = type(policy).may_preempt_for is not Policy.may_preempt_for \
-            and bool(getattr(policy, "preemptive", True)) and config.batching != "static"
+        self._may_preempt = policy.preemptive and config.batching != "static"
         # Plain decodes join the batch unless the executor needs block tables or token
         # times per sequence, or the policy charges service per request.
         self._batch = DecodeBatch(config, block_manager, enabled=(
@@ -201,11 +202,12 @@ class Scheduler:
         listed: list[ScheduledSeq] = []
         for entries in step.entries.values():
             listed.extend(entries)
-        out.scheduled = work = self._batch.work(listed)
+        out.scheduled = self._batch.work(listed)
         if self.emit_block_tables:
             table = self.bm.block_table
-            out.block_tables = {e.seq_id: table(e.seq_id) for e in work}
-        if not (work or out.swap_in or out.preempted or out.rejected) and self.has_unfinished():
+            out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
+        if not (listed or self._batch.pending or out.swap_in or out.preempted or out.rejected) \
+                and self.has_unfinished():
             self._stalled(now)
         self._scheduled, self._scheduled_listed = out, listed
         return out
@@ -228,7 +230,7 @@ class Scheduler:
         The batch takes its members' part first, or hands them back to be listed."""
         bm = self.bm
         batch = self._batch
-        if batch and batch.take_step(self._listed, step, prefill, out.copies):
+        if batch.num_members and batch.take_step(self._listed, step, prefill, out.copies):
             order = self._running_order(self._listed) if self._listed else []
         else:
             order = self._running_order(self._running)
@@ -338,17 +340,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
-        """Preempt a running request not scheduled in this step: swap when asked and
-        the CPU pool has room, else recompute (free the KV; back to the waiting queue,
-        where its unchanged key puts it ahead of later arrivals)."""
+        """Preempt a running request not scheduled in this step, as the preemption
+        strategy decides: swap its KV out, or recompute (free the KV; back to the
+        waiting queue, where its unchanged key puts it ahead of later arrivals)."""
         rid = req.request_id
         self._stop_running(rid)
         seq_ids = [s.seq_id for s in req.seqs if not s.finished]
-        if allow_swap and self.config.preemption == "swap" and self.bm.can_swap_out(seq_ids):
+        mode = self._preemption.outcome(req, seq_ids, self.bm, allow_swap)
+        if mode is PreemptionMode.SWAP:
             out.swap_out.extend(self.bm.swap_out(seq_ids))
             req.status = RequestStatus.SWAPPED
             self.swapped[rid] = req
-            mode = PreemptionMode.SWAP
         else:
             for s in req.seqs:
                 if not s.finished:
@@ -356,7 +358,6 @@ class Scheduler:
                     s.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
             self.policy.requeue(req, now)
-            mode = PreemptionMode.RECOMPUTE
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append((rid, mode))
@@ -466,7 +467,7 @@ class Scheduler:
                 return
             if seats is None:
                 # max_num_seqs bounds the running sequences, scheduled this step or not
-                seats = self.config.max_num_seqs - len(self._batch) - sum(
+                seats = self.config.max_num_seqs - self._batch.num_members - sum(
                     1 for r in self._listed.values() for s in r.seqs if not s.finished)
             live = sum(1 for s in req.seqs if not s.finished)
             if live > seats:
@@ -693,7 +694,7 @@ class Scheduler:
         if self.swapped or self._pending_rejects or not self._running or limit <= 0:
             return 0
         batch = self._batch
-        if batch and self._listed:  # batched decodes beside listed requests
+        if batch.num_members and self._listed:  # batched decodes beside listed requests
             if any(s.is_prefilling for r in self._listed.values() for s in r.seqs):
                 return 0
             batch.dissolve(self._listed)

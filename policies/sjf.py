@@ -5,7 +5,8 @@ import math
 import random
 
 from servelab._validate import check_choice, check_float
-from servelab.policies.base import KeyedQueue, Policy, register_policy
+from servelab.options import positive_float
+from servelab.policies.base import KeyedQueue, Policy, PolicyFlag, register_policy
 from servelab.request import Request
 
 PREDICTORS = ("oracle", "noisy", "prompt")
@@ -51,6 +52,17 @@ class OutputLengthPredictor:
         return d
 
 
+def _wait_seconds(text: str) -> float:
+    """SECONDS (> 0) or 'off' (infinity: the guard never fires)."""
+    if text.strip().lower() == "off":
+        return math.inf
+    return positive_float(text)
+
+
+def _off_is_none(seconds: float) -> float | None:
+    return None if seconds == math.inf else seconds
+
+
 @register_policy("sjf")
 class SJFPolicy(Policy):
     """Admit the request with the least predicted remaining output first.
@@ -64,6 +76,18 @@ class SJFPolicy(Policy):
 
     Victim: the running request with the longest predicted remaining output.
     """
+
+    flags = (
+        PolicyFlag("sjf-predictor", "predictor", "output-length predictor", choices=PREDICTORS),
+        PolicyFlag("sjf-max-wait-s", "max_wait_s", "starvation guard: admit the oldest first "
+                   "once it waited S seconds, or 'off'", parse=_wait_seconds, metavar="S|off",
+                   to_option=_off_is_none),
+    )
+
+    @classmethod
+    def options_from_flags(cls, options: dict, seed: int) -> dict:
+        """A noisy predictor draws its errors from the run's seed."""
+        return {**options, "seed": seed} if options.get("predictor") == "noisy" else options
 
     def __init__(self, predictor: str = "oracle", sigma: float = 0.5, seed: int = 0,
                  aging_rate: float = 0.0, max_wait_s: float | None = 30.0) -> None:

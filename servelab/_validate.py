@@ -25,6 +25,12 @@ def check_choice(owner: str, name: str, value, choices) -> None:
         raise ValueError(f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
+def check_name(owner: str, name: str, value) -> None:
+    """A registry name: a non-empty string (which names exist, the registry checks)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{owner}.{name} must be a non-empty name, got {value!r}")
+
+
 def check_known_keys(data: dict, known, what: str) -> None:
     """Reject keys of `data` outside `known`: "<what> a, b; known: ..."."""
     unknown = sorted(set(data) - set(known))

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from servelab._validate import check_choice, check_float, check_int
+from servelab._validate import check_choice, check_float, check_int, check_name
 
-PREEMPTION_MODES = ("recompute", "swap")
 STEP_COMPOSITIONS = ("decode_first", "prefill_first")
 BATCHING_MODES = ("continuous", "static")
-BLOCK_MANAGERS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
 @dataclass(frozen=True)
@@ -30,6 +28,8 @@ class SchedulerConfig:
     """decode_first: running decodes first, then prefill chunks fill the budget (Sarathi
     stall-free); prefill_first: waiting prefills first, decodes only in steps without one."""
     preemption: str = "recompute"
+    """A registered preemption strategy (servelab.policies.preemption: recompute, swap);
+    the name is checked when a scheduler is built."""
     max_model_len: int = 8192
     waiting_queue_limit: int | None = None
     """Reject arrivals when this many requests already wait (the HTTP 429 analogue)."""
@@ -43,7 +43,7 @@ class SchedulerConfig:
         if self.chunked_prefill is not None:
             check_int(o, "chunked_prefill", self.chunked_prefill, 1)
         check_choice(o, "step_composition", self.step_composition, STEP_COMPOSITIONS)
-        check_choice(o, "preemption", self.preemption, PREEMPTION_MODES)
+        check_name(o, "preemption", self.preemption)
         check_int(o, "max_model_len", self.max_model_len, 2)
         if self.waiting_queue_limit is not None:
             check_int(o, "waiting_queue_limit", self.waiting_queue_limit, 0)
@@ -63,6 +63,8 @@ class CacheConfig:
     """Fraction of GPU blocks kept free when admitting new sequences (vLLM v0: 1%)."""
     enable_prefix_caching: bool = False
     block_manager: str = "paged"
+    """A registered block manager (servelab.memory.registry: paged, contiguous-max,
+    contiguous-pow2, contiguous-oracle); the name is checked when one is built."""
 
     def __post_init__(self) -> None:
         o = "CacheConfig"
@@ -72,7 +74,7 @@ class CacheConfig:
         check_float(o, "watermark", self.watermark, 0.0, 0.5)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"{o}.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        check_choice(o, "block_manager", self.block_manager, BLOCK_MANAGERS)
+        check_name(o, "block_manager", self.block_manager)
 
     @property
     def watermark_blocks(self) -> int:

@@ -2,7 +2,9 @@
 command that runs the scheduler (`simulate`, `run`, ...), and their conversion to configs.
 
 One definition per flag, so `servelab simulate` and `servelab run` accept the same
-spelling, defaults and validation:
+spelling, defaults and validation. Policy flags, preemption modes and block managers come
+from their registries (`servelab.policies`, `servelab.memory`): each policy declares its
+own flags (`Policy.flags`), so nothing here names a policy.
 
     add_scheduler_options(parser, policies=policy_names())
     add_workload_options(parser)
@@ -15,18 +17,17 @@ Pure standard library: importing it costs nothing.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import re
 from dataclasses import fields
 from typing import NamedTuple, Sequence
 
 from servelab.cli import CLIError
-from servelab.config import (BATCHING_MODES, BLOCK_MANAGERS, PREEMPTION_MODES, STEP_COMPOSITIONS,
-                             CacheConfig, SchedulerConfig)
+from servelab.config import BATCHING_MODES, STEP_COMPOSITIONS, CacheConfig, SchedulerConfig
 
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
-SJF_PREDICTORS = ("oracle", "noisy", "prompt")
 
 #: Config field -> the flag that sets it (for error messages).
 _FLAG_OF = {
@@ -39,16 +40,6 @@ _FLAG_OF = {
     "enable_prefix_caching": "--prefix-caching",
     "block_manager": "--block-manager",
 }
-
-#: Policy flags: args attribute -> (the policy it applies to, its constructor keyword).
-_POLICY_FLAGS = {
-    "priority_aging_rate": ("priority", "aging_rate"),
-    "preemptive_priority": ("priority", "preemptive"),
-    "sjf_predictor": ("sjf", "predictor"),
-    "sjf_max_wait_s": ("sjf", "max_wait_s"),
-    "tenant_weights": ("fair", "weights"),
-}
-
 
 class SchedulerOptions(NamedTuple):
     scheduler: SchedulerConfig
@@ -109,36 +100,16 @@ def chunk_tokens(text: str) -> int | None:
     return positive_int(text)
 
 
-def wait_seconds(text: str) -> float:
-    """SECONDS (> 0) or 'off' (infinity: the guard never fires)."""
-    if text.strip().lower() == "off":
-        return math.inf
-    return positive_float(text)
-
-
-def tenant_weights(text: str) -> dict[str, float]:
-    """'a=1,b=2.5' -> {'a': 1.0, 'b': 2.5}; each tenant once, each weight > 0."""
-    weights: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT items, got {item!r}")
-        if name in weights:
-            raise argparse.ArgumentTypeError(f"tenant {name!r} is given twice")
-        weights[name] = positive_float(value)
-    if not weights:
-        raise argparse.ArgumentTypeError("expected at least one TENANT=WEIGHT item")
-    return weights
-
-
 # --------------------------------------------------------------------------- options
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser,
                           policies: Sequence[str] | None = None) -> None:
-    """Scheduler, KV-cache and policy flags, in three help groups. `policies` lists the
-    registered policy names for --policy's choices (the caller imports the registry)."""
+    """Scheduler, KV-cache and policy flags, in three help groups. `policies` limits
+    --policy's choices (default: every registered policy); every registered policy's
+    own flags are offered, each applying to its policy only."""
+    from servelab.memory import block_manager_names
+    from servelab.policies import policy_classes, preemption_names
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=positive_int, default=_SCHED_DEFAULTS["max_num_seqs"],
                    metavar="N", help="most sequences in one step (default %(default)s)")
@@ -152,7 +123,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     s.add_argument("--step-composition", choices=STEP_COMPOSITIONS,
                    default=_SCHED_DEFAULTS["step_composition"],
                    help="decode_first (stall-free) or prefill_first (default %(default)s)")
-    s.add_argument("--preemption", choices=PREEMPTION_MODES, default=_SCHED_DEFAULTS["preemption"],
+    s.add_argument("--preemption", choices=preemption_names(), default=_SCHED_DEFAULTS["preemption"],
                    help="recompute, or swap to the CPU pool (--cpu-kv-blocks) "
                         "(default %(default)s)")
     s.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
@@ -171,7 +142,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     c.add_argument("--cpu-kv-blocks", type=non_negative_int, metavar="N",
                    default=_CACHE_DEFAULTS["num_cpu_blocks"],
                    help="CPU swap-pool blocks (default %(default)s: swap falls back to recompute)")
-    c.add_argument("--block-manager", choices=BLOCK_MANAGERS,
+    c.add_argument("--block-manager", choices=block_manager_names(),
                    default=_CACHE_DEFAULTS["block_manager"],
                    help="paged, or a contiguous reserve-up-front baseline (default %(default)s)")
     c.add_argument("--watermark", type=non_negative_float, default=_CACHE_DEFAULTS["watermark"],
@@ -182,19 +153,23 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
                    help="reuse the KV of shared prompt prefixes (default: off)")
 
     p = parser.add_argument_group("policy")
-    p.add_argument("--policy", default="fcfs", choices=list(policies) if policies else None,
+    p.add_argument("--policy", default="fcfs",
+                   choices=list(policies) if policies is not None else list(policy_classes()),
                    help="scheduling policy (default %(default)s)")
-    p.add_argument("--priority-aging-rate", type=non_negative_float, default=None, metavar="R",
-                   help="priority: effective priority improves by R per second waited")
-    p.add_argument("--preemptive-priority", action="store_true", default=None,
-                   help="priority: a waiting request may preempt lower-priority running ones")
-    p.add_argument("--sjf-predictor", choices=SJF_PREDICTORS, default=None,
-                   help="sjf: output-length predictor (default oracle)")
-    p.add_argument("--sjf-max-wait-s", type=wait_seconds, default=None, metavar="S|off",
-                   help="sjf: starvation guard, admit oldest first once it waited S seconds "
-                        "(default 30)")
-    p.add_argument("--tenant-weights", type=tenant_weights, default=None, metavar="A=W,B=W",
-                   help="fair: tenant shares (default 1 each)")
+    for name, cls in policy_classes().items():
+        for flag in cls.flags:
+            _add_policy_flag(p, name, cls, flag)
+
+
+def _add_policy_flag(group, policy: str, cls, flag) -> None:
+    """One declared policy flag; its help names the policy and the constructor default."""
+    default = inspect.signature(cls).parameters[flag.keyword].default
+    shown = "" if flag.switch or default in (None, inspect.Parameter.empty) \
+        else f" (default {default})"
+    kwargs = dict(action="store_true") if flag.switch else dict(
+        type=flag.parse, choices=flag.choices, metavar=flag.metavar)
+    group.add_argument("--" + flag.flag, dest=flag.dest, default=None,
+                       help=f"{policy}: {flag.help}{shown}", **kwargs)
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -235,20 +210,29 @@ def configs_from_args(args: argparse.Namespace, *,
 
 def policy_options_from_args(args: argparse.Namespace) -> dict:
     """Constructor options of args.policy from the policy flags that were given."""
+    from servelab.policies import policy_classes
+
     options: dict = {}
-    for attr, (policy, keyword) in _POLICY_FLAGS.items():
-        value = getattr(args, attr, None)
+    for policy, flag in _policy_flags(policy_classes()):
+        value = getattr(args, flag.dest, None)
         if value is None:
             continue
         if policy != args.policy:
-            flag = "--" + attr.replace("_", "-")
-            raise CLIError(f"{flag} applies to --policy {policy}, not {args.policy}")
-        if keyword == "max_wait_s" and value == math.inf:
-            value = None  # 'off'
-        options[keyword] = value
-    if options.get("predictor") == "noisy":
-        options["seed"] = getattr(args, "seed", 0)
-    return options
+            raise CLIError(f"--{flag.flag} applies to --policy {policy}, not {args.policy}")
+        options[flag.keyword] = flag.to_option(value) if flag.to_option else value
+    cls = policy_classes().get(args.policy)
+    return cls.options_from_flags(options, getattr(args, "seed", 0)) if cls else options
+
+
+def policy_flag_owners() -> dict[str, str]:
+    """Each policy flag's argparse dest -> the policy it configures."""
+    from servelab.policies import policy_classes
+
+    return {flag.dest: policy for policy, flag in _policy_flags(policy_classes())}
+
+
+def _policy_flags(classes: dict) -> list:
+    return [(name, flag) for name, cls in classes.items() for flag in cls.flags]
 
 
 def _checked(cls, kwargs: dict):

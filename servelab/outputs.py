@@ -122,7 +122,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to move: an executor has no work."""
-        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+        work = self.scheduled
+        return not (work._rows or work._listed or self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(slots=True)

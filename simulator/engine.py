@@ -1,12 +1,13 @@
 """The simulator's SimPy processes: trace arrivals, and one engine per replica.
 
     arrivals ──(router)──► Replica.submit ──► scheduler.add_request
-    Replica.run:  engine_step (schedule → SimulatedExecutor → update) ; sleep the step's
+    Replica.run:  engine_loop (schedule → SimulatedExecutor → update) ; sleep the step's
                   modelled duration ; publish finished records ; maybe fast-forward
 
-Every replica runs the shared `servelab.engine.engine_step`, the same call the real
-backend makes, so the simulator cannot drift from the engine it models. An idle engine
-waits on a SimPy event that the next arrival to it triggers: it never polls.
+Every replica runs the shared `servelab.engine.engine_loop`, the loop the real backend
+runs, as a SimPy process with itself as the driver, so the simulator cannot drift from
+the engine it models. An idle engine waits on a SimPy event that the next arrival to it
+triggers: it never polls.
 
 Event order is explicit, as SimPy orders by (time, priority, insertion id): an arrival is
 released with URGENT priority, an engine step ends with NORMAL priority, so requests
@@ -34,7 +35,7 @@ from typing import Callable, Iterator, Sequence
 from simpy import Environment
 from simpy.events import NORMAL, URGENT, Event
 
-from servelab.engine import engine_step
+from servelab.engine import EngineStep, engine_loop
 from servelab.outputs import BatchShape
 from servelab.policies import Scheduler
 from servelab.records import RequestRecord, StepRecord
@@ -124,33 +125,36 @@ class Replica:
         self.records.extend(records)
 
     def run(self) -> Iterator[Event]:
-        """The engine process: one engine step per iteration, sleeping its duration."""
-        env, sched, executor = self.env, self.scheduler, self.executor
-        bm = sched.bm
-        total_blocks = bm.num_gpu_blocks
+        """The engine process: the shared engine loop, with this replica as its driver."""
+        return engine_loop(self.scheduler, self.executor, self)
 
-        def used_blocks() -> int:
-            return bm.num_used_blocks
+    # --- the engine loop's driver (servelab.engine.EngineDriver) ----------------------
+    def step_time(self) -> float:
+        return self.env.now
 
-        while True:
-            step = engine_step(sched, executor, env.now, total_blocks, used_blocks)
-            if step.result is None:
-                # Nothing to compute: rejections or preemptions only (schedule again at
-                # once), or idle (sleep until an arrival wakes us).
-                self._publish(step.records)
-                if not sched.has_unfinished():
-                    self._wake = env.event()
-                    yield self._wake
-                continue
-            self.steps.append(step.step)
-            yield _Timeout(env, step.result.duration_s, NORMAL)
-            if step.records:
-                self._publish(step.records)
-            # a prompt still prefilling runs again next step: no decode run can start
-            if self.fast_forward and not step.output.scheduled.prefill_continues():
-                duration = self._decode_run(env.now)
-                if duration is not None:
-                    yield _Timeout(env, duration, NORMAL)
+    def ran(self, step: EngineStep) -> Event:
+        """Sleep the step's duration."""
+        self.steps.append(step.step)
+        return _Timeout(self.env, step.result.duration_s, NORMAL)
+
+    def finished(self, step: EngineStep) -> Event | None:
+        """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
+        if step.records:
+            self._publish(step.records)
+        # a prompt still prefilling runs again next step: no decode run can start
+        if self.fast_forward and not step.output.scheduled.prefill_continues():
+            duration = self._decode_run(self.env.now)
+            if duration is not None:
+                return _Timeout(self.env, duration, NORMAL)
+        return None
+
+    def ran_nothing(self, step: EngineStep) -> None:
+        self._publish(step.records)
+
+    def idle(self) -> tuple[Event]:
+        """Sleep until an arrival wakes us (a replica waits for ever after the last)."""
+        self._wake = self.env.event()
+        return (self._wake,)
 
     def _decode_run(self, now: float) -> float | None:
         """Apply a run of plain decode steps starting `now`, if one of >= 2 steps is

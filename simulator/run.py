@@ -30,7 +30,7 @@ from typing import Any
 
 from servelab import __version__
 from servelab._validate import check_choice, check_float, check_int, check_known_keys
-from servelab.config import BLOCK_MANAGERS, CacheConfig, SchedulerConfig
+from servelab.config import CacheConfig, SchedulerConfig
 from servelab.records import RequestRecord, StepRecord
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
@@ -125,7 +125,10 @@ class SimulationConfig:
         if self.kv_blocks is not None:
             check_int(o, "kv_blocks", self.kv_blocks, 1)
         check_int(o, "cpu_kv_blocks", self.cpu_kv_blocks, 0)
-        check_choice(o, "block_manager", self.block_manager, BLOCK_MANAGERS)
+        from servelab.memory import block_manager_names
+        from servelab.policies import preemption_names
+        check_choice(o, "block_manager", self.block_manager, block_manager_names())
+        check_choice(o, "scheduler.preemption", self.scheduler.preemption, preemption_names())
         check_float(o, "watermark", self.watermark, 0.0, 0.5)
         check_int(o, "replicas", self.replicas, 1)
         check_choice(o, "router", self.router, tuple(ROUTERS))
@@ -146,8 +149,10 @@ class SimulationConfig:
 
     @property
     def tenant_weights(self) -> dict[str, float] | None:
-        """The fair-share weights, which the fairness index is measured against."""
-        return self.policy_options.get("weights") if self.policy == "fair" else None
+        """The tenant shares the policy serves by, which the fairness index is measured
+        against (`Policy.tenant_weights`)."""
+        from servelab.policies import make_policy
+        return make_policy(self.policy, **self.policy_options).tenant_weights
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -23,16 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.cli import CLIError
-from servelab.config import BLOCK_MANAGERS, PREEMPTION_MODES
+from servelab.memory import block_manager_names
+from servelab.options import policy_flag_owners
+from servelab.policies import preemption_names
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
-
-#: Policy flags (their argparse dest) and the policy each configures: at a point of
-#: another policy the flag is reset to its default.
-POLICY_FLAG_OWNERS = {
-    "priority_aging_rate": "priority", "preemptive_priority": "priority",
-    "sjf_predictor": "sjf", "sjf_max_wait_s": "sjf", "tenant_weights": "fair",
-}
 
 
 def _positive_int(text: str) -> int:
@@ -71,10 +66,10 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--models", "model", "--model", _name, "M,M,..."),
     ("--gpus", "gpu", "--gpu", _name, "G,G,..."),
     ("--tps", "tp", "--tp", _positive_int, "N,N,..."),
-    ("--block-managers", "block_manager", "--block-manager", _one_of(BLOCK_MANAGERS), "BM,BM,..."),
+    ("--block-managers", "block_manager", "--block-manager", _one_of(tuple(block_manager_names())), "BM,BM,..."),
     ("--block-sizes", "block_size", "--block-size", _positive_int, "TOKENS,..."),
     ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
-    ("--preemptions", "preemption", "--preemption", _one_of(PREEMPTION_MODES), "MODE,MODE,..."),
+    ("--preemptions", "preemption", "--preemption", _one_of(tuple(preemption_names())), "MODE,MODE,..."),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
@@ -154,7 +149,7 @@ def grid_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
             values = (args.rate,)
         if values is not None:
             axes[axis] = values
-    for dest, policy in POLICY_FLAG_OWNERS.items():
+    for dest, policy in policy_flag_owners().items():
         if getattr(args, dest) != parser.get_default(dest) and policy not in axes["policy"]:
             flag = "--" + dest.replace("_", "-")
             raise CLIError(f"{flag} configures --policy {policy}, which is not among the "
@@ -175,7 +170,7 @@ def point_config(args: argparse.Namespace, parser: argparse.ArgumentParser, valu
     ns = argparse.Namespace(**vars(args))
     for axis, value in values.items():
         setattr(ns, axis, value)
-    for dest, policy in POLICY_FLAG_OWNERS.items():
+    for dest, policy in policy_flag_owners().items():
         if policy != ns.policy:
             setattr(ns, dest, parser.get_default(dest))
     return config_from_args(ns)

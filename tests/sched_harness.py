@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.engine import engine_step
+from servelab.engine import Replay, VirtualClock, engine_loop, run_to_end
 from servelab.outputs import SchedulerOutput, StepResult
 from servelab.policies import Scheduler, build_scheduler
 from servelab.records import RequestRecord
@@ -79,38 +79,53 @@ def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
     if on_schedule is not None:
         executor = _Spy(executor, lambda out: on_schedule(scheduler, out))
     run = Run(scheduler)
-    pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
-    i, now = 0, 0.0
-    seen: set[int] = set()
-    bm = scheduler.bm
-    for _ in range(max_steps):
-        while i < len(pending) and pending[i].arrival_s <= now:
-            scheduler.add_request(pending[i], now)
-            i += 1
-        step = engine_step(scheduler, executor, now, bm.num_gpu_blocks, lambda: bm.num_used_blocks)
+    driver = _Checked(run, requests, sched, executor, check_every_step, max_steps, on_step,
+                      fast_forward)
+    run_to_end(engine_loop(scheduler, executor, driver))
+    return run
+
+
+class _Checked(Replay):
+    """The shared engine loop on a virtual clock, checking every step."""
+
+    def __init__(self, run: Run, requests, sched, executor, check_every_step, max_steps,
+                 on_step, fast_forward) -> None:
+        super().__init__(run.scheduler, requests, VirtualClock())
+        self.run, self.sched, self.executor = run, sched, executor
+        self.check_every_step, self.on_step, self.fast_forward = check_every_step, on_step, fast_forward
+        self.max_steps = self.steps_left = max_steps
+        self.seen: set[int] = set()
+
+    def step_time(self) -> float:
+        if not self.steps_left:
+            raise AssertionError(f"did not finish within {self.max_steps} steps")
+        self.steps_left -= 1
+        return super().step_time()
+
+    def took(self, step) -> None:
+        run, scheduler = self.run, self.scheduler
         run.records.extend(step.records)
         if step.result is None:
             if not step.output.rejected and not step.output.preempted:
-                assert not scheduler.has_unfinished() or i < len(pending), "idle while work waits"
-            if i >= len(pending) and not scheduler.has_unfinished():
-                return run
-            if i < len(pending):
-                now = max(now, pending[i].arrival_s)
-            continue
+                assert not scheduler.has_unfinished() or self.next < len(self.pending), \
+                    "idle while work waits"
+            return
         run.outputs.append(step.output)
         for e in step.output.scheduled:
-            if e.request_id not in seen:
-                seen.add(e.request_id)
+            if e.request_id not in self.seen:
+                self.seen.add(e.request_id)
                 run.admitted.append(e.request_id)
-        if check_every_step:
-            bm.check_invariants()
-            assert_step_within_limits(step.output, sched, bm)
-        if on_step is not None:
-            on_step(scheduler, step.output)
-        now += step.result.duration_s
-        if fast_forward:
-            now = _fast_forward(scheduler, executor, now, pending[i].arrival_s if i < len(pending) else None, run)
-    raise AssertionError(f"did not finish within {max_steps} steps")
+        if self.check_every_step:
+            scheduler.bm.check_invariants()
+            assert_step_within_limits(step.output, self.sched, scheduler.bm)
+        if self.on_step is not None:
+            self.on_step(scheduler, step.output)
+
+    def after(self, step) -> None:
+        if self.fast_forward:
+            _fast_forward(self.scheduler, self.executor, self.clock,
+                          self.pending[self.next].arrival_s if self.next < len(self.pending) else None,
+                          self.run)
 
 
 def assert_step_within_limits(out: SchedulerOutput, sched: SchedulerConfig, bm) -> None:
@@ -131,8 +146,9 @@ class _Spy:
         return self.inner.execute(out)
 
 
-def _fast_forward(scheduler, executor, now, next_arrival, run) -> float:
+def _fast_forward(scheduler, executor, clock, next_arrival, run) -> None:
     step_s = executor.step_s
+    now = clock.now()
     limit = 1 << 30
     if next_arrival is not None:
         # step j of the run starts at now + j·step_s and must start before the arrival
@@ -144,5 +160,4 @@ def _fast_forward(scheduler, executor, now, next_arrival, run) -> float:
         scheduler.advance_decodes(k)
         run.fast_forwarded += k
         for _ in range(k):
-            now += step_s
-    return now
+            clock.advance(step_s)

@@ -85,6 +85,45 @@ def test_append_bad_count(m, k):
                     "append_slots: num_new_tokens must be an integer >= 0")
 
 
+def test_append_many_bad_input(m):
+    assert_rejected(m, lambda: m.append_slots_many([("a", 1), ("zz", 1)]),
+                    "unknown sequence 'zz'")
+    assert_rejected(m, lambda: m.append_slots_many([("a", 1), ("s", 1)]), "'s' is swapped out")
+    assert_rejected(m, lambda: m.append_slots_many([("a", -1)]), "num_new_tokens must be an integer >= 0")
+
+
+def test_append_many_is_all_or_nothing(m):
+    """'c' fits, 'a' then does not: 'c' has not grown either."""
+    alloc(m, "c", 1)
+    assert_rejected(m, lambda: m.append_slots_many([("c", 3), ("a", 64)]),
+                    "append_slots_many: no room")
+    assert_rejected(m, lambda: m.append_slots_many([("c", 1), ("c", 1)]), "listed twice")
+
+
+def test_paged_append_many_checks_the_batch_as_a_whole():
+    """Each growth fits alone, not both together: paging (which overrides the default)
+    refuses the batch before touching either sequence."""
+    m = PagedBlockManager(4, 4)
+    alloc(m, "x", 4)
+    alloc(m, "y", 4)  # 2 blocks free
+    assert m.can_append_slots("x", 8) and m.can_append_slots("y", 8)
+    assert_rejected(m, lambda: m.append_slots_many([("x", 8), ("y", 8)]), "no room")
+    assert m.append_slots_many([("x", 4), ("y", 4)]) == [] and m.num_free_blocks == 0
+
+
+def test_paged_append_many_counts_copies_as_one_by_one_does():
+    """Three holders of a shared partial block all grow: the first two copy it, the last
+    writes in place (it is the only holder by then). Two free blocks are enough."""
+    m = PagedBlockManager(4, 4)
+    alloc(m, "p", 6)                    # 2 blocks, the last half full
+    m.fork("p", "c1")
+    m.fork("p", "c2")
+    assert m.num_free_blocks == 2
+    copies = m.append_slots_many([("p", 1), ("c1", 1), ("c2", 1)])
+    assert len(copies) == 2 and m.num_free_blocks == 0
+    m.check_invariants()
+
+
 def test_append_without_room(m):
     assert_rejected(m, lambda: m.append_slots("a", 64),
                     "append_slots: no room for 64 more tokens of sequence 'a'")

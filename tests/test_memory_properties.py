@@ -130,6 +130,40 @@ class ShadowMachine(RuleBasedStateMachine):
         self.compute(seq, start)
         return copies
 
+    @rule(mask=st.integers(1, (1 << 16) - 1), ks=st.lists(st.integers(0, 5), min_size=16, max_size=16))
+    def append_many(self, mask, ks):
+        """append_slots_many takes the very blocks (and makes the very copies) of
+        append_slots called for each sequence in turn, or fails changing nothing."""
+        group = [(s, ks[i % 16]) for i, s in enumerate(self.gpu_seqs()) if mask >> (i % 16) & 1]
+        if not group:
+            return
+        one_by_one = copy.deepcopy(self.m)
+        try:
+            expected = [c for s, k in group for c in one_by_one.append_slots(s, k)]
+        except BlockManagerError:
+            expected = None
+        before = copy.deepcopy(self.m)
+        try:
+            copies = self.m.append_slots_many(group)
+        except BlockManagerError:
+            assert expected is None, "append_slots_many failed where one by one fits"
+            if isinstance(self.m, PagedBlockManager):   # all or nothing
+                assert self.state(self.m) == self.state(before)
+            else:  # the default grows one by one: what it grew before failing stays
+                self.m = before
+            return
+        assert expected is not None, "append_slots_many grew what one by one cannot"
+        assert copies == expected
+        assert self.state(self.m) == self.state(one_by_one)
+        others = {b for s in self.gpu_seqs() if s not in dict(group) for b in self.m.block_table(s)}
+        assert not {dst for _, dst in copies} & others, "copy-on-write into a shared block"
+        self.copy(copies, "gpu", "gpu")
+        for s, k in group:
+            start = len(self.tokens[s])
+            self.tokens[s] = self.tokens[s] + list(range(self.next_value, self.next_value + k))
+            self.next_value += k
+            self.compute(s, start)
+
     @rule(pick=st.integers(0, 1 << 16), k=st.integers(1, 2 * BS + 1), n=st.integers(1, 12))
     def grows_by_block_law(self, pick, k, n):
         """A manager that declares `grows_by_block` keeps the paging law: a sequence

@@ -187,7 +187,7 @@ def test_unknown_policy_and_bad_options_are_clear_errors():
     ("max_num_seqs", 0, r"max_num_seqs must be >= 1"),
     ("max_num_batched_tokens", -5, r"max_num_batched_tokens must be >= 1"),
     ("chunked_prefill", 0, r"chunked_prefill must be >= 1"),
-    ("preemption", "kill", r"preemption must be one of 'recompute', 'swap'"),
+    ("preemption", "", r"preemption must be a non-empty name"),
     ("step_composition", "random", r"step_composition must be one of"),
     ("max_num_seqs", 2.5, r"max_num_seqs must be an integer"),
 ])
@@ -200,11 +200,19 @@ def test_scheduler_config_names_field_and_range(field, value, match):
     ("block_size", 0, r"block_size must be in \[1, 65536\]"),
     ("num_gpu_blocks", 0, r"num_gpu_blocks must be >= 1"),
     ("watermark", 0.9, r"watermark must be in \[0.0, 0.5\]"),
-    ("block_manager", "buddy", r"block_manager must be one of"),
+    ("block_manager", 3, r"block_manager must be a non-empty name"),
 ])
 def test_cache_config_names_field_and_range(field, value, match):
     with pytest.raises(ValueError, match=match):
         CacheConfig(**{field: value})
+
+
+def test_unknown_preemption_modes_and_block_managers_fail_when_built():
+    with pytest.raises(ValueError, match="unknown preemption 'kill'; known: recompute, swap"):
+        build_scheduler(SchedulerConfig(preemption="kill"), CacheConfig())
+    with pytest.raises(ValueError, match="unknown block manager 'buddy'; known: paged, "
+                                         "contiguous-max, contiguous-pow2, contiguous-oracle"):
+        build_scheduler(SchedulerConfig(), CacheConfig(block_manager="buddy"))
 
 
 def test_admission_control_rejects_impossible_requests_with_reasons():
