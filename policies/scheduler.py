@@ -14,11 +14,11 @@ Step composition (SchedulerConfig.step_composition):
   step holds only prefills; decodes run in steps with no prefill.
 
 Memory: a request is admitted only if its whole prompt (or, after a recompute
-preemption, prompt + generated tokens) gets blocks; decodes append one slot per step.
-When a running sequence cannot get its slot, the policy's victim is preempted —
-recompute (free the KV, back to the waiting queue) or swap (KV to the CPU pool,
-falling back to recompute when the pool is full). A step that preempted anything
-admits nothing new and swaps nothing in.
+preemption, prompt + generated tokens) gets blocks (`KVAdmission`); decodes append one
+slot per step. When a running sequence cannot get its slot, the policy's victim is
+preempted, its outcome chosen by the preemption mode (`policies/preemption.py`): recompute
+(free the KV, back to the waiting queue) or swap (KV to the CPU pool). A step that
+preempted anything admits nothing new and swaps nothing in.
 
 This file is the one-by-one path: every decision is made here, request by request. Plain
 decodes (single-sample requests computing one token) are handed to a `DecodeBatch`
@@ -33,6 +33,7 @@ from __future__ import annotations
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
+from servelab.policies.admission import KVAdmission
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.decode_batch import DecodeBatch
 from servelab.policies.preemption import make_preemption
@@ -86,11 +87,7 @@ class Scheduler:
         self._batch = DecodeBatch(config, block_manager, enabled=(
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
             and not keep_token_times and not self._charges_service))
-        # The last request whose allocation was LATER: (request, tokens, free blocks then).
-        # Only where LATER is monotone in free blocks (see `_known_later`): prefix hits
-        # make a request's need depend on what is cached.
-        self._use_later_memo = block_manager.grows_by_block and not enable_prefix_caching
-        self._later_memo: tuple[Request, int, int] | None = None
+        self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -101,7 +98,7 @@ class Scheduler:
         if req.status is not RequestStatus.WAITING:
             raise SchedulerError(f"request {req.request_id} is {req.status.value}, not new")
         self._requests[req.request_id] = req
-        reason = self._never_fits(req)
+        reason = self._kv.never_fits(req)
         if reason is None and self.config.waiting_queue_limit is not None \
                 and len(self.policy) >= self.config.waiting_queue_limit:
             reason = f"waiting queue full ({self.config.waiting_queue_limit} requests)"
@@ -111,22 +108,6 @@ class Scheduler:
         self.policy.add(req, now)
         return True
 
-    def _never_fits(self, req: Request) -> str | None:
-        cfg = self.config
-        if req.prompt_len + 1 > cfg.max_model_len:
-            return f"prompt of {req.prompt_len} tokens + 1 exceeds max_model_len {cfg.max_model_len}"
-        if cfg.chunked_prefill is None and req.prompt_len > cfg.max_num_batched_tokens:
-            return (f"prompt of {req.prompt_len} tokens exceeds the step token budget "
-                    f"{cfg.max_num_batched_tokens} and chunked prefill is off")
-        if req.n > cfg.max_num_seqs:
-            return f"n={req.n} samples exceed max_num_seqs {cfg.max_num_seqs}"
-        status = self.bm.can_allocate(req.prompt_len + 1, (),
-                                      max_total_tokens=req.prompt_len + req.max_tokens,
-                                      expected_total_tokens=req.prompt_len + req.output_len)
-        if status is AllocStatus.NEVER:
-            return f"prompt of {req.prompt_len} tokens + 1 can never fit in the KV cache"
-        return None
-
     def _reject(self, req: Request, reason: str, now: float,
                 out: SchedulerOutput | None = None) -> None:
         """Reject for good; reported in `out` (or in the next output) and the records."""
@@ -134,7 +115,7 @@ class Scheduler:
         req.reject_reason = reason
         req.finish_s = now
         (out.rejected if out is not None else self._pending_rejects).append((req.request_id, reason))
-        self._finished_records.append(self._record(req))
+        self._finished_records.append(RequestRecord.from_request(req))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -161,13 +142,6 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
-
-    @property
-    def charges_service(self) -> bool:
-        """Does the policy account each step's service (fair share)? Then what a request
-        arriving during a step finds depends on the steps completed by then, and a
-        fast-forward run must not extend past an arrival."""
-        return self._charges_service
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self.swapped or len(self.policy))
@@ -459,7 +433,7 @@ class Scheduler:
             return
         if self.config.batching == "static" and (self._running or self.swapped):
             return
-        policy = self.policy
+        policy, kv = self.policy, self._kv
         seats = None
         while step.tokens > 0 and step.seqs > 0:
             req = policy.peek(now)
@@ -472,12 +446,11 @@ class Scheduler:
             live = sum(1 for s in req.seqs if not s.finished)
             if live > seats:
                 return
-            if self._later_memo is not None and (self._running or self.swapped) \
-                    and self._known_later(req):
+            if kv.later is not None and (self._running or self.swapped) and kv.known_later(req):
                 return  # still waiting for memory: allocating would say LATER again
             if self._plan(req, step, allocated=False) is None:
                 return
-            status = self._allocate(req)
+            status = kv.allocate(req)
             if status is AllocStatus.LATER and (self._running or self.swapped):
                 return
             if status is not AllocStatus.OK:
@@ -493,76 +466,17 @@ class Scheduler:
             entries = self._plan(req, step, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
 
-    def _allocate(self, req: Request) -> AllocStatus:
-        """Allocate blocks for every live sequence of a request, all or nothing."""
-        bm, bs = self.bm, self.block_size
-        done: list[Sequence] = []
-        max_total, expected_total = req.prompt_len + req.max_tokens, req.prompt_len + req.output_len
-        for s in req.seqs:
-            if s.finished:
-                continue
-            contents = req.block_contents(s, bs) if self.prefix_caching else ()
-            status = bm.can_allocate(s.num_tokens, contents, max_total_tokens=max_total,
-                                     expected_total_tokens=expected_total)
-            if status is not AllocStatus.OK:
-                for d in done:
-                    bm.free(d.seq_id)
-                    d.num_computed_tokens = 0
-                if status is AllocStatus.LATER and not done and self._use_later_memo:
-                    self._later_memo = (req, s.num_tokens, bm.num_free_blocks)
-                return status
-            s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents,
-                                                max_total_tokens=max_total,
-                                                expected_total_tokens=expected_total)
-            s.prefill_len = s.num_tokens
-            done.append(s)
-        return AllocStatus.OK
-
-    def _known_later(self, req: Request) -> bool:
-        """Is `req` known not to fit (LATER) with the memory free now? True when its
-        allocation already failed with as many free blocks or more and it has not grown
-        since (a block manager that grows by block says LATER exactly when free < need +
-        watermark, so fewer free blocks cannot make it fit; without a prefix cache, the
-        need is fixed). Single-sequence requests only. Saves the repeated check in an
-        engine whose waiting head waits for memory step after step. O(1)."""
-        memo_req, tokens, free = self._later_memo
-        if memo_req is not req or len(req.seqs) != 1:
-            return False
-        seq = req.seqs[0]
-        return seq.num_tokens == tokens and not seq.finished and self.bm.num_free_blocks <= free
-
     def _admission_blocked(self, now: float, num_seqs: int) -> bool:
         """True if no waiting request can be admitted while `num_seqs` running sequences
-        only decode (free memory only shrinks, the step budget stays as full): the
-        rules of `_admit` and `_preempt_for_waiting`, for a fast-forward run."""
-        cfg = self.config
+        only decode: the rules of `_preempt_for_waiting` and `_admit`, for a fast-forward
+        run."""
         candidates = self.policy.candidates(now)
         if self._may_preempt and candidates:
-            running = self.running  # current sequences for the policy
-            for head in candidates:
-                # a preemptive policy may evict for it once memory runs short
-                if any(self.policy.may_preempt_for(head, r) for r in running.values()):
-                    return False
-        if cfg.batching == "static":
-            return True
-        if num_seqs >= cfg.max_num_seqs:
-            return True  # no seat
-        if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
-            return True  # decodes take the whole budget before admission is tried
-        bs = self.block_size
-        memo = self._later_memo
-        for head in candidates:
-            if memo is not None and self._known_later(head):
-                continue
-            reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
-                           expected_total_tokens=head.prompt_len + head.output_len)
-            for s in head.seqs:
-                if s.finished:
-                    continue
-                contents = head.block_contents(s, bs) if self.prefix_caching else ()
-                if self.bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
-                    return False
-        return True
+            running, policy = self.running, self.policy  # current sequences for the policy
+            # a preemptive policy may evict for a candidate once memory runs short
+            if any(policy.may_preempt_for(head, r) for head in candidates for r in running.values()):
+                return False
+        return self._kv.none_fits(candidates, num_seqs)
 
     def _stalled(self, now: float) -> None:
         """A step with nothing to run while requests remain would spin forever: with
@@ -656,7 +570,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED
                 req.finish_s = t_end
                 self._stop_running(req.request_id)
-                self._finished_records.append(self._record(req))
+                self._finished_records.append(RequestRecord.from_request(req))
         for req in joining:
             del self._listed[req.request_id]
             batch.join(req)
@@ -668,18 +582,6 @@ class Scheduler:
                              parent.prefill_len)
             self.bm.fork(parent.seq_id, child.seq_id)
             req.seqs.append(child)
-
-    def _record(self, req: Request) -> RequestRecord:
-        finished = req.status is RequestStatus.FINISHED
-        return RequestRecord(
-            request_id=req.request_id, arrival_s=req.arrival_s, prompt_tokens=req.prompt_len,
-            output_tokens=req.num_output_tokens if finished else 0,
-            status="finished" if finished else "rejected", scheduled_s=req.scheduled_s,
-            first_token_s=req.first_token_s, finish_s=req.finish_s,
-            num_preemptions=req.num_preemptions, tenant=req.tenant, priority=req.priority,
-            reject_reason=req.reject_reason or "", slo_ttft_ms=req.slo_ttft_ms,
-            slo_tpot_ms=req.slo_tpot_ms, n=req.n,
-            token_times=list(req.token_times) if req.token_times else None)
 
     # ------------------------------------------------------------------ fast-forward
     def decode_run_bound(self, now: float, limit: int) -> int:

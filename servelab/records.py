@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from servelab.request import Request, RequestStatus
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -30,6 +32,20 @@ class RequestRecord:
     n: int = 1
     token_times: list[float] | None = None
     """Time of every output token of sample 0, when the executor kept them (for ITL)."""
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestRecord:
+        """The record of a request that finished or was rejected."""
+        finished = req.status is RequestStatus.FINISHED
+        return cls(
+            request_id=req.request_id, arrival_s=req.arrival_s, prompt_tokens=req.prompt_len,
+            output_tokens=req.num_output_tokens if finished else 0,
+            status="finished" if finished else "rejected", scheduled_s=req.scheduled_s,
+            first_token_s=req.first_token_s, finish_s=req.finish_s,
+            num_preemptions=req.num_preemptions, tenant=req.tenant, priority=req.priority,
+            reject_reason=req.reject_reason or "", slo_ttft_ms=req.slo_ttft_ms,
+            slo_tpot_ms=req.slo_tpot_ms, n=req.n,
+            token_times=list(req.token_times) if req.token_times else None)
 
     @property
     def ttft_ms(self) -> float | None:

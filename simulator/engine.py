@@ -174,7 +174,7 @@ class Replica:
             duration = cost.decode_run_duration(shape, k)[0]
         elif budget <= 0:
             return None
-        elif sched.charges_service:
+        elif sched.policy.charges_service:
             # the policy accounts service, which an arrival may read: the run ends by it
             k = cost.decode_run_steps_within(shape, budget, k)
             duration = cost.decode_run_duration(shape, k)[0]

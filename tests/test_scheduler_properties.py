@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.policies import PriorityPolicy
-from servelab.policies.scheduler import Scheduler
+from servelab.policies.admission import KVAdmission
 from servelab.request import Request
 
 from sched_harness import FakeExecutor, simulate
@@ -170,19 +170,19 @@ def test_policies_see_batched_requests_as_they_are(w, fast_forward):
 @contextlib.contextmanager
 def _no_admission_memo():
     """A scheduler that re-checks a waiting head's allocation every time."""
-    original = Scheduler._known_later
-    Scheduler._known_later = lambda self, req: False
+    original = KVAdmission.known_later
+    KVAdmission.known_later = lambda self, req: False
     try:
         yield
     finally:
-        Scheduler._known_later = original
+        KVAdmission.known_later = original
 
 
 @SETTINGS
 @given(workloads(), st.booleans())
 def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
     """The scheduler skips re-checking a waiting head that could not get memory until
-    more blocks are free than then (`_known_later`); that never changes a decision:
+    more blocks are free than then (`KVAdmission.known_later`); that never changes a decision:
     every step and record equal those of a scheduler that checks every time."""
     reqs, sched, cache, policy, options = w
     a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,

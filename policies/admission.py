@@ -1,0 +1,118 @@
+"""Admission's memory side: can a request get its KV blocks, and could any waiting one?
+
+The scheduler decides when to try (policy order, token budget, seats: `Scheduler._admit`);
+`KVAdmission` answers whether memory allows it, in the block manager's terms:
+
+- `never_fits`: at arrival, a request that could not fit even in an empty cache;
+- `allocate`: blocks for every live sequence of a request, all or nothing;
+- `known_later`: a memo of the last request refused for memory (LATER), so a waiting head
+  is not re-checked step after step while free memory does not grow;
+- `none_fits`: no waiting candidate can be admitted while running sequences only decode
+  (what a fast-forward run must be sure of).
+
+The memo is used only where LATER is monotone in free blocks: a block manager that
+`grows_by_block` says LATER exactly when free < need + watermark, and without a prefix
+cache a request's need does not change. A property test checks that it never changes a
+decision (tests/test_scheduler_properties.py).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from servelab.config import SchedulerConfig
+from servelab.memory.base import AllocStatus, BlockManager
+from servelab.request import Request, Sequence
+
+
+class KVAdmission:
+    """The memory checks of one scheduler's admission (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
+                 prefix_caching: bool) -> None:
+        self._config = config
+        self._bm = block_manager
+        self._prefix_caching = prefix_caching
+        self._use_memo = block_manager.grows_by_block and not prefix_caching
+        self.later: tuple[Request, int, int] | None = None
+        """The last request whose allocation was LATER: (request, tokens, free blocks
+        then), or None."""
+
+    def never_fits(self, req: Request) -> str | None:
+        """Why `req` can never run (the reason a rejection gives), or None."""
+        cfg = self._config
+        if req.prompt_len + 1 > cfg.max_model_len:
+            return f"prompt of {req.prompt_len} tokens + 1 exceeds max_model_len {cfg.max_model_len}"
+        if cfg.chunked_prefill is None and req.prompt_len > cfg.max_num_batched_tokens:
+            return (f"prompt of {req.prompt_len} tokens exceeds the step token budget "
+                    f"{cfg.max_num_batched_tokens} and chunked prefill is off")
+        if req.n > cfg.max_num_seqs:
+            return f"n={req.n} samples exceed max_num_seqs {cfg.max_num_seqs}"
+        status = self._bm.can_allocate(req.prompt_len + 1, (),
+                                       max_total_tokens=req.prompt_len + req.max_tokens,
+                                       expected_total_tokens=req.prompt_len + req.output_len)
+        if status is AllocStatus.NEVER:
+            return f"prompt of {req.prompt_len} tokens + 1 can never fit in the KV cache"
+        return None
+
+    def allocate(self, req: Request) -> AllocStatus:
+        """Allocate blocks for every live sequence of a request, all or nothing; each
+        allocated sequence's computed tokens are its prefix-cache hits."""
+        bm, bs = self._bm, self._bm.block_size
+        done: list[Sequence] = []
+        max_total, expected_total = req.prompt_len + req.max_tokens, req.prompt_len + req.output_len
+        for s in req.seqs:
+            if s.finished:
+                continue
+            contents = req.block_contents(s, bs) if self._prefix_caching else ()
+            status = bm.can_allocate(s.num_tokens, contents, max_total_tokens=max_total,
+                                     expected_total_tokens=expected_total)
+            if status is not AllocStatus.OK:
+                for d in done:
+                    bm.free(d.seq_id)
+                    d.num_computed_tokens = 0
+                if status is AllocStatus.LATER and not done and self._use_memo:
+                    self.later = (req, s.num_tokens, bm.num_free_blocks)
+                return status
+            s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents,
+                                                max_total_tokens=max_total,
+                                                expected_total_tokens=expected_total)
+            s.prefill_len = s.num_tokens
+            done.append(s)
+        return AllocStatus.OK
+
+    def known_later(self, req: Request) -> bool:
+        """Is `req` known not to fit (LATER) with the memory free now? True when its
+        allocation already failed with as many free blocks or more and it has not grown
+        since. Single-sequence requests only. O(1)."""
+        if self.later is None:
+            return False
+        memo_req, tokens, free = self.later
+        if memo_req is not req or len(req.seqs) != 1:
+            return False
+        seq = req.seqs[0]
+        return seq.num_tokens == tokens and not seq.finished and self._bm.num_free_blocks <= free
+
+    def none_fits(self, candidates: Iterable[Request], num_seqs: int) -> bool:
+        """True if none of the waiting `candidates` can be admitted while `num_seqs`
+        running sequences only decode (free memory only shrinks, the step budget stays
+        as full): the rules of `Scheduler._admit`, for a fast-forward run."""
+        cfg = self._config
+        if cfg.batching == "static":
+            return True
+        if num_seqs >= cfg.max_num_seqs:
+            return True  # no seat
+        if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
+            return True  # decodes take the whole budget before admission is tried
+        bs = self._bm.block_size
+        for head in candidates:
+            if self.known_later(head):
+                continue
+            reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
+                           expected_total_tokens=head.prompt_len + head.output_len)
+            for s in head.seqs:
+                if s.finished:
+                    continue
+                contents = head.block_contents(s, bs) if self._prefix_caching else ()
+                if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
+                    return False
+        return True
