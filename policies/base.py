@@ -32,13 +32,7 @@ class SchedulerError(RuntimeError):
 
 def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
     """Class decorator adding a policy under `name`; a duplicate name is an error."""
-
-    def deco(cls: type[Policy]) -> type[Policy]:
-        POLICIES.add(name, cls)
-        cls.name = name
-        return cls
-
-    return deco
+    return POLICIES.named(name)
 
 
 def policy_names() -> list[str]:

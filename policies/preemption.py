@@ -24,13 +24,7 @@ PREEMPTIONS: Registry[type["Preemption"]] = Registry("preemption")
 
 def register_preemption(name: str) -> Callable[[type["Preemption"]], type["Preemption"]]:
     """Class decorator adding a strategy under `name`; a duplicate name is an error."""
-
-    def deco(cls: type[Preemption]) -> type[Preemption]:
-        PREEMPTIONS.add(name, cls)
-        cls.name = name
-        return cls
-
-    return deco
+    return PREEMPTIONS.named(name)
 
 
 def preemption_names() -> list[str]:

@@ -34,9 +34,15 @@ class Registry(Generic[T]):
         self._entries[name] = entry
         return entry
 
-    def decorator(self, name: str) -> Callable[[T], T]:
-        """`@registry.decorator("name")` registers what it decorates."""
-        return lambda entry: self.add(name, entry)
+    def named(self, name: str) -> Callable[[T], T]:
+        """Class decorator: registers the class under `name` and sets its `name`."""
+
+        def deco(cls: T) -> T:
+            self.add(name, cls)
+            cls.name = name
+            return cls
+
+        return deco
 
     def get(self, name: str) -> T:
         try:
