@@ -66,10 +66,12 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--models", "model", "--model", _name, "M,M,..."),
     ("--gpus", "gpu", "--gpu", _name, "G,G,..."),
     ("--tps", "tp", "--tp", _positive_int, "N,N,..."),
-    ("--block-managers", "block_manager", "--block-manager", _one_of(tuple(block_manager_names())), "BM,BM,..."),
+    ("--block-managers", "block_manager", "--block-manager",
+     _one_of(tuple(block_manager_names())), "BM,BM,..."),
     ("--block-sizes", "block_size", "--block-size", _positive_int, "TOKENS,..."),
     ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
-    ("--preemptions", "preemption", "--preemption", _one_of(tuple(preemption_names())), "MODE,MODE,..."),
+    ("--preemptions", "preemption", "--preemption",
+     _one_of(tuple(preemption_names())), "MODE,MODE,..."),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",

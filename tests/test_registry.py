@@ -1,6 +1,8 @@
 """Extension points: one registry each, names unique, unknown names clear errors."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from servelab.memory import PagedBlockManager, block_manager_names, register_block_manager
@@ -40,3 +42,22 @@ def test_a_policy_that_accounts_service_must_declare_it():
     with pytest.raises(TypeError, match="does not declare charges_service = True"):
         type("Sneaky", (Policy,), {"waiting_key": lambda self, r: (r.request_id,),
                                    "on_service": lambda self, r, p, o: None})
+
+
+def test_a_package_imports_every_public_module_so_a_new_file_registers_itself(tmp_path, monkeypatch):
+    pkg = tmp_path / "plugins_demo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from servelab.registry import Registry, import_submodules\n"
+        "WIDGETS = Registry('widget')\n"
+        "import_submodules(__name__, __path__)\n")
+    (pkg / "round.py").write_text("from plugins_demo import WIDGETS\nWIDGETS.add('round', 1)\n")
+    (pkg / "square.py").write_text("from plugins_demo import WIDGETS\nWIDGETS.add('square', 2)\n")
+    (pkg / "_private.py").write_text("raise AssertionError('a private module is not imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import plugins_demo
+    try:
+        assert plugins_demo.WIDGETS.names() == ["round", "square"]
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "plugins_demo"]:
+            del sys.modules[name]
