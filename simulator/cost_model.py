@@ -393,7 +393,7 @@ class CostModel:
             for name, op_class, calls, t in self._row_ops(np.array([rows], float), per_seq):
                 flops, nbytes, bound = self._row_op_physics(name, rows)
                 out[name] = OpCost(op_class, calls, flops * calls, nbytes * calls,
-                                   sc[op_class] * calls * float(t[0]), bound, calls == L)
+                                   sc[op_class] * calls * float(t[0]), bound, calls % L == 0)
         if npt:
             t = K.prefill_attention_time(
                 shape.num_prefill_seqs, npt, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,

@@ -78,7 +78,8 @@ def _gemm(opts: dict) -> dict:
     total = float(K.gemm_time(m, n, k, gpu, p, dtype, in_bytes, in_bytes, out_bytes))
     return {"kind": "gemm", "gpu": gpu.name, "calibration": label, "m": m, "n": n, "k": k,
             "dtype": dtype, "predicted_ms": _ms(total), "compute_ms": _ms(compute),
-            "memory_ms": _ms(memory), "floor_ms": _ms(p.floor_s), "k_latency_ms": _ms(k * p.k_step_s),
+            "memory_ms": _ms(memory), "floor_ms": _ms(p.floor_s),
+            "shape_ms": _ms(max(0.0, total - p.floor_s - max(compute, memory))),
             "bound": "compute" if compute > memory else "memory", "flops": flops,
             "bytes": traffic, "achieved_tflops": round(flops / total / 1e12, 3),
             "achieved_gbps": round(traffic / total / 1e9, 1)}
@@ -189,9 +190,9 @@ def describe(kind: str, r: dict) -> str:
     where = f"on {r['gpu']} (calibration: {r['calibration']})"
     if kind == "gemm":
         return (f"{head}  GEMM [{r['m']}x{r['k']}] x [{r['k']}x{r['n']}] {r['dtype']} {where}\n"
-                f"  compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
-                f"({r['bound']}-bound), floor {r['floor_ms']:.4f} ms, k-latency "
-                f"{r['k_latency_ms']:.4f} ms\n"
+                f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
+                f"({r['bound']}-bound); floor {r['floor_ms']:.4f} ms; shape {r['shape_ms']:.4f} ms "
+                f"(tiles, waves, k-loop latency, partial overlap)\n"
                 f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
     if kind == "attention":
         what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"

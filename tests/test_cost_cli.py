@@ -128,7 +128,7 @@ def test_step_is_the_cost_models_step_time(capsys, llama8b):
 def test_json_keys_per_kind(capsys):
     gemm = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 1, "--n", 4096, "--k", 4096)
     assert set(gemm) == {"kind", "gpu", "calibration", "m", "n", "k", "dtype", "predicted_ms",
-                         "compute_ms", "memory_ms", "floor_ms", "k_latency_ms", "bound", "flops",
+                         "compute_ms", "memory_ms", "floor_ms", "shape_ms", "bound", "flops",
                          "bytes", "achieved_tflops", "achieved_gbps"}
     assert (gemm["kind"], gemm["bound"], gemm["flops"]) == ("gemm", "memory", 2 * 4096 * 4096)
     decode = cost_json(capsys, "attention", "--gpu", GPU, "--phase", "decode", "--batch", 1,
@@ -149,7 +149,7 @@ def test_bare_roofline_is_faster_than_the_profile_for_a_small_gemm(capsys):
     argv = ("gemm", "--gpu", GPU, "--m", 1, "--n", 1024, "--k", 1024)
     bare = cost_json(capsys, *argv, "--calibration", "none")
     fitted = cost_json(capsys, *argv)
-    assert bare["calibration"] == "none" and (bare["floor_ms"], bare["k_latency_ms"]) == (0.0, 0.0)
+    assert bare["calibration"] == "none" and (bare["floor_ms"], bare["shape_ms"]) == (0.0, 0.0)
     nbytes = 1024 * 1024 * 2 + 1 * (1024 * 2 + 1024 * 2)
     assert bare["predicted_ms"] == pytest.approx(nbytes / 3350e9 * 1e3, abs=1e-6)
     assert fitted["floor_ms"] > 0 and fitted["predicted_ms"] > 2 * bare["predicted_ms"]
