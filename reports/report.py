@@ -121,25 +121,6 @@ def _what_was_run(c: Comparison) -> list:
 
 
 def _slo_text(c: Comparison) -> str:
-    cfg = c.points[0].config
-    own = {}
-    for r in c.points[0].requests:
-        if r.slo_ttft_ms is not None or r.slo_tpot_ms is not None:
-            own.setdefault(r.tenant, (r.slo_ttft_ms, r.slo_tpot_ms))
-    parts = []
-    if cfg["slo_ttft_ms"] is not None or cfg["slo_tpot_ms"] is not None:
-        parts.append(f"Global SLOs: TTFT {_ms(cfg['slo_ttft_ms'])}, TPOT {_ms(cfg['slo_tpot_ms'])}.")
-    if own:
-        tiers = "; ".join(f"{t}: TTFT {_ms(a)}, TPOT {_ms(b)}" for t, (a, b) in sorted(own.items()))
-        parts.append(f"Requests carry their own SLOs, which goodput uses first ({tiers}).")
-    if not parts:
-        return "No SLO was given: goodput equals throughput, and a policy breaks only on rejections."
-    parts.append(f"A policy breaks at the first rate where fewer than {MIN_ATTAINMENT:.0%} of requests "
-                 "meet their SLOs, or its p99 TTFT or TPOT exceeds a global SLO.")
-    return " ".join(parts)
-
-
-def _slo_text(c: Comparison) -> str:
     first = c.points[0]
     tiers = slo_tiers(first.config, first.requests)
     if not tiers:

@@ -2,7 +2,6 @@
 outputs, and one-line errors (exit 2) for everything a user can get wrong."""
 from __future__ import annotations
 
-import io
 import json
 import os
 

@@ -28,9 +28,9 @@ from servelab.simulator.calibration import CalibrationProfile, bare_roofline
 from servelab.validation.replay import kendall_tau_b
 from servelab.simulator.run import SimulationConfig, run_simulation
 from servelab.validation.validate import (ValidateOptions, catalog_gpu, error_summary,
-                                         load_real_run, same_shape_spread, split_steps,
-                                         step_error_report, step_shape, step_type, validate,
-                                         verdict)
+                                         load_real_run, split_steps, step_error_report,
+                                         step_shape, step_type, validate)
+from servelab.validation.verdict import same_shape_spread, verdict
 from servelab.traces.canonical import write_csv
 from servelab.traces.distributions import Uniform
 from servelab.traces.synthetic import TenantSpec, WorkloadSpec, generate

@@ -1,0 +1,83 @@
+"""Analytic kernel times: what one GPU kernel of a given shape costs.
+
+Every kernel is priced by a roofline of its own — FLOPs over a fraction of the tensor-core
+peak, bytes over a fraction of HBM (or link) bandwidth — plus what a bare roofline lacks
+and the measurements show (`../shared/gpu-measurements/`): a time floor no kernel beats,
+compute and memory traffic that overlap only partly, a serial latency along a GEMM's
+reduction dimension, and attention whose efficiency depends on batch, context and heads
+through the work each thread block gets. Parameters are few, named and physical; each
+dataclass field says what it means. `KernelParams.roofline()` is the bare roofline (every
+efficiency 1, no floor, full overlap); fitted values live in calibration profiles.
+
+All functions take numpy arrays or floats and broadcast, so one call prices a table of
+shapes (the cost model tabulates GEMMs over every token count once per setup; the fitter
+evaluates thousands of measured shapes per iteration).
+
+Combining compute and memory: `_overlap(c, m, q) = (c^q + m^q)^(1/q)`. q = inf is the
+roofline's max (perfect overlap), q = 1 the sum (none); measured kernels sit between.
+
+The models live one family per module — `gemm`, `attention`, `movement` (element-wise,
+all-reduce, host copies) — over `base`; this package gathers them and the per-GPU bundle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.simulator.kernels.attention import (
+    TILE_ROWS, DecodeAttentionParams, PrefillAttentionParams, decode_attention_lines,
+    decode_attention_time, prefill_attention_coefficients, prefill_attention_time)
+from servelab.simulator.kernels.base import INF
+from servelab.simulator.kernels.gemm import BENCH_LAYERS, TILE_M, TILE_N, GemmParams, gemm_time
+from servelab.simulator.kernels.movement import (
+    CollectiveParams, ElementwiseParams, HostLinkParams, allreduce_time, elementwise_time,
+    host_copy_time)
+
+__all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "CollectiveParams",
+           "DecodeAttentionParams", "ElementwiseParams", "GemmParams", "HostLinkParams",
+           "KernelParams", "PrefillAttentionParams", "allreduce_time", "decode_attention_lines",
+           "decode_attention_time", "elementwise_time", "gemm_time", "host_copy_time",
+           "prefill_attention_coefficients", "prefill_attention_time"]
+
+
+# ------------------------------------------------------------------------------ bundle
+
+
+_SECTIONS = {"gemm": GemmParams, "gemm_fp8": GemmParams, "attn_prefill": PrefillAttentionParams,
+             "attn_decode": DecodeAttentionParams, "elementwise": ElementwiseParams,
+             "collective": CollectiveParams, "host_link": HostLinkParams}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelParams:
+    """Every kernel family's parameters for one GPU."""
+
+    gemm: GemmParams = GemmParams()
+    gemm_fp8: GemmParams = GemmParams()
+    """FP8 GEMMs (W8A8 at the FP8 peak); where none were measured, the BF16 parameters."""
+    attn_prefill: PrefillAttentionParams = PrefillAttentionParams()
+    attn_decode: DecodeAttentionParams = DecodeAttentionParams()
+    elementwise: ElementwiseParams = ElementwiseParams()
+    collective: CollectiveParams = CollectiveParams()
+    host_link: HostLinkParams = HostLinkParams()
+
+    @classmethod
+    def roofline(cls) -> "KernelParams":
+        """The bare roofline: peaks reached, no floors, no latencies, full overlap."""
+        return cls()
+
+    def gemm_for(self, dtype: str) -> GemmParams:
+        return self.gemm_fp8 if dtype == "fp8" else self.gemm
+
+    def to_dict(self) -> dict[str, dict]:
+        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "kernels") -> "KernelParams":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must be an object of kernel families, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise ValueError(f"{source}: unknown kernel family(ies) {', '.join(unknown)}; "
+                             f"known: {', '.join(_SECTIONS)}")
+        return cls(**{name: _SECTIONS[name].from_dict(value, f"{source}.{name}")
+                      for name, value in data.items()})

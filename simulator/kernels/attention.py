@@ -1,0 +1,179 @@
+"""Attention kernel times: prefill chunks and decode tokens over a paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.simulator.gpus import GPUSpec
+from servelab.simulator.kernels.base import _Params
+
+# ---------------------------------------------------------------------------- attention
+#
+# As engines launch it (vLLM), an attention call includes writing the step's new K and V
+# into the paged cache, so both attention models price that write too.
+
+
+def _l2_factor(nbytes, gpu: GPUSpec, gain: float, warm_l2: bool):
+    """Bandwidth multiplier for a working set of `nbytes`: `gain` when it fits in L2 and
+    the caller prices an isolated, repeated kernel (a benchmark replays one layer, so its
+    operands stay in L2); 1 in a forward pass, which reads each layer's data once."""
+    if not warm_l2 or gain == 1.0 or not gpu.l2_mb:
+        return 1.0
+    return np.where(np.asarray(nbytes) <= gpu.l2_mb * 1e6, gain, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAttentionParams(_Params):
+    """Causal attention of prefill chunks over a paged cache (flash-attention style): the
+    time is the sum of a floor, the tensor-core work, the longest thread block's critical
+    path and the memory traffic (measured kernels overlap them little)."""
+
+    floor_s: float = 0.0
+    """Seconds no prefill launch beats (the cache write and the attention kernel)."""
+    compute_eff: float = 1.0
+    """Fraction of the BF16 tensor-core peak on QKᵀ and PV at long sequences."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth on Q, O, the K/V read and the cache write."""
+    padded_tile_pairs: float = 0.0
+    """(query, key) pairs of work wasted per sequence and thread-block head on partly
+    filled query tiles: why many short sequences cost more than one long one."""
+    critical_path: float = 0.0
+    """Weight of the longest thread block's work (one 128-row query tile over its keys,
+    at one SM's share of the peak): a long sequence's last tile cannot be split."""
+    packs_gqa: float = 0.0
+    """1 where the kernel packs the query heads sharing a KV head into one thread block
+    (FlashAttention 3 on Hopper), 0 where each query head is its own (FlashAttention 2):
+    what the padding waste is counted per."""
+    l2_gain: float = 1.0
+    """Bandwidth multiplier when the working set fits in L2 and stays there between
+    replays of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
+
+    _fractions = ("compute_eff", "memory_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+        if self.packs_gqa not in (0.0, 1.0):
+            raise ValueError(f"PrefillAttentionParams.packs_gqa must be 0 or 1, got {self.packs_gqa!r}")
+
+
+TILE_ROWS = 128
+"""Query rows per flash-attention thread block."""
+
+
+def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
+                                   p: PrefillAttentionParams, kv_bytes=2.0,
+                                   act_bytes: float = 2.0) -> tuple:
+    """Seconds per unit of each statistic of a prefill batch, one layer: (floor, per
+    causal pair, per sequence [padding], per key a tile attends to on average [critical
+    path], per new token, per cached token [memory]). `prefill_attention_time` combines
+    them; the cost model folds them into its hot path."""
+    rate = gpu.peak_flops("bf16") * p.compute_eff
+    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    block_heads = kv_heads if p.packs_gqa else heads
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes             # one token's K and V in the cache
+    per_token = (2.0 * heads * head_dim * act_bytes           # Q read, O written
+                 + kv_row                                     # its own K/V, read by attention
+                 + 2.0 * kv_heads * head_dim * act_bytes + kv_row)   # cache write: read, store
+    return (p.floor_s,
+            4.0 * head_dim * heads / rate,                    # QKᵀ and PV, 2 FLOPs per MAC
+            4.0 * head_dim * block_heads * p.padded_tile_pairs / rate,
+            p.critical_path * 4.0 * head_dim * TILE_ROWS / (rate / gpu.sm_count),
+            per_token / bw,
+            kv_row / bw)
+
+
+def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads, kv_heads,
+                           head_dim, gpu: GPUSpec, p: PrefillAttentionParams, kv_bytes=2.0,
+                           act_bytes: float = 2.0, warm_l2: bool = False):
+    """Seconds of one layer's prefill attention over `seqs` chunks of `tokens` new tokens
+    in all; chunk i has q_i new tokens after c_i cached ones, and the sums are
+    Σ q_i·c_i, Σ q_i², Σ c_i. Zero when there is nothing to prefill."""
+    floor, per_pair, per_seq, per_key, per_token, per_ctx = prefill_attention_coefficients(
+        heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    pairs = q_ctx_sum + 0.5 * (q_sq_sum + tokens)            # causal (query, key) pairs
+    mean_keys = (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0)
+    compute = pairs * per_pair + seqs * per_seq + mean_keys * per_key
+    memory = tokens * per_token + ctx_sum * per_ctx
+    if warm_l2:
+        bw_bytes = memory * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+        memory = memory / _l2_factor(bw_bytes, gpu, p.l2_gain, True)
+    return np.where(tokens > 0, floor + compute + memory, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAttentionParams(_Params):
+    """One query token per sequence over its cached context (paged, split-KV).
+
+    Time = floor + per-(sequence, KV head) overhead + the larger of the per-item work and
+    the KV bytes over the streaming rate, where the rate is HBM-bound at large batch and
+    parallelism-bound (too few work items to fill the GPU) at small batch."""
+
+    floor_s: float = 0.0
+    """Seconds no decode launch beats (the cache write and the attention kernel)."""
+    split_floor_s: float = 0.0
+    """Extra floor of the split-KV path's merge kernel, where it is a second launch
+    (FlashAttention 2 with grouped-query attention); 0 where it is not."""
+    seq_head_s: float = 0.0
+    """Serial seconds per (sequence, KV head): page-table walk and kernel prologue."""
+    work_item_s: float = 0.0
+    """Seconds per (sequence, KV head) work item that streaming can hide."""
+    q_head_s: float = 0.0
+    """Seconds per (sequence, query head): loading Q, storing O, merging partial results."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth streaming K/V at large batch and long context."""
+    head_stream_gbps: float = 0.0
+    """GB/s one KV head's split-KV work streams at small batch (parallelism-bound); 0: no
+    such limit."""
+    batch_saturation: float = 1.0
+    """Sequences beyond which more sequences add streaming parallelism."""
+    mha_block_gbps: float = 0.0
+    """GB/s of one thread block on the multi-head path without split-KV (one block per
+    sequence and head: FlashAttention 2 when query and KV heads are equal); 0: no such path."""
+    l2_gain: float = 1.0
+    """Bandwidth multiplier when the KV set fits in L2 and stays there between replays
+    of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
+
+    _fractions = ("memory_eff",)
+
+    def __post_init__(self) -> None:
+        self._check()
+        if self.batch_saturation < 1:
+            raise ValueError(f"DecodeAttentionParams.batch_saturation must be >= 1, "
+                             f"got {self.batch_saturation!r}")
+
+
+def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
+                           p: DecodeAttentionParams, kv_bytes=2.0, context_sum=None,
+                           warm_l2: bool = False):
+    """Decode attention of `batch` sequences with C context tokens in all costs
+    max(floor, intercept + slope·C) seconds per layer: (floor, intercept, slope).
+
+    For a fixed batch the time is convex and piecewise linear in C — what lets a run of
+    decode steps be summed in closed form. (`context_sum` is only needed for `warm_l2`,
+    whose L2 residency depends on C.) Decode is bandwidth-bound for any grouped-query
+    ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds)."""
+    batch = np.asarray(batch, dtype=np.float64)
+    heads, kv_heads = np.asarray(heads, np.float64), np.asarray(kv_heads, np.float64)
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    mha = (heads == kv_heads) & (p.mha_block_gbps > 0)
+    split = hbm if not p.head_stream_gbps else np.minimum(
+        hbm, p.head_stream_gbps * 1e9 * kv_heads * np.maximum(1.0, batch / p.batch_saturation))
+    rate = np.where(mha, np.minimum(hbm, p.mha_block_gbps * 1e9 * batch * kv_heads), split)
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes
+    if warm_l2:
+        rate = rate * _l2_factor(np.asarray(context_sum) * kv_row, gpu, p.l2_gain, True)
+    floor = p.floor_s + np.where(mha, 0.0, p.split_floor_s)
+    base = floor + batch * kv_heads * p.seq_head_s
+    items = batch * (kv_heads * p.work_item_s + heads * p.q_head_s)
+    live = batch > 0
+    slope = np.where(live, kv_row / np.maximum(rate, 1e-300), 0.0)
+    return np.where(live, base + items, 0.0), np.where(live, base, 0.0), slope
+
+
+def decode_attention_time(batch, context_sum, heads, kv_heads, head_dim, gpu: GPUSpec,
+                          p: DecodeAttentionParams, kv_bytes=2.0, warm_l2: bool = False):
+    floor, intercept, slope = decode_attention_lines(batch, heads, kv_heads, head_dim, gpu, p,
+                                                     kv_bytes, context_sum, warm_l2)
+    return np.maximum(floor, intercept + slope * context_sum)

@@ -1,0 +1,225 @@
+"""Kernel families: which measurements each kernel model is fitted to, with which
+parameters and bounds, how a measured row is predicted, and the size bands it is judged in.
+
+A family is data, not code paths: `kernel_fit.fit_family` fits any of them the same way,
+and a new kernel model is one more `Family` here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from servelab.simulator import kernels as K
+from servelab.simulator.gpus import GPUSpec
+from servelab.validation.measurements import Table
+
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one kernel family is fitted and judged."""
+
+    name: str
+    """The `KernelParams` field it fills."""
+    table: str
+    select: Callable[[Table], np.ndarray]
+    """Which rows of the table this family is fitted to."""
+    fitted: dict[str, tuple[float, float, float]]
+    """Parameter -> (lower bound, upper bound, starting value)."""
+    predict: Callable[[Table, GPUSpec, object], np.ndarray]
+    band: Callable[[Table], np.ndarray]
+    """A label per row for the per-band figures."""
+    band_order: tuple[str, ...]
+    fixed: Callable[[GPUSpec], dict] = lambda gpu: {}
+    """Parameters set, not fitted, on a GPU (a kernel property such as which attention
+    kernel its architecture runs); a fixed name is dropped from `fitted`."""
+    starts: tuple[dict, ...] = ({},)
+    """Starting points to try (each overrides some starting values); the best fit wins."""
+    size_axes: tuple[str, ...] = ()
+    """Columns along which a larger value is strictly more work (for `glitches`)."""
+
+
+def _band(values: np.ndarray, edges: tuple[float, ...], labels: tuple[str, ...]) -> np.ndarray:
+    return np.array(labels, dtype=object)[np.searchsorted(edges, values, side="left")]
+
+
+M_BANDS = ("m 1-32", "m 33-512", "m 513-4096", "m > 4096")
+PREFILL_BANDS = ("tokens <= 512", "tokens 513-4096", "tokens 4097-32768", "tokens > 32768")
+DECODE_BANDS = tuple(f"batch {b}, context {c}" for b in ("1-8", "9-64", "> 64")
+                     for c in ("<= 1k", "1k-16k", "> 16k"))
+ALLREDUCE_BANDS = tuple(f"{n} GPUs, {s}" for n in (2, 4, 8) for s in ("<= 64 KiB", "64 KiB-8 MiB", "> 8 MiB"))
+TOKEN_BANDS = ("tokens 1-32", "tokens 33-512", "tokens > 512")
+
+
+def _gemm_predict(t: Table, gpu: GPUSpec, p, dtype: str) -> np.ndarray:
+    # as measured: an isolated GEMM replayed with its weights (warm L2)
+    if dtype == "fp8":
+        return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "fp8", 1.0, 1.0, 2.0, warm_l2=True)
+    return K.gemm_time(t["m"], t["n"], t["k"], gpu, p, "bf16", 2.0, 2.0, 2.0, warm_l2=True)
+
+
+_GEMM_FITTED = {
+    "floor_s": (5e-7, 4e-5, 2.5e-6), "compute_eff": (0.3, 1.0, 0.9), "memory_eff": (0.3, 1.0, 0.85),
+    "overlap": (1.0, 12.0, 3.0), "epilogue_overlap": (1.0, 12.0, 1.5),
+    "cta_overlap": (1.0, 12.0, 3.0), "k_step_s": (1e-12, 2e-8, 2e-9),
+    "sm_feed_gbps": (10.0, 3000.0, 150.0), "split_k_min": (32.0, 65536.0, 500.0),
+    "split_k_s": (1e-8, 1e-5, 1e-6), "write_penalty": (0.5, 4.0, 1.2),
+    "gemv_k_step_s": (1e-12, 2e-8, 5e-10), "wave_quantization": (1e-3, 1.0, 0.5),
+    "l2_fraction": (0.05, 2.0, 0.7), "l2_gain": (1.0, 20.0, 2.0),
+    "quant_elem_s": (1e-14, 2e-10, 1e-11)}
+
+
+def _gemm_starts(n: int) -> tuple[dict, ...]:
+    """The generic start, then `n - 1` seeded log-normal perturbations of it: the menu's
+    minimum makes the loss surface ragged, and a few starts find its floor reliably."""
+    rng = np.random.default_rng(1)
+    starts = [{}]
+    for _ in range(n - 1):
+        start = {k: v[2] * float(np.exp(rng.normal(0, 0.4))) for k, v in _GEMM_FITTED.items()}
+        for name in ("compute_eff", "memory_eff", "wave_quantization"):
+            start[name] = min(start[name], 0.99)
+        starts.append(start)
+    return tuple(starts)
+
+
+def _kv_bytes(t: Table) -> np.ndarray:
+    return np.where(t["kv_dtype"] == "fp8", 1.0, 2.0)
+
+
+def _prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    # batch b sequences of s new tokens each, nothing cached before them, as measured:
+    # one layer replayed (warm L2)
+    b, s = t["batch"].astype(float), t["tokens"].astype(float)
+    return K.prefill_attention_time(b, b * s, 0.0, b * s * s, 0.0, t["heads"], t["kv_heads"],
+                                    t["head_dim"], gpu, p, _kv_bytes(t), warm_l2=True)
+
+
+def _decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    b = t["batch"].astype(float)
+    return K.decode_attention_time(b, b * t["context"], t["heads"], t["kv_heads"], t["head_dim"],
+                                   gpu, p, _kv_bytes(t), warm_l2=True)
+
+
+FA3_ARCHITECTURES = ("hopper",)
+"""GPUs whose engines run FlashAttention 3 (query-head packing, split-KV decode for every
+head layout); the others run FlashAttention 2 (vLLM 0.14)."""
+
+
+def _collective_fixed(gpu: GPUSpec) -> dict:
+    return {"fabric_gbps": 0.0} if gpu.nvlink_gbps is not None else {}
+
+
+def _prefill_fixed(gpu: GPUSpec) -> dict:
+    return {"packs_gqa": 1.0 if gpu.architecture in FA3_ARCHITECTURES else 0.0}
+
+
+def _decode_fixed(gpu: GPUSpec) -> dict:
+    if gpu.architecture in FA3_ARCHITECTURES:     # one split-KV kernel path for every layout
+        return {"split_floor_s": 0.0, "mha_block_gbps": 0.0}
+    return {"batch_saturation": 1.0}
+
+
+def _attention_rows(t: Table) -> np.ndarray:
+    """BF16-KV rows; 1-token prefills are excluded (they take the decode kernel's path)."""
+    keep = t["kv_dtype"] == "bf16"
+    return keep & (t["tokens"] > 1) if "tokens" in t.columns else keep
+
+
+def _allreduce_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    return K.allreduce_time(t["nbytes"], t["num_gpus"], gpu, p)
+
+
+def _elementwise_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    return K.elementwise_time(t["nbytes"], gpu, p)
+
+
+FRACTION = (0.05, 1.0)
+FAMILIES: dict[str, Family] = {
+    "gemm": Family(
+        "gemm", "gemm", lambda t: t["dtype"] == "bf16", _GEMM_FITTED,
+        lambda t, g, p: _gemm_predict(t, g, p, "bf16"),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k"),
+        fixed=lambda gpu: {"quant_elem_s": 0.0}, starts=_gemm_starts(3)),
+    "gemm_fp8": Family(
+        "gemm_fp8", "gemm", lambda t: t["dtype"] == "fp8", _GEMM_FITTED,
+        lambda t, g, p: _gemm_predict(t, g, p, "fp8"),
+        lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k"),
+        starts=_gemm_starts(3)),
+    "attn_prefill": Family(
+        "attn_prefill", "attn_prefill", _attention_rows,
+        {"floor_s": (1e-7, 1e-3, 1e-5), "compute_eff": (*FRACTION, 0.55),
+         "memory_eff": (0.01, 1.0, 0.5), "padded_tile_pairs": (1.0, 1e5, 5000.0),
+         "critical_path": (1e-3, 5.0, 0.5), "l2_gain": (1.0, 4.0, 1.2)},
+        _prefill_predict,
+        lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS), PREFILL_BANDS,
+        fixed=_prefill_fixed, size_axes=("batch", "tokens")),
+    "attn_decode": Family(
+        "attn_decode", "attn_decode", _attention_rows,
+        {"floor_s": (1e-7, 1e-3, 1e-5), "split_floor_s": (1e-8, 1e-4, 4e-6),
+         "seq_head_s": (1e-12, 1e-6, 3e-9), "work_item_s": (1e-11, 1e-6, 2e-8),
+         "q_head_s": (1e-13, 1e-7, 5e-10), "memory_eff": (*FRACTION, 0.8),
+         "head_stream_gbps": (1.0, 1e4, 300.0), "batch_saturation": (1.0, 256.0, 8.0),
+         "mha_block_gbps": (0.1, 1e3, 20.0), "l2_gain": (1.0, 4.0, 1.2)},
+        _decode_predict,
+        lambda t: _decode_band(t), DECODE_BANDS, fixed=_decode_fixed, size_axes=("batch", "context"),
+        starts=tuple({"head_stream_gbps": r, "batch_saturation": b}
+                     for r in (300.0, 1000.0) for b in (1.5, 12.0))),
+    "collective": Family(
+        "collective", "allreduce", lambda t: t["backend"] == "vllm_graph",
+        {"custom_latency_s": (1e-7, 1e-4, 5e-6), "two_shot_s": (1e-8, 1e-4, 5e-6),
+         "custom_link_eff": (0.01, 1.0, 0.5),
+         "ring_latency_s": (1e-7, 1e-3, 1e-5), "ring_link_eff": (0.01, 1.0, 0.7),
+         "hop_s": (1e-10, 1e-4, 3e-7), "fabric_gbps": (0.1, 1e3, 20.0)},
+        _allreduce_predict,
+        lambda t: _allreduce_band(t), ALLREDUCE_BANDS, size_axes=("nbytes",),
+        fixed=_collective_fixed),
+    "elementwise": Family(
+        "elementwise", "vidur_elementwise", lambda t: np.ones(len(t), dtype=bool),
+        {"floor_s": (1e-7, 1e-4, 3e-6), "memory_eff": (0.01, 1.0, 0.5)},
+        _elementwise_predict,
+        lambda t: _band(t["num_tokens"], (32, 512), TOKEN_BANDS), TOKEN_BANDS,
+        size_axes=("num_tokens",)),
+}
+
+
+def _decode_band(t: Table) -> np.ndarray:
+    b = _band(t["batch"], (8, 64), ("batch 1-8", "batch 9-64", "batch > 64"))
+    c = _band(t["context"], (1024, 16384), ("context <= 1k", "context 1k-16k", "context > 16k"))
+    return np.array([f"{x}, {y}" for x, y in zip(b, c)], dtype=object)
+
+
+def _allreduce_band(t: Table) -> np.ndarray:
+    s = _band(t["nbytes"], (65536, 8 * 1024 * 1024), ("<= 64 KiB", "64 KiB-8 MiB", "> 8 MiB"))
+    return np.array([f"{n} GPUs, {x}" for n, x in zip(t["num_gpus"], s)], dtype=object)
+
+
+# ----------------------------------------------------------------- Vidur element-wise
+
+
+def vidur_elementwise(ops: Table) -> Table:
+    """Vidur's bandwidth-bound operators as one row each: (op, tokens, bytes, seconds).
+
+    Bytes read + written per token of each operator as Vidur runs it (unfused, eager, fp16):
+    RMSNorm reads and writes the hidden state; the residual add reads two and writes one;
+    rotary reads and writes Q and K of this GPU's heads; SiLU·mul reads gate and up and
+    writes one; the embedding reads a table row and writes it."""
+    if not len(ops):
+        return Table("vidur_elementwise", {}, [])
+    h, inter = ops["n_embd"].astype(float), ops["n_expanded_embd"].astype(float)
+    tp = ops["num_tensor_parallel_workers"].astype(float)
+    heads, kv = ops["n_head"] / tp, np.maximum(ops["n_kv_head"] / tp, 1)
+    hd = h / ops["n_head"]
+    a = 2.0
+    per_token = {"input_layernorm": 2 * h * a, "post_attention_layernorm": 2 * h * a,
+                 "add": 3 * h * a, "attn_rope": 2 * (heads + kv) * hd * a,
+                 "mlp_act": 3 * inter / tp * a, "emb": 2 * h * a}
+    parts = []
+    for op, per in per_token.items():
+        tokens = ops["num_tokens"].astype(float)
+        cols = {"op": np.array([op] * len(ops), dtype=object), "model": ops["model"],
+                "num_tokens": ops["num_tokens"], "num_tensor_parallel_workers": tp.astype(int),
+                "nbytes": tokens * per, "latency_s": ops[op]}
+        parts.append(Table("vidur_elementwise", cols, [f"{o} ({op})" for o in ops.origin]))
+    return Table.concat("vidur_elementwise", parts)
