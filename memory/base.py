@@ -78,6 +78,8 @@ class BlockManager(abc.ABC):
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    watermark_blocks: int = 0
+    """Blocks admission (`can_allocate`) keeps free for running sequences to grow into."""
 
     grows_by_block: ClassVar[bool] = False
     """The one optional capability: does block use follow the paging law? That is, a

@@ -167,11 +167,11 @@ class Scheduler:
             if not step.entries:
                 self._schedule_running(now, out, step, prefill=False)
                 if not freed_for_head:
-                    self._swap_in(out, step)
+                    self._swap_in(now, out, step)
         else:
             self._schedule_running(now, out, step, prefill=None)
             if not freed_for_head:
-                self._swap_in(out, step)
+                self._swap_in(now, out, step)
             self._admit(now, out, step)
         listed: list[ScheduledSeq] = []
         for entries in step.entries.values():
@@ -347,18 +347,23 @@ class Scheduler:
 
     def _preempt_for_waiting(self, now, out) -> bool:
         """Preemptive policies: before anything runs, free memory for the waiting head
-        by preempting running requests the policy allows, worst victim first. True if
-        anything was preempted."""
+        by preempting running requests the policy allows, worst victim first — only if
+        that frees enough for the head to be admitted (a preemption that cannot make room
+        would be repeated step after step for nothing). True if anything was preempted."""
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
         if head is None or not self._running or self._fits(head):
             return False
         running, policy = self.running, self.policy  # current sequences for the policy
-        if not any(policy.may_preempt_for(head, r) for r in running.values()):
+        key, adm = policy.victim_key, self._admit_seq
+        victims = sorted((r for r in running.values() if policy.may_preempt_for(head, r)),
+                         key=lambda r: key(r, adm[r.request_id]), reverse=True)
+        table = self.bm.block_table
+        freeable = sum(len(table(s.seq_id)) for r in victims for s in r.seqs if not s.finished)
+        if not victims or not self._fits(head, extra_free=freeable):
             return False
         self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
-        key, adm = policy.victim_key, self._admit_seq
         preempted = False
         while running and not self._fits(head):
             victim = max(running.values(), key=lambda r: key(r, adm[r.request_id]))
@@ -368,19 +373,30 @@ class Scheduler:
             preempted = True
         return preempted
 
-    def _fits(self, req: Request) -> bool:
+    def _fits(self, req: Request, extra_free: int = 0) -> bool:
+        """Would the request's live sequences get their blocks with `extra_free` more
+        blocks free, the watermark kept (counting blocks, as admission of sequences
+        without cached contents does)?"""
         need = sum(-(-s.num_tokens // self.block_size) for s in req.seqs if not s.finished)
-        return self.bm.num_free_blocks >= need
+        return self.bm.num_free_blocks + extra_free - need >= self.bm.watermark_blocks
 
     # ------------------------------------------------------------------ swap in
-    def _swap_in(self, out, step: _Step) -> None:
+    def _swap_in(self, now, out, step: _Step) -> None:
         """Bring swapped requests back, oldest swap first, unless running requests ran
-        out of memory this step."""
+        out of memory this step. Under a preemptive policy, while the waiting head fits in
+        the free memory, a request it may preempt stays out (and so do those swapped after
+        it): the memory is the head's, and a request brought back into it would only be
+        preempted again for the head, step after step."""
         if self._growth_preempted or not self.swapped:
             return
         bm = self.bm
+        head = self.policy.peek(now) if self._may_preempt else None
+        if head is not None and not self._fits(head):
+            head = None
         for rid in list(self.swapped):
             req = self.swapped[rid]
+            if head is not None and self.policy.may_preempt_for(head, req):
+                return
             seq_ids = [s.seq_id for s in req.seqs if not s.finished]
             status = bm.can_swap_in(seq_ids)
             if status is AllocStatus.NEVER:

@@ -315,3 +315,15 @@ def test_fast_forward_skips_most_steps_of_a_steady_decode():
     assert run.fast_forwarded > 0.9 * 200
     assert all(r.output_tokens in (200, 180, 190) for r in run.records)
     assert math.isclose(max(r.finish_s for r in run.records), 200 * 0.25)
+
+
+def test_preempting_for_a_head_that_cannot_then_fit_is_not_done():
+    """A preemptive head whose need, watermark included, exceeds what preempting every
+    allowed victim would free preempts nobody; a head that fits once a victim is gone gets
+    the memory, and the swapped victim is not brought back into it first (they used to
+    ping-pong: swap in, preempt for the head, swap in...)."""
+    from test_scheduler_properties import LIVELOCK
+    reqs, sched, cache, policy, options = LIVELOCK
+    run = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options, max_steps=2000)
+    assert not run.scheduler.has_unfinished()
+    assert {r.request_id for r in run.records} == {r.request_id for r in reqs}

@@ -214,8 +214,23 @@ def test_admission_memo_at_the_boundary():
     assert not diverged
 
 
+_IDS = tuple(range(100, 130))
+LIVELOCK = (  # found by CI's hypothesis run: a preemptive head and a swapped request ping-ponged
+    [Request(0, 0.0, 17, 24, priority=2, tenant="a", prompt_token_ids=_IDS[:17]),
+     Request(1, 0.1, 1, 13, priority=0, tenant="a", prompt_token_ids=_IDS[:1]),
+     Request(2, 0.1, 20, 7, priority=0, tenant="a", prompt_token_ids=_IDS[:20]),
+     Request(3, 0.1, 27, 28, priority=0, tenant="a"), Request(4, 0.1, 30, 23, priority=0, tenant="a"),
+     Request(5, 0.105, 16, 23, n=3, priority=1, tenant="a"), Request(6, 0.11, 9, 17, priority=1, tenant="c")],
+    SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=37, chunked_prefill=8, preemption="swap",
+                    max_model_len=32),
+    CacheConfig(block_size=1, num_gpu_blocks=28, num_cpu_blocks=64, watermark=0.1,
+                enable_prefix_caching=True),
+    "priority", {"preemptive": True, "aging_rate": 0.0})
+
+
 @SETTINGS
 @given(workloads())
+@example(LIVELOCK)
 def test_determinism_same_inputs_same_outputs(w):
     reqs, sched, cache, policy, options = w
     a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options)
