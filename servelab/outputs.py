@@ -146,7 +146,9 @@ class BatchShape:
     frozen dataclass costs microseconds more to build, and one is built every step).
 
     For attention, a prefill chunk of q tokens over a cached context c does causal work
-    proportional to q·c + q(q+1)/2, so the sums below are sufficient statistics.
+    proportional to q·c + q(q+1)/2, so the sums below are sufficient statistics; the
+    longest chunk's last query tile, which no other thread block can help with, attends
+    to `prefill_max_keys` keys.
     """
 
     num_prefill_seqs: int = 0
@@ -158,6 +160,7 @@ class BatchShape:
     decode_context_sum: int = 0       # Σ (c + 1): KV tokens read by decode attention
     num_swap_blocks: int = 0          # blocks moved over PCIe (in + out)
     num_copy_blocks: int = 0          # copy-on-write block copies on the GPU
+    prefill_max_keys: int = 0         # max (c + q) over prefill chunks; 0: unknown
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +170,7 @@ class BatchShape:
     def from_output(cls, out: SchedulerOutput) -> "BatchShape":
         """O(listed work): compact decodes count by their precomputed sums."""
         work = out.scheduled
-        nps = npt = pcs = pqc = pqq = 0
+        nps = npt = pcs = pqc = pqq = keys = 0
         nds, dcs = len(work._rows), work._rows_context_sum
         for s in work._listed:
             if s.is_prefill:
@@ -176,8 +179,10 @@ class BatchShape:
                 pcs += s.context_len
                 pqc += s.num_tokens * s.context_len
                 pqq += s.num_tokens * s.num_tokens
+                if s.context_len + s.num_tokens > keys:
+                    keys = s.context_len + s.num_tokens
             else:
                 nds += 1
                 dcs += s.context_len + 1
         return cls(nps, npt, pcs, pqc, pqq, nds, dcs,
-                   len(out.swap_in) + len(out.swap_out), len(out.copies))
+                   len(out.swap_in) + len(out.swap_out), len(out.copies), keys)

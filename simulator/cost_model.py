@@ -255,9 +255,11 @@ class CostModel:
             if npt:
                 floor, pair, per_seq, per_key, per_tok, per_ctx = self._pa
                 qc, qq = shape.prefill_q_context_sum, shape.prefill_q_sq_sum
+                keys = (qq + qc) / npt
+                if shape.prefill_max_keys > keys:
+                    keys = shape.prefill_max_keys
                 t += (floor + (qc + 0.5 * (qq + npt)) * pair + shape.num_prefill_seqs * per_seq
-                      + (qq + qc) / npt * per_key + npt * per_tok
-                      + shape.prefill_context_sum * per_ctx)
+                      + keys * per_key + npt * per_tok + shape.prefill_context_sum * per_ctx)
             if nds:
                 dec = self._dec
                 if nds >= len(dec):
@@ -398,7 +400,7 @@ class CostModel:
             t = K.prefill_attention_time(
                 shape.num_prefill_seqs, npt, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
                 shape.prefill_context_sum, s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill,
-                s.kv_elem_bytes)
+                s.kv_elem_bytes, max_keys=shape.prefill_max_keys)
             bare = K.prefill_attention_coefficients(s.heads, s.kv_heads, s.head_dim, g,
                                                     K.PrefillAttentionParams(), s.kv_elem_bytes)
             qc, qq = shape.prefill_q_context_sum, shape.prefill_q_sq_sum

@@ -100,7 +100,8 @@ def _attention(opts: dict) -> dict:
         if t is None:
             raise ValueError("cost attention --phase prefill needs --tokens (new tokens per sequence)")
         total = K.prefill_attention_time(b, b * t, b * t * c, b * t * t, b * c, heads, kv_heads,
-                                         d, gpu, profile.kernels.attn_prefill, kvb)
+                                         d, gpu, profile.kernels.attn_prefill, kvb,
+                                         max_keys=t + c)
         flops = 4.0 * d * heads * b * (t * c + 0.5 * (t * t + t))
         out.update(tokens=t, flops=flops)
     else:
@@ -166,7 +167,8 @@ def _step(opts: dict) -> dict:
         prefill_q_context_sum=sum(t * c for t, c in prefill),
         prefill_q_sq_sum=sum(t * t for t, _ in prefill),
         num_decode_seqs=sum(b for b, _ in decode),
-        decode_context_sum=sum(b * c for b, c in decode))
+        decode_context_sum=sum(b * c for b, c in decode),
+        prefill_max_keys=max((t + c for t, c in prefill), default=0))
     total = cm.step_time(shape)
     layers = cm.shapes.num_layers
     ops = []

@@ -109,7 +109,8 @@ def test_allreduce_is_the_steps_tp_allreduce_per_call(capsys):
 def test_step_is_the_cost_models_step_time(capsys, llama8b):
     shape = BatchShape(num_prefill_seqs=2, num_prefill_tokens=512 + 2048, prefill_context_sum=1024,
                        prefill_q_context_sum=2048 * 1024, prefill_q_sq_sum=512 ** 2 + 2048 ** 2,
-                       num_decode_seqs=32, decode_context_sum=32 * 1500)
+                       num_decode_seqs=32, decode_context_sum=32 * 1500,
+                       prefill_max_keys=2048 + 1024)
     argv = ("step", "--gpu", GPU, "--model", "llama-3.1-8b", "--prefill", "512,2048:1024",
             "--decode", "32:1500")
     r = cost_json(capsys, *argv)

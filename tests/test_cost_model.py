@@ -39,7 +39,15 @@ def prefill(*chunks: tuple[int, int]) -> BatchShape:
     return BatchShape(num_prefill_seqs=len(chunks), num_prefill_tokens=sum(q for q, _ in chunks),
                       prefill_context_sum=sum(c for _, c in chunks),
                       prefill_q_context_sum=sum(q * c for q, c in chunks),
-                      prefill_q_sq_sum=sum(q * q for q, _ in chunks))
+                      prefill_q_sq_sum=sum(q * q for q, _ in chunks),
+                      prefill_max_keys=max((q + c for q, c in chunks), default=0))
+
+
+def step(chunks, contexts, swaps=0, copies=0) -> BatchShape:
+    """Prefill chunks (tokens, cached), decoding sequences' contexts, swaps and copies."""
+    return dataclasses.replace(prefill(*chunks), num_decode_seqs=len(contexts),
+                               decode_context_sum=sum(contexts), num_swap_blocks=swaps,
+                               num_copy_blocks=copies)
 
 
 def gemm_time(cm: CostModel, shape: BatchShape, names=LAYER_GEMMS) -> float:
@@ -316,13 +324,16 @@ SETUPS = {
 
 
 @st.composite
+def parts(draw, max_decode: int = 64):
+    """(prefill chunks, decode contexts, swap blocks, copy blocks) of a step."""
+    return (draw(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 8192)), max_size=4)),
+            draw(st.lists(st.integers(1, 8192), max_size=max_decode)),
+            draw(st.integers(0, 50)), draw(st.integers(0, 10)))
+
+
+@st.composite
 def shapes(draw, max_decode: int = 64):
-    chunks = draw(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 8192)), max_size=4))
-    contexts = draw(st.lists(st.integers(1, 8192), max_size=max_decode))
-    base = prefill(*chunks)
-    return dataclasses.replace(base, num_decode_seqs=len(contexts), decode_context_sum=sum(contexts),
-                               num_swap_blocks=draw(st.integers(0, 50)),
-                               num_copy_blocks=draw(st.integers(0, 10)))
+    return step(*draw(parts(max_decode)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -336,15 +347,34 @@ def test_step_time_equals_breakdown_and_linear_form(setup, shape):
     assert t == pytest.approx(sum(coef[k] * row[k] for k in row), rel=1e-12)
 
 
-@settings(max_examples=200, deadline=None)
-@given(setup=st.sampled_from(sorted(SETUPS)), shape=shapes(),
-       field=st.sampled_from([f.name for f in dataclasses.fields(BatchShape)
-                              if f.name != "num_decode_seqs"]),
-       extra=st.integers(1, 5000))
-def test_more_work_never_takes_less_time(setup, shape, field, extra):
+MORE_WORK = ("another chunk", "longer chunk", "more cached context", "longer decode context",
+             "more swaps", "more copies")
+
+
+@settings(max_examples=300, deadline=None)
+@given(setup=st.sampled_from(sorted(SETUPS)), p=parts(), what=st.sampled_from(MORE_WORK),
+       which=st.integers(0, 3), extra=st.integers(1, 5000))
+def test_more_work_never_takes_less_time(setup, p, what, which, extra):
+    """Every way a step can hold more work — a chunk more, a chunk longer or over more
+    context, a decode over more context, more blocks moved — never takes less time."""
     cm = SETUPS[setup]
-    more = dataclasses.replace(shape, **{field: getattr(shape, field) + extra})
-    assert cm.step_time(more) >= cm.step_time(shape)
+    chunks, contexts, swaps, copies = p
+    chunks, contexts = list(chunks), list(contexts)
+    if what == "another chunk" or (what in ("longer chunk", "more cached context") and not chunks):
+        chunks.append((extra % 4096 + 1, which * 1000))
+    elif what == "longer chunk":
+        q, c = chunks[which % len(chunks)]
+        chunks[which % len(chunks)] = (q + extra, c)
+    elif what == "more cached context":
+        q, c = chunks[which % len(chunks)]
+        chunks[which % len(chunks)] = (q, c + extra)
+    elif what == "longer decode context" and contexts:
+        contexts[which % len(contexts)] += extra
+    elif what == "more swaps":
+        swaps += extra
+    elif what == "more copies":
+        copies += extra
+    assert cm.step_time(step(chunks, contexts, swaps, copies)) >= cm.step_time(step(*p))
 
 
 @settings(max_examples=200, deadline=None)

@@ -85,16 +85,19 @@ def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
 
 def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads, kv_heads,
                            head_dim, gpu: GPUSpec, p: PrefillAttentionParams, kv_bytes=2.0,
-                           act_bytes: float = 2.0, warm_l2: bool = False):
+                           act_bytes: float = 2.0, warm_l2: bool = False, max_keys=0):
     """Seconds of one layer's prefill attention over `seqs` chunks of `tokens` new tokens
     in all; chunk i has q_i new tokens after c_i cached ones, and the sums are
-    Σ q_i·c_i, Σ q_i², Σ c_i. Zero when there is nothing to prefill."""
+    Σ q_i·c_i, Σ q_i², Σ c_i. `max_keys` is max (c_i + q_i), the keys the longest
+    chunk's last tile attends to (the critical path); where unknown (0) the token-weighted
+    mean (Σ q_i² + Σ q_i·c_i) / Σ q_i stands in, exact when the chunks are alike. Zero
+    when there is nothing to prefill."""
     floor, per_pair, per_seq, per_key, per_token, per_ctx = prefill_attention_coefficients(
         heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes)
     tokens = np.asarray(tokens, dtype=np.float64)
     pairs = q_ctx_sum + 0.5 * (q_sq_sum + tokens)            # causal (query, key) pairs
-    mean_keys = (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0)
-    compute = pairs * per_pair + seqs * per_seq + mean_keys * per_key
+    keys = np.maximum(max_keys, (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0))
+    compute = pairs * per_pair + seqs * per_seq + keys * per_key
     memory = tokens * per_token + ctx_sum * per_ctx
     if warm_l2:
         bw_bytes = memory * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
