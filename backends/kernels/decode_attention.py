@@ -24,13 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import KernelLaunch
 from .reference import (
+    DEFAULT_SPLIT_SIZE,
     paged_decode_attention_reference,
     validate_decode_args,
     validate_kernel_layout,
 )
 
-__all__ = ["paged_decode_attention"]
+__all__ = ["paged_decode_attention", "plan_paged_decode"]
 
 LOG2E = 1.4426950408889634
 
@@ -121,32 +123,47 @@ def _decode_merge_kernel(
     stride_out_seq, stride_out_head,
     max_context,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, MERGE_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context)
     num_live = tl.cdiv(seq_len, SPLIT_SIZE)
 
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
-    live = s < num_live
-    lse = tl.load(part_lse_ptr + seq * stride_lse_seq + head * stride_lse_head + s,
-                  mask=live, other=float("-inf"))
-    lse_max = tl.where(num_live > 0, tl.max(lse, 0), 0.0)
-    weight = tl.exp2(lse - lse_max)  # 0 for masked splits
-    parts = tl.load(part_out_ptr + seq * stride_part_seq + head * stride_part_head
-                    + s[:, None] * stride_part_split + d[None, :],
-                    mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    lse_row = part_lse_ptr + seq * stride_lse_seq + head * stride_lse_head
+    part_row = part_out_ptr + seq * stride_part_seq + head * stride_part_head
+    # Online merge over MERGE_TILE splits at a time: the tile, not the context length,
+    # sets the kernel's registers, so one compiled kernel serves every context.
+    lse_max = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, num_live, MERGE_TILE):
+        s = start + tl.arange(0, MERGE_TILE)
+        live = s < num_live
+        lse = tl.load(lse_row + s, mask=live, other=float("-inf"))
+        new_max = tl.maximum(lse_max, tl.max(lse, 0))  # finite: split `start` is live
+        alpha = tl.exp2(lse_max - new_max)
+        weight = tl.exp2(lse - new_max)  # 0 for masked splits
+        parts = tl.load(part_row + s[:, None] * stride_part_split + d[None, :],
+                        mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
+        lse_max = new_max
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                   split_size: int) -> torch.Tensor:
+def plan_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      split_size: int, *, for_cuda: bool) -> tuple[torch.Tensor, list[KernelLaunch]]:
+    """Checks the arguments, allocates the output (and the splits' partials) and decides the
+    launches: the split kernel, then the merge kernel when the table holds several splits.
+
+    ``for_cuda`` picks the CUDA tiles (16-bit tl.dot operands, tiles sized for registers)
+    rather than the interpreter's (fp32, wide tiles, few loop steps); the wrapper passes
+    ``q.is_cuda`` and the CUDA compile check passes True for CPU stand-in tensors."""
     group = validate_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, split_size)
     validate_kernel_layout(q, k_cache, v_cache, block_tables, ("seq_lens", seq_lens))
     batch, num_heads, head_dim = q.shape
@@ -154,17 +171,25 @@ def _launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     max_context = block_tables.shape[1] * block_size
     if batch == 0:
-        return out
+        return out, []
     if max_context == 0:
-        return out.zero_()
+        return out.zero_(), []
 
-    on_gpu = q.is_cuda
     # The interpreter has no bf16 arithmetic and pays per loop step: compute in fp32 with
     # wide tiles there. On GPU keep 16-bit operands for tl.dot (fp32 accumulation) and
     # force IEEE fp32 for fp32 inputs (tl.dot would otherwise use tf32).
-    upcast = not on_gpu
+    upcast = not for_cuda
     dot_precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
-    block_n = max(16, min(triton.next_power_of_2(split_size), 64 if on_gpu else 256))
+    # On GPU a 64-token K/V tile and 4 warps for 16-bit types. fp32's tl.dot runs on FMA
+    # units with its operands in registers and spilled with those (sm_80 to sm_100, see
+    # tests/test_kernels_cuda_compile.py): a 32-token tile over 8 warps there.
+    if not for_cuda:
+        widest, num_warps = 256, 4
+    elif q.dtype == torch.float32:
+        widest, num_warps = 32, 8
+    else:
+        widest, num_warps = 64, 4
+    block_n = max(16, min(triton.next_power_of_2(split_size), widest))
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on GPU
     block_d = triton.next_power_of_2(head_dim)
     num_splits = triton.cdiv(max_context, split_size)
@@ -182,37 +207,38 @@ def _launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         part_strides = part_out.stride()[:3]
         lse_strides = part_lse.stride()[:2]
 
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
-        scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *part_strides, *lse_strides,
-        max_context,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, SPLIT_SIZE=split_size, BLOCK_N=block_n,
-        SINGLE_SPLIT=single, UPCAST=upcast, DOT_PRECISION=dot_precision,
-        num_warps=4,
-    )
-    if not single:
-        _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, seq_lens, out,
-            *part_strides, *lse_strides,
-            out.stride(0), out.stride(1),
-            max_context,
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLIT_SIZE=split_size, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
-    return out
+    split = KernelLaunch(
+        _decode_split_kernel, (batch, num_kv_heads, num_splits),
+        (q, k_cache, v_cache, block_tables, seq_lens,
+         out, part_out, part_lse,
+         scale * LOG2E,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         block_tables.stride(0),
+         out.stride(0), out.stride(1),
+         *part_strides, *lse_strides,
+         max_context),
+        dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
+             BLOCK_SIZE=block_size, SPLIT_SIZE=split_size, BLOCK_N=block_n,
+             SINGLE_SPLIT=single, UPCAST=upcast, DOT_PRECISION=dot_precision),
+        num_warps=num_warps, num_stages=3)
+    if single:
+        return out, [split]
+    merge = KernelLaunch(
+        _decode_merge_kernel, (batch, num_heads),
+        (part_out, part_lse, seq_lens, out,
+         *part_strides, *lse_strides,
+         out.stride(0), out.stride(1),
+         max_context),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_SIZE=split_size,
+             MERGE_TILE=16 if for_cuda else 64),
+        num_warps=4, num_stages=3)
+    return out, [split, merge]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           use_triton: bool, split_size: int = 512) -> torch.Tensor:
+                           use_triton: bool, split_size: int = DEFAULT_SPLIT_SIZE) -> torch.Tensor:
     """Attention of one query token per sequence (q: [B, num_heads, head_dim], already in the
     cache, so seq_lens counts it) over its paged context; returns [B, num_heads, head_dim] in
     q's dtype, zeros where seq_lens is 0.
@@ -220,7 +246,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``split_size`` is the fixed number of context tokens per split-KV partition. The Triton
     path does no value checks (no device sync): seq_lens must fit the block table width and
     the used block ids must exist."""
-    if use_triton:
-        return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, split_size)
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                            split_size)
+    if not use_triton:
+        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
+                                                scale, split_size)
+    out, launches = plan_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      split_size, for_cuda=q.is_cuda)
+    for launch in launches:
+        launch.run()
+    return out

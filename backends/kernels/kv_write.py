@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import KernelLaunch
 from .reference import validate_write_kv_args, write_kv_reference
 
-__all__ = ["write_kv"]
+__all__ = ["write_kv", "plan_write_kv"]
 
 _ELEMENTS_PER_PROGRAM = 4096  # tokens x row elements copied by one program
 
@@ -40,8 +41,10 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def _launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def plan_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> list[KernelLaunch]:
+    """Checks the arguments and decides the one launch (none for zero tokens). A copy has
+    no interpreter-specific tiles, so the plan is the same for CUDA and the interpreter."""
     validate_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous for the Triton KV write")
@@ -56,17 +59,18 @@ def _launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError("slot_mapping must be contiguous")
     num_tokens = k.shape[0]
     if num_tokens == 0:
-        return
+        return []
     row_size = k.shape[1] * head_dim
     block_r = min(triton.next_power_of_2(row_size), _ELEMENTS_PER_PROGRAM)
     block_t = max(1, _ELEMENTS_PER_PROGRAM // block_r)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row_size, block_r))
-    _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
-        num_tokens, row_size,
-        k.stride(0), v.stride(0), k_cache.stride(1),
-        BLOCK_T=block_t, BLOCK_R=block_r,
-    )
+    return [KernelLaunch(
+        _write_kv_kernel, grid,
+        (k, v, k_cache, v_cache, slot_mapping,
+         num_tokens, row_size,
+         k.stride(0), v.stride(0), k_cache.stride(1)),
+        dict(BLOCK_T=block_t, BLOCK_R=block_r),
+        num_warps=4, num_stages=3)]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,7 +79,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (int64, ``block_id * block_size + offset``) of the caches, in place; slots < 0 are
     skipped. The Triton path does no value checks (no device sync): slots must be in range
     and distinct."""
-    if use_triton:
-        _launch_write_kv(k, v, k_cache, v_cache, slot_mapping)
-    else:
+    if not use_triton:
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+        return
+    for launch in plan_write_kv(k, v, k_cache, v_cache, slot_mapping):
+        launch.run()

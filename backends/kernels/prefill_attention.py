@@ -24,13 +24,14 @@ import triton
 import triton.language as tl
 
 from .decode_attention import LOG2E
+from .launch import KernelLaunch
 from .reference import (
     paged_prefill_attention_reference,
     validate_kernel_layout,
     validate_prefill_args,
 )
 
-__all__ = ["paged_prefill_attention"]
+__all__ = ["paged_prefill_attention", "plan_paged_prefill"]
 
 
 @triton.jit
@@ -129,9 +130,26 @@ def _tile_table(query_start_loc: torch.Tensor, tokens_per_tile: int,
     return tile_seq.to(torch.int32), tile_first.to(torch.int32)
 
 
-def _launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _cuda_tiles(dtype: torch.dtype, group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on GPU: the largest tiles with which every
+    configuration compiles for sm_80 to sm_100 without spilling and within sm_89's 99 KiB
+    of shared memory (tests/test_kernels_cuda_compile.py, docs/kernels.md). A 64-token K/V
+    tile spilled on sm_80/sm_89 at head_dim 128. fp32 runs tl.dot on FMA units with its
+    operands in registers: a 16-token K/V tile, two pipeline stages, and 8 warps at
+    head_dim 128 (4 at 64, where ptxas spilled 8 warps at 80 registers)."""
+    if dtype == torch.float32:
+        return 64, 16, (8 if head_dim > 64 else 4), 2
+    if group >= 4:
+        return 128, 32, 8, 3  # 128 rows keep 18 tokens x 7 heads (Qwen2.5) in one tile
+    return 64, 32, 4, 3
+
+
+def plan_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor, scale: float,
+                       *, for_cuda: bool) -> tuple[torch.Tensor, list[KernelLaunch]]:
+    """Checks the arguments, allocates the output and the tile table, and decides the one
+    launch (none for an empty batch). ``for_cuda`` as in ``plan_paged_decode``."""
     group = validate_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                   seq_lens, scale)
     validate_kernel_layout(q, k_cache, v_cache, block_tables, ("seq_lens", seq_lens),
@@ -141,35 +159,34 @@ def _launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = seq_lens.shape[0]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return out, []
 
-    on_gpu = q.is_cuda
     # See decode_attention: fp32 compute and wide tiles under the interpreter.
-    upcast = not on_gpu
+    upcast = not for_cuda
     dot_precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
-    block_m = 128 if (group >= 4 or not on_gpu) else 64
+    block_m, block_n, num_warps, num_stages = (_cuda_tiles(q.dtype, group, head_dim)
+                                               if for_cuda else (128, 128, 4, 1))
     if group > block_m:
         raise ValueError(f"GQA group {group} larger than the query tile ({block_m} rows)")
-    block_n = 64 if on_gpu else 128
     tokens_per_tile = block_m // group
     num_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs
     tile_seq, tile_first = _tile_table(query_start_loc, tokens_per_tile, num_tiles)
 
-    _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out,
-        block_tables, query_start_loc, seq_lens, tile_seq, tile_first,
-        scale * LOG2E, block_tables.shape[1] * block_size,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, TOKENS_PER_TILE=tokens_per_tile,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        UPCAST=upcast, DOT_PRECISION=dot_precision,
-        num_warps=8 if block_m == 128 else 4,
-    )
-    return out
+    launch = KernelLaunch(
+        _prefill_kernel, (num_tiles, num_kv_heads),
+        (q, k_cache, v_cache, out,
+         block_tables, query_start_loc, seq_lens, tile_seq, tile_first,
+         scale * LOG2E, block_tables.shape[1] * block_size,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         block_tables.stride(0),
+         out.stride(0), out.stride(1)),
+        dict(GROUP=group, BLOCK_M=block_m, TOKENS_PER_TILE=tokens_per_tile,
+             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+             BLOCK_SIZE=block_size, BLOCK_N=block_n,
+             UPCAST=upcast, DOT_PRECISION=dot_precision),
+        num_warps=num_warps, num_stages=num_stages)
+    return out, [launch]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -180,8 +197,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     sequence s owning rows query_start_loc[s]:query_start_loc[s+1]) over its paged cache of
     seq_lens[s] tokens (prefix + chunk, already written); returns [T, num_heads, head_dim]
     in q's dtype. The Triton path does no value checks (no device sync)."""
-    if use_triton:
-        return _launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                               scale)
-    return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables,
-                                             query_start_loc, seq_lens, scale)
+    if not use_triton:
+        return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables,
+                                                 query_start_loc, seq_lens, scale)
+    out, launches = plan_paged_prefill(q, k_cache, v_cache, block_tables, query_start_loc,
+                                       seq_lens, scale, for_cuda=q.is_cuda)
+    for launch in launches:
+        launch.run()
+    return out

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_SPLIT_SIZE = 512  # context tokens per split-KV partition of paged decode
 
 
 # --------------------------------------------------------------------------- checks
@@ -205,7 +206,7 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
                                      v_cache: torch.Tensor, block_tables: torch.Tensor,
                                      seq_lens: torch.Tensor, scale: float,
-                                     split_size: int = 512) -> torch.Tensor:
+                                     split_size: int = DEFAULT_SPLIT_SIZE) -> torch.Tensor:
     """One query token per sequence over its whole cached context; [B, H, D] in q's dtype.
 
     ``split_size`` is checked and otherwise unused: it only changes how the Triton kernel
