@@ -1,0 +1,76 @@
+"""Every launch the CUDA backend can plan compiles for every GPU generation the project
+targets, fits in the target's shared memory and spills no registers: checked without a
+GPU by compiling ahead of time (``backends/kernels/cuda_compile.py``), for the full cross
+product of ``backends/kernels/launch_space.py``.
+
+Runs in its own pytest process with the Triton interpreter off (``scripts/test.sh``): under
+the interpreter Triton's compiler cannot trace ``tl.max``/``tl.sum``. The compiles run on
+every core first (a module fixture); each test then reads one result, so a failure names
+the kernel, the configuration and the target.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from servelab.backends.kernels.cuda_compile import (
+    CUDA_TARGETS,
+    CudaCompiler,
+    KernelCompileError,
+    KernelResources,
+    cuda_backend_installed,
+    supported_targets,
+)
+from servelab.backends.kernels.launch_space import planned_launches
+
+pytestmark = pytest.mark.cuda_compile
+
+if not cuda_backend_installed():
+    pytest.skip("the installed Triton has no CUDA backend", allow_module_level=True)
+
+TARGETS = supported_targets()
+PLANNED = planned_launches()
+
+
+@pytest.fixture(scope="module")
+def compiler() -> CudaCompiler:
+    compiler = CudaCompiler()
+    compiler.compile_all([p.launch for p in PLANNED], TARGETS,
+                         workers=len(os.sched_getaffinity(0)))
+    return compiler
+
+
+def test_the_installed_triton_compiles_for_some_target() -> None:
+    """Otherwise every test below would vanish from the parametrisation unnoticed."""
+    assert TARGETS, f"ptxas of the installed Triton knows none of {[t.name for t in CUDA_TARGETS]}"
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("planned", PLANNED, ids=lambda p: f"{p.kernel}-{p.config}")
+def test_launch_compiles_within_the_target_limits(planned, target, compiler) -> None:
+    where = f"{planned.kernel} [{planned.config}] on {target.name} ({target.gpus})"
+    try:
+        resources = compiler.resources(planned.launch, target)
+    except KernelCompileError as exc:
+        pytest.fail(f"{where} does not compile: {exc}")
+    problems = resources.problems(target)
+    assert not problems, f"{where}: " + "; ".join(problems)
+
+
+LIMITS = CUDA_TARGETS[1]  # sm_89: 99 KiB of shared memory per block
+
+
+@pytest.mark.parametrize("resources, complaint", [
+    (KernelResources(registers=128, shared_bytes=99 * 1024 + 1, spill_bytes=0, num_warps=4),
+     "shared memory"),
+    (KernelResources(registers=255, shared_bytes=0, spill_bytes=8, num_warps=4), "spills"),
+    (KernelResources(registers=255, shared_bytes=0, spill_bytes=0, num_warps=16), "registers x"),
+], ids=["shared", "spills", "register-file"])
+def test_each_limit_is_reported(resources: KernelResources, complaint: str) -> None:
+    assert any(complaint in p for p in resources.problems(LIMITS))
+
+
+def test_a_kernel_at_the_limits_passes() -> None:
+    edge = KernelResources(registers=128, shared_bytes=99 * 1024, spill_bytes=0, num_warps=16)
+    assert edge.problems(LIMITS) == []
