@@ -100,7 +100,7 @@ def render(compiler: CudaCompiler, planned: list[PlannedLaunch], targets: list) 
         "multi-split path); for the KV write, kv heads `kv` and head dim `d`. \"(+N alike)\": "
         "N more configurations plan the very same compile.",
         "",
-        "| target | GPUs | shared memory per block (opt-in max) |",
+        "| target | catalog GPUs | shared memory per block (opt-in max) |",
         "|---|---|---|",
         *(f"| {t.name} | {t.gpus} | {t.max_shared_bytes // 1024} KiB |" for t in targets),
         "",

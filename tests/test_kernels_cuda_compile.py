@@ -23,6 +23,7 @@ from servelab.backends.kernels.cuda_compile import (
     supported_targets,
 )
 from servelab.backends.kernels.launch_space import planned_launches
+from servelab.simulator.gpus import get_gpu, gpu_names
 
 pytestmark = pytest.mark.cuda_compile
 
@@ -39,6 +40,14 @@ def compiler() -> CudaCompiler:
     compiler.compile_all([p.launch for p in PLANNED], TARGETS,
                          workers=len(os.sched_getaffinity(0)))
     return compiler
+
+
+def test_every_catalog_gpu_has_a_target() -> None:
+    """A GPU added to the catalog (simulator/data/gpus) gets its kernels compile-checked."""
+    covered = {t.architecture for t in CUDA_TARGETS}
+    missing = {name: get_gpu(name).architecture for name in gpu_names()
+               if get_gpu(name).architecture not in covered | {"cpu"}}
+    assert not missing, f"no CUDA_TARGETS entry for the architecture of {missing}"
 
 
 def test_the_installed_triton_compiles_for_some_target() -> None:

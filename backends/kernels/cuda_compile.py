@@ -40,6 +40,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from servelab.simulator.gpus import get_gpu, gpu_names
+
 from .launch import KernelLaunch
 
 __all__ = ["CudaTarget", "CUDA_TARGETS", "KernelResources", "KernelCompileError",
@@ -51,21 +53,27 @@ REGISTERS_PER_BLOCK = 64 * KIB  # 32-bit registers one block may use, on every t
 
 @dataclass(frozen=True)
 class CudaTarget:
-    """A GPU generation: its compute capability and the most shared memory (static +
-    dynamic) one block may opt in to, from the CUDA C++ Programming Guide's table of
-    technical specifications per compute capability."""
+    """A GPU generation: its compute capability, the GPU catalog's name for its
+    architecture, and the most shared memory (static + dynamic) one block may opt in to,
+    from the CUDA C++ Programming Guide's table of technical specifications per compute
+    capability."""
 
     name: str
     capability: int
-    gpus: str
+    architecture: str
     max_shared_bytes: int
+
+    @property
+    def gpus(self) -> str:
+        """The catalog GPUs of this architecture (``simulator/data/gpus``)."""
+        return ", ".join(n for n in gpu_names() if get_gpu(n).architecture == self.architecture)
 
 
 CUDA_TARGETS = (
-    CudaTarget("sm_80", 80, "A100", 163 * KIB),
-    CudaTarget("sm_89", 89, "L40S", 99 * KIB),
-    CudaTarget("sm_90", 90, "H100, H200", 227 * KIB),
-    CudaTarget("sm_100", 100, "B200", 227 * KIB),
+    CudaTarget("sm_80", 80, "ampere", 163 * KIB),
+    CudaTarget("sm_89", 89, "ada", 99 * KIB),
+    CudaTarget("sm_90", 90, "hopper", 227 * KIB),
+    CudaTarget("sm_100", 100, "blackwell", 227 * KIB),
 )
 
 
