@@ -1,7 +1,7 @@
 """Every launch the CUDA backend can plan compiles for every GPU generation the project
 targets, fits in the target's shared memory and spills no registers: checked without a
-GPU by compiling ahead of time (``backends/kernels/cuda_compile.py``), for the full cross
-product of ``backends/kernels/launch_space.py``.
+GPU by compiling ahead of time (``backends/kernels/cuda_compile.py``) the configurations of
+``backends/kernels/launch_space.py``.
 
 Runs in its own pytest process with the Triton interpreter off (``scripts/test.sh``): under
 the interpreter Triton's compiler cannot trace ``tl.max``/``tl.sum``. The compiles run on
@@ -22,7 +22,11 @@ from servelab.backends.kernels.cuda_compile import (
     cuda_backend_installed,
     supported_targets,
 )
-from servelab.backends.kernels.launch_space import planned_launches
+from servelab.backends.kernels.launch_space import (
+    decode_shapes,
+    decode_shapes_cover_all_pairs,
+    planned_launches,
+)
 from servelab.simulator.gpus import get_gpu, gpu_names
 
 pytestmark = pytest.mark.cuda_compile
@@ -48,6 +52,15 @@ def test_every_catalog_gpu_has_a_target() -> None:
     missing = {name: get_gpu(name).architecture for name in gpu_names()
                if get_gpu(name).architecture not in covered | {"cpu"}}
     assert not missing, f"no CUDA_TARGETS entry for the architecture of {missing}"
+
+
+def test_decode_configurations_meet_every_group_with_every_other_axis_value() -> None:
+    """The covering subset's promise (launch_space.py), and that the check can fail:
+    without the group-4 shapes at head dim 64 that pair is missing."""
+    shapes = decode_shapes()
+    assert decode_shapes_cover_all_pairs(shapes)
+    assert not decode_shapes_cover_all_pairs(
+        [s for s in shapes if not (s.group == 4 and s.head_dim == 64)])
 
 
 def test_the_installed_triton_compiles_for_some_target() -> None:

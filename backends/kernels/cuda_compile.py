@@ -17,8 +17,8 @@ frame" beside its spill stores). Dynamic shared memory is Triton's own figure
 The binder and ``JITFunction._pack_args`` are Triton internals (3.9): should they change,
 this module fails loudly rather than compile something else.
 
-Cost: one compile is 0.2 to 1 s of one core, most of it LLVM, then ptxas; the whole
-launch space is about 500 core-seconds. ``CudaCompiler`` caches results by Triton's
+Cost: one compile is 0.2 to 1 s of one core, most of it LLVM, then ptxas; the launch
+space (504 compiles) is about 300 core-seconds. ``CudaCompiler`` caches results by Triton's
 compile key, and Triton's on-disk cache (``~/.triton/cache``) makes a repeated run cheap. Needs the interpreter off (``TRITON_INTERPRET`` unset or 0 before triton is first
 imported): under the interpreter triton.language's own ``@jit`` helpers (``tl.max``,
 ``tl.sum``) become interpreted functions the compiler cannot trace.
@@ -150,7 +150,7 @@ class _CompileJob:
         try:
             with triton.knobs.compilation.scope():
                 # Triton's cache keeps the cubin and metadata only (all this reads):
-                # about 95 MB instead of 250 MB for the whole launch space.
+                # about 120 KB a compile instead of 350 KB.
                 triton.knobs.compilation.store_binary_only = True
                 compiled = triton.compile(source, target=GPUTarget("cuda", self.capability, 32),
                                           options=self.options)
