@@ -1,5 +1,6 @@
-"""Regenerates docs/kernels.md: registers, shared memory and spills of every Triton kernel
-launch the CUDA backend can plan, compiled ahead of time for each target GPU (no GPU needed).
+"""Regenerates docs/kernels.md: registers, shared memory and spills of the Triton kernel
+launches the CUDA backend plans over the configurations of backends/kernels/launch_space.py,
+compiled ahead of time for each target GPU (no GPU needed).
 
     python benchmarks/kernel_resources.py              # writes docs/kernels.md
     python benchmarks/kernel_resources.py --out -      # prints it

@@ -1,7 +1,7 @@
-"""Every launch the CUDA backend can plan compiles for every GPU generation the project
-targets, fits in the target's shared memory and spills no registers: checked without a
-GPU by compiling ahead of time (``backends/kernels/cuda_compile.py``) the configurations of
-``backends/kernels/launch_space.py``.
+"""The launches the CUDA backend plans compile for every GPU generation the project targets,
+fit in the target's shared memory and spill no registers: checked without a GPU by
+compiling ahead of time (``backends/kernels/cuda_compile.py``) the configurations of
+``backends/kernels/launch_space.py`` (every axis value, every pair of values).
 
 Runs in its own pytest process with the Triton interpreter off (``scripts/test.sh``): under
 the interpreter Triton's compiler cannot trace ``tl.max``/``tl.sum``. The compiles run on

@@ -2,8 +2,8 @@
 and read what the compiled kernel costs.
 
 The Triton interpreter accepts programs the CUDA compiler rejects and says nothing about
-shared memory or registers, so CI compiles every launch the wrappers can plan
-(``launch_space.py``) for each GPU generation the project targets. A ``KernelLaunch`` is
+shared memory or registers, so CI compiles the launches the wrappers plan over the
+configurations of ``launch_space.py`` for each GPU generation the project targets. A ``KernelLaunch`` is
 compiled exactly as Triton's JIT would compile it at launch: its arguments go through the
 JIT's own binder (argument types, 16-byte alignment and divisibility specialisation), then
 ``triton.compile`` runs the whole pipeline down to ptxas for ``GPUTarget("cuda", cc, 32)``.
