@@ -17,8 +17,9 @@ import os
 import sys
 
 from servelab.cli import CLIError
-from servelab.options import (add_scheduler_options, add_workload_options, configs_from_args,
-                              non_negative_float, non_negative_int, positive_float)
+from servelab.options import (add_output_options, add_scheduler_options, add_workload_options,
+                              configs_from_args, non_negative_float, non_negative_int,
+                              positive_float)
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
@@ -37,8 +38,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "run", help="replay a trace on a real model (PyTorch + Triton paged attention)",
         description="Replay a trace through the shared scheduler on a real Llama-family model "
-                    "and write a run directory (config.json, summary.json, requests.csv, "
-                    "steps.csv, outputs.jsonl) comparable with `servelab simulate`'s.")
+                    "and write a run directory (config.json, summary.json, requests and steps "
+                    "as .csv or .parquet, outputs.jsonl) comparable with `servelab simulate`'s.")
     p.add_argument("--backend", choices=("torch",), default="torch",
                    help="model runtime (default %(default)s)")
     p.add_argument("--device", default="auto",
@@ -48,6 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="folder of safetensors weights (default: seeded random weights)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    add_output_options(p)
     add_trace_arguments(p)
     add_scheduler_options(p, policies=policy_names())
     add_workload_options(p)
@@ -143,7 +145,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             replay=args.replay, clock=args.clock, seed=args.seed,
             gpu_memory_utilization=args.gpu_memory_utilization, trace=trace,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-            save_outputs=args.save_outputs, cli_args=_recorded(args))
+            save_outputs=args.save_outputs, cli_args=_recorded(args),
+            output_format=args.output_format)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:

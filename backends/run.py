@@ -34,6 +34,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from servelab import __version__
+from servelab.atomic import atomic_path
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
@@ -43,10 +44,12 @@ from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import Replay, engine_loop, run_to_end
 from servelab.memory.base import BlockUsage
 from servelab.models import ModelSpec, load_model_spec
+from servelab.options import OUTPUT_FORMATS
 from servelab.outputs import PreemptionMode
 from servelab.policies import build_scheduler
 from servelab.records import RequestRecord, StepRecord
-from servelab.reports import summarize, write_json, write_requests_csv, write_steps_csv
+from servelab.reports import summarize
+from servelab.reports.runio import write_json, write_records
 from servelab.request import Request
 
 __all__ = ["CLOCKS", "RealRunConfig", "RealRunResult", "RunSetupError", "derive_num_gpu_blocks",
@@ -102,6 +105,8 @@ class RealRunConfig:
     """Progress line on stderr; None: when stderr is a terminal."""
     cli_args: Mapping | None = None
     """The command's parsed flags (JSON values), recorded in config.json."""
+    output_format: str = "csv"
+    """How requests and steps are written: csv or parquet."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -113,6 +118,9 @@ class RealRunConfig:
             raise ValueError(f"RealRunConfig.seed must be an int >= 0, got {self.seed!r}")
         if self.model is None and self.checkpoint is None:
             raise ValueError("RealRunConfig needs a model or a checkpoint")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"RealRunConfig.output_format must be one of {OUTPUT_FORMATS}, "
+                             f"got {self.output_format!r}")
 
 
 @dataclass
@@ -300,8 +308,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
                for rid, req in sorted(live.items())}
     if out is not None:
         write_json(out / "summary.json", summary)
-        write_requests_csv(out / "requests.csv", records)
-        write_steps_csv(out / "steps.csv", steps)
+        write_records(out, records, steps, config.output_format)
         if config.save_outputs:
             _write_outputs(out / "outputs.jsonl", outputs)
     return RealRunResult(
@@ -386,9 +393,7 @@ def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton,
 
 def _write_outputs(path: Path, outputs: Mapping[int, list[list[int]]]) -> None:
     """One JSON line per request: {"request_id": r, "samples": [[token ids], ...]};
-    written to a temporary name and renamed, so a crash leaves no half file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    written atomically, so a crash leaves no half file."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for rid, samples in outputs.items():
             f.write(json.dumps({"request_id": rid, "samples": samples}) + "\n")
-    os.replace(tmp, path)

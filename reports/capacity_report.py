@@ -20,7 +20,7 @@ from servelab.reports.comparison import RUNS_DIR, describe_labels, load_comparis
 from servelab.reports.document import Bullets, Heading, Image, ReportFiles, Table, Text, write_document
 from servelab.reports.plots_load import CapacityCurve, attainment_curves
 from servelab.reports.report import build_document
-from servelab.reports.runio import read_json, read_requests_csv
+from servelab.reports.runio import read_json, read_requests
 from servelab.reports.slo import slo_tiers, tenants_tightest_first
 
 CAPACITY_FILE, CAPACITY_FORMAT = "capacity.json", "servelab.capacity/1"
@@ -155,9 +155,8 @@ def _run_length(groups, out_dir: Path) -> list:
     spans = []
     for g in groups:
         if g["held"] is not None:
-            requests = read_requests_csv(out_dir / RUNS_DIR / g["held"]["run"] / "requests.csv")
-            arrivals = [r.arrival_s for r in requests]
-            spans.append((len(requests), max(arrivals) - min(arrivals)))
+            arrivals = read_requests(out_dir / RUNS_DIR / g["held"]["run"]).column("arrival_s")
+            spans.append((len(arrivals), float(arrivals.max() - arrivals.min())))
     doc = []
     if spans:
         counts = sorted({n for n, _ in spans})

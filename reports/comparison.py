@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from servelab.records import RequestRecord, StepRecord
+from servelab.reports.columns import floats, ints
 from servelab.reports.metrics import VTC_INPUT_WEIGHT, VTC_OUTPUT_WEIGHT
 from servelab.reports.plots import MemoryStats
-from servelab.reports.runio import read_json, read_requests_csv, read_steps_csv
+from servelab.reports.runio import read_json, read_requests, read_steps
 
 # The sweep layout `servelab.sweeps.sweep` writes (reports do not import the simulator).
 SWEEP_FILE, RUNS_DIR, DONE_MARKER = "sweep.json", "runs", "done.json"
@@ -93,11 +94,11 @@ def load_comparison(out_dir: Path) -> Comparison:
             missing.append(describe_labels(labels))
             continue
         config = read_json(run_dir / "config.json")
-        requests = read_requests_csv(run_dir / "requests.csv")
+        requests = read_requests(run_dir)
         rate = labels.get("rate")
         points.append(ReportPoint(entry["name"], labels, config["config"], config.get("derived", {}),
                                   read_json(run_dir / "summary.json"), requests,
-                                  read_steps_csv(run_dir / "steps.csv"),
+                                  read_steps(run_dir),
                                   float(rate) if rate is not None else _offered_rate(requests)))
     if not points:
         raise ValueError(f"{out_dir}: none of the sweep's {len(sweep['points'])} points is stored yet")
@@ -105,8 +106,8 @@ def load_comparison(out_dir: Path) -> Comparison:
 
 
 def _offered_rate(requests: Sequence[RequestRecord]) -> float:
-    arrivals = [r.arrival_s for r in requests]
-    span = max(arrivals) - min(arrivals)
+    arrivals = floats(requests, "arrival_s")
+    span = float(arrivals.max() - arrivals.min())
     return round(len(arrivals) / span, 3) if span > 0 else 0.0
 
 
@@ -144,16 +145,16 @@ def memory_stats(point: ReportPoint) -> MemoryStats:
     if not steps:
         return MemoryStats(0.0, 0, 0.0)
     block_size = point.config["block_size"]
-    tokens = np.array([s.prefill_context_sum + s.num_prefill_tokens + s.decode_context_sum
-                       for s in steps], float)
-    slots = np.array([s.kv_blocks_used * block_size for s in steps], float)
-    weight = np.array([s.duration_s for s in steps], float)
+    tokens = (ints(steps, "prefill_context_sum") + ints(steps, "num_prefill_tokens")
+              + ints(steps, "decode_context_sum")).astype(float)
+    slots = (ints(steps, "kv_blocks_used") * block_size).astype(float)
+    weight = floats(steps, "duration_s")
     if weight.sum() <= 0:
-        weight = np.array([s.num_steps for s in steps], float)
+        weight = ints(steps, "num_steps").astype(float)
     held = slots > 0
     utilization = float(np.dot(tokens[held] / slots[held], weight[held]) / weight[held].sum()) \
         if held.any() and weight[held].sum() > 0 else 0.0
-    return MemoryStats(utilization, max(s.num_running for s in steps),
+    return MemoryStats(utilization, int(ints(steps, "num_running").max()),
                        float(point.summary["mean_kv_cache_usage"] or 0.0))
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servelab.atomic import write_atomic
 from servelab.reports import plots
 
 
@@ -68,9 +68,9 @@ def write_document(out_dir: Path, blocks: Sequence) -> ReportFiles:
     for stale in fig_dir.glob("*.png"):
         stale.unlink()
     for name, png in pngs.items():
-        _write_atomic(fig_dir / f"{name}.png", png)
-    _write_atomic(out_dir / "report.md", render_markdown(blocks).encode("utf-8"))
-    _write_atomic(out_dir / "index.html", render_html(blocks, pngs).encode("utf-8"))
+        write_atomic(fig_dir / f"{name}.png", png)
+    write_atomic(out_dir / "report.md", render_markdown(blocks))
+    write_atomic(out_dir / "index.html", render_html(blocks, pngs))
     return ReportFiles(out_dir / "index.html", out_dir / "report.md",
                        [fig_dir / f"{name}.png" for name in pngs])
 
@@ -142,9 +142,3 @@ def render_html(blocks: Sequence, pngs: Mapping[str, bytes]) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.records import RequestRecord, StepRecord
+from servelab.reports.columns import column, floats, ints
 
 MIN_QUEUE_FLOOR = 5
 """Requests that must wait at every step of the last quarter of the arrivals for the queue
@@ -44,9 +45,9 @@ def rejection_reasons(requests: Sequence[RequestRecord]) -> list[tuple[str, int]
     "prompt of 95 tokens ...") are one group."""
     counts: Counter = Counter()
     example: dict[str, str] = {}
-    for r in requests:
-        if r.status == "rejected":
-            reason = r.reject_reason or "no reason recorded"
+    for status, reason in zip(column(requests, "status"), column(requests, "reject_reason")):
+        if status == "rejected":
+            reason = reason or "no reason recorded"
             kind = _NUMBER.sub("N", reason)
             example.setdefault(kind, reason)
             counts[kind] += 1
@@ -93,13 +94,14 @@ def overload(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> 
     docstring), else None. Needs at least two distinct arrival times."""
     if not requests or not steps:
         return None
-    arrivals = np.fromiter((r.arrival_s for r in requests), float, len(requests))
+    arrivals = floats(requests, "arrival_s")
     first, last = float(arrivals.min()), float(arrivals.max())
     if last <= first:
         return None
-    end = max(r.finish_s for r in requests if r.finish_s is not None)
-    start = np.fromiter((s.start_s for s in steps), float, len(steps))
-    waiting = np.fromiter((s.num_waiting for s in steps), np.int64, len(steps))
+    finish = floats(requests, "finish_s")
+    end = float(finish[~np.isnan(finish)].max())
+    start = floats(steps, "start_s")
+    waiting = ints(steps, "num_waiting")
     inside = (start >= first + 0.75 * (last - first)) & (start <= last)
     floor = int(waiting[inside].min()) if inside.any() else 0
     never_empty = floor >= MIN_QUEUE_FLOOR

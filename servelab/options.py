@@ -28,6 +28,8 @@ from servelab.config import BATCHING_MODES, STEP_COMPOSITIONS, CacheConfig, Sche
 
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
+OUTPUT_FORMATS = ("csv", "parquet")
+"""How a run directory's request and step tables are written (`servelab.reports.runio`)."""
 
 #: Config field -> the flag that sets it (for error messages).
 _FLAG_OF = {
@@ -185,6 +187,14 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                    help="TTFT SLO for goodput (a request's own SLO takes precedence)")
     w.add_argument("--slo-tpot-ms", type=positive_float, default=None, metavar="MS",
                    help="TPOT SLO for goodput (a request's own SLO takes precedence)")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """How the run directory's tables are written."""
+    o = parser.add_argument_group("output")
+    o.add_argument("--output-format", choices=OUTPUT_FORMATS, default="csv",
+                   help="write requests and steps as CSV (default) or Parquet (smaller and "
+                        "several times faster to write and read: use it for large runs)")
 
 
 # --------------------------------------------------------------------------- conversion

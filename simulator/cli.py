@@ -3,7 +3,8 @@
     servelab simulate --trace T --model M --gpu G --policy P [...] --out DIR
 
 The flags build one `SimulationConfig` (see `simulator/run.py`); DIR receives config.json
-(enough to rerun exactly), summary.json, requests.csv and steps.csv. Scheduler, KV-cache,
+(enough to rerun exactly), summary.json, and requests and steps as CSV (or Parquet with
+--output-format parquet). Scheduler, KV-cache,
 policy and workload flags are the ones `servelab run` takes (`servelab.options`), so a
 simulated and a real run are spelled alike. Importing this module is cheap: the simulator
 is imported by the handler.
@@ -27,17 +28,18 @@ DTYPES = tuple(DTYPE_BYTES)
 
 
 def register(subparsers) -> None:
-    from servelab.options import (add_scheduler_options, add_workload_options, positive_float,
-                                  positive_int)
+    from servelab.options import (add_output_options, add_scheduler_options, add_workload_options,
+                                  positive_float, positive_int)
     from servelab.policies import policy_names
     from servelab.traces.cli import add_trace_arguments
 
     p = subparsers.add_parser(
         "simulate", help="replay a trace through the SimPy simulator with a roofline cost model",
         description="Replay a request trace through the shared scheduler on simulated GPUs "
-                    "(roofline cost model) and write config.json, summary.json, requests.csv "
-                    "and steps.csv to DIR.")
+                    "(roofline cost model) and write config.json, summary.json, and requests "
+                    "and steps (.csv or .parquet) to DIR.")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    add_output_options(p)
     add_trace_arguments(p)
     add_workload_options(p)
 
@@ -131,15 +133,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     with user_errors():
         sim = build_simulation(config)
-    bar = RequestProgress(len(sim.trace), command="simulate", clock="simulated")
+    bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
     result = sim.run(lambda sim_s, done, total: bar.update(done, sim_s))
     bar.close()
     out = Path(args.out)
     try:
-        write_run_dir(result, out)
+        write_run_dir(result, out, args.output_format)
     except OSError as exc:
         raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
-    print(format_summary(result, out))
+    print(format_summary(result, out, args.output_format))
     if not result.summary["completed"]:
         from servelab.reports.health import format_reasons, rejection_reasons
         print(f"servelab simulate: error: no request finished: {result.summary['rejected']:,} rejected "
@@ -148,15 +150,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_summary(result, out: Path) -> str:
+def format_summary(result, out: Path, output_format: str = "csv") -> str:
     """The lines `servelab simulate` prints: counts, throughput and goodput (n/a without an
     SLO), latencies (n/a over nothing), rejection reasons, and an overload warning."""
+    import numpy as np
+
+    from servelab.reports.columns import floats
     from servelab.reports.health import format_reasons, overload, rejection_reasons
     from servelab.reports.slo import slo_attainment
 
     s, config = result.summary, result.config
-    has_slo = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None or any(
-        r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in result.requests)
+    has_slo = config.slo_ttft_ms is not None or config.slo_tpot_ms is not None or not (
+        np.isnan(floats(result.requests, "slo_ttft_ms")).all()
+        and np.isnan(floats(result.requests, "slo_tpot_ms")).all())
     goodput = (f"goodput {s['request_goodput']:.2f} req/s ({slo_attainment(s):.1%} of requests within "
                "their SLOs)" if has_slo else "goodput n/a (no SLO: give --slo-ttft-ms / --slo-tpot-ms)")
     lines = [f"{s['completed']} requests finished, {s['rejected']} rejected, "
@@ -169,7 +175,8 @@ def format_summary(result, out: Path) -> str:
     sign = overload(result.requests, result.steps)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
-    lines.append(f"wrote {out}/config.json, summary.json, requests.csv, steps.csv")
+    lines.append(f"wrote {out}/config.json, summary.json, requests.{output_format}, "
+                 f"steps.{output_format}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from simpy.events import NORMAL, URGENT, Event
 from servelab.engine import EngineStep, engine_loop
 from servelab.outputs import BatchShape
 from servelab.policies import Scheduler
+from servelab.record_table import RecordLog, RecordTable
 from servelab.records import RequestRecord, StepRecord
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
@@ -106,8 +107,8 @@ class Replica:
         self.feed = feed
         self.fast_forward = fast_forward
         self.outstanding = 0
-        self.records: list[RequestRecord] = []
-        self.steps: list[StepRecord] = []
+        self.records = RecordLog(RequestRecord)   # kept as columns: a long run's records
+        self.steps = RecordLog(StepRecord)        # would otherwise dominate its memory
         self._wake: Event | None = None
 
     def submit(self, req: Request) -> None:
@@ -264,16 +265,12 @@ class Cluster:
             raise RuntimeError(f"simulation ended with {done} of {total} requests done: "
                                f"an engine stopped with work left")
 
-    def request_records(self) -> list[RequestRecord]:
+    def request_records(self) -> RecordTable:
         """Every request's record, by request id."""
-        records = [rec for r in self.replicas for rec in r.records]
-        records.sort(key=lambda rec: rec.request_id)
-        return records
+        records = RecordTable.concat(RequestRecord, [r.records.table() for r in self.replicas])
+        return records.sorted_by("request_id")
 
-    def step_records(self) -> list[StepRecord]:
+    def step_records(self) -> RecordTable:
         """All replicas' steps by start time (ties: replica index, then step order)."""
-        if len(self.replicas) == 1:
-            return list(self.replicas[0].steps)
-        steps = [s for r in self.replicas for s in r.steps]
-        steps.sort(key=lambda s: s.start_s)   # stable: replica order, then step order
-        return steps
+        steps = RecordTable.concat(StepRecord, [r.steps.table() for r in self.replicas])
+        return steps.sorted_by("start_s")   # stable: replica order, then step order

@@ -31,7 +31,7 @@ from typing import Any
 from servelab import __version__
 from servelab._validate import check_choice, check_float, check_int, check_known_keys
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.records import RequestRecord, StepRecord
+from servelab.record_table import RecordTable
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
 
@@ -223,10 +223,11 @@ def _gc_paused():
 @dataclass(frozen=True)
 class SimulationResult:
     config: SimulationConfig
-    requests: list[RequestRecord]
-    """One record per request, by request id."""
-    steps: list[StepRecord]
-    """Every replica's steps by start time."""
+    requests: RecordTable
+    """One record per request, by request id (a Sequence of `RequestRecord`, held as
+    columns)."""
+    steps: RecordTable
+    """Every replica's steps by start time (a Sequence of `StepRecord`, held as columns)."""
     summary: dict[str, Any]
     """`reports.metrics.summarize` of the records."""
     derived: dict[str, Any]
@@ -249,7 +250,7 @@ class Simulation:
 
         self.config = c = config
         with _gc_paused():
-            self.trace = load_workload(c)
+            trace = load_workload(c)
         model = load_model_spec(c.model)
         cost = CostModel(model, get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
                          kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
@@ -260,19 +261,27 @@ class Simulation:
             gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs)
-        _check_some_request_fits(self.trace, self.kv_blocks, c.block_size)
+        _check_some_request_fits(trace, self.kv_blocks, c.block_size)
         cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks,
                             num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
                             enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager)
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
                       for _ in range(c.replicas)]
         with _gc_paused():
-            requests = self.trace.to_requests(c.seed)
+            requests = trace.to_requests(c.seed)
+        # The trace's records are not kept: the requests carry what the run needs, and a
+        # million records would hold a few hundred MB through the run.
+        self.num_requests = len(trace)
+        self.trace_provenance = {
+            "source": trace.source, "format": trace.format, "requests": len(trace),
+            "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
+            "notes": list(trace.notes)}
+        del trace
         self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
                                fast_forward=c.fast_forward)
 
     def derived(self) -> dict[str, Any]:
-        cost, trace = self.cost_model, self.trace
+        cost = self.cost_model
         return {
             "kv_blocks_per_replica": self.kv_blocks,
             "kv_blocks_source": "configured (kv_blocks)" if self.config.kv_blocks is not None else
@@ -283,9 +292,7 @@ class Simulation:
                            "step_overhead_s": cost.step_overhead_s,
                            "scales": dict(cost.scales),
                            "kernels": cost.kernels.to_dict()},
-            "trace": {"source": trace.source, "format": trace.format, "requests": len(trace),
-                      "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
-                      "notes": list(trace.notes)},
+            "trace": self.trace_provenance,
         }
 
     def run(self, progress=None) -> SimulationResult:
@@ -341,44 +348,47 @@ def load_workload(config: SimulationConfig):
 
 
 def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
-                   progress=None) -> SimulationResult:
+                   progress=None, output_format: str = "csv") -> SimulationResult:
     """Build and run one simulation; with `out_dir`, write its run directory there
-    (config.json, summary.json, requests.csv, steps.csv)."""
+    (config.json, summary.json, requests and steps as `output_format`: csv or parquet)."""
     sim = build_simulation(config)
     result = sim.run(progress)
     if out_dir is not None:
-        write_run_dir(result, Path(out_dir))
+        write_run_dir(result, Path(out_dir), output_format)
         result = SimulationResult(result.config, result.requests, result.steps, result.summary,
                                   result.derived, Path(out_dir))
     return result
 
 
-def write_run_dir(result: SimulationResult, out_dir: Path) -> None:
-    from servelab.reports.runio import write_json, write_requests_csv, write_steps_csv
+def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = "csv") -> None:
+    """config.json, summary.json, then requests and steps (.csv or .parquet)."""
+    from servelab.reports.runio import write_json, write_records
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
                                          "config": result.config.to_dict(),
                                          "derived": result.derived})
     write_json(out_dir / "summary.json", result.summary)
-    with _gc_paused():  # formatting makes a tuple per row: all garbage without cycles
-        write_requests_csv(out_dir / "requests.csv", result.requests)
-        write_steps_csv(out_dir / "steps.csv", result.steps)
+    write_records(out_dir, result.requests, result.steps, output_format)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m servelab.simulator.run CONFIG --out DIR`: rerun a run directory's config."""
+    """`python -m servelab.simulator.run CONFIG --out DIR [--output-format F]`: rerun a run
+    directory's config."""
+    from servelab.options import add_output_options
+
     parser = argparse.ArgumentParser(prog="python -m servelab.simulator.run",
                                      description="Rerun a simulation from its config.json.")
     parser.add_argument("config", help="a run directory's config.json")
     parser.add_argument("--out", required=True, help="run directory to write")
+    add_output_options(parser)
     args = parser.parse_args(argv)
     try:
         sim = build_simulation(load_config(args.config))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    write_run_dir(sim.run(), Path(args.out))
+    write_run_dir(sim.run(), Path(args.out), args.output_format)
     return 0
 
 

@@ -257,15 +257,15 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
     """
     from servelab.reports.health import overload
     from servelab.reports.metrics import slo_outcomes
-    from servelab.reports.runio import read_json, read_requests_csv, read_steps_csv
+    from servelab.reports.runio import read_json, read_requests, read_steps
 
     if capacity.held is None:
         return None
     run = runs_dir / capacity.held.name
-    requests = read_requests_csv(run / "requests.csv")
+    requests = read_requests(run)
     config = read_json(run / "config.json")["config"]
     met = slo_outcomes(requests, slo_ttft_ms=config["slo_ttft_ms"], slo_tpot_ms=config["slo_tpot_ms"]).met
-    arrivals = [r.arrival_s for r in requests]
+    arrivals = requests.column("arrival_s").tolist()
     middle = (min(arrivals) + max(arrivals)) / 2
     late = [ok for ok, t in zip(met, arrivals) if t >= middle]
     evidence = []
@@ -273,7 +273,7 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
     if late_share < capacity.target - LATE_ALLOWANCE:
         evidence.append(f"only {late_share:.1%} of the requests arriving in the second half of the run met "
                         f"their SLOs ({capacity.held.attainment:.1%} of all)")
-    sign = overload(requests, read_steps_csv(run / "steps.csv"))
+    sign = overload(requests, read_steps(run))
     if sign is not None:
         evidence.append(sign.evidence())
     return f"at {capacity.held.rate:g} req/s " + "; ".join(evidence) if evidence else None

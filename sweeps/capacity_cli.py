@@ -116,7 +116,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
           f"{plural(workers, 'worker')}, into {out}", file=sys.stderr)
     progress = ProgressLines(command="capacity", detail=lambda o: f" ({slo_attainment(o.summary):.1%} within SLO)")
     try:
-        with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address) as runner:
+        with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address,
+                         output_format=args.output_format) as runner:
             found = search_capacity(searches, runner, start_rates=start, target=args.attainment,
                                     tolerance=args.tolerance, progress=progress,
                                     on_round=lambda k, n: setattr(progress, "prefix", f"round {k} "))

@@ -226,7 +226,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     print(f"compare: {plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
     try:
         outcome = run_sweep(points, out, workers=workers, ray=args.ray, ray_address=args.ray_address,
-                            axes=axes, progress=ProgressLines())
+                            axes=axes, progress=ProgressLines(), output_format=args.output_format)
     except SweepError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:

@@ -39,7 +39,7 @@ def default_workers() -> int:
 def run_sweep(points: Sequence[SweepPoint], out_dir: Path, *, workers: int | None = None,
               ray: bool = False, ray_address: str | None = None,
               axes: Mapping[str, Sequence[Any]] | None = None,
-              progress: Progress | None = None) -> SweepOutcome:
+              progress: Progress | None = None, output_format: str = "csv") -> SweepOutcome:
     """Run every point not already done in out_dir and list them in DIR/sweep.json; return
     one outcome per point.
 
@@ -48,9 +48,11 @@ def run_sweep(points: Sequence[SweepPoint], out_dir: Path, *, workers: int | Non
     Ray instance, or on the cluster at that address ("auto" for the one this machine
     belongs to). Points whose inputs fail (POINT_ERRORS) are 'failed' outcomes; any other
     exception stops the sweep and propagates, finished points staying stored.
+    output_format: how each point's requests and steps are written (csv or parquet).
     """
     _check_points(points)
-    with SweepRunner(out_dir, workers=workers, ray=ray, ray_address=ray_address) as runner:
+    with SweepRunner(out_dir, workers=workers, ray=ray, ray_address=ray_address,
+                     output_format=output_format) as runner:
         write_sweep_file(runner.out_dir, points, axes)
         outcomes = runner.run(points, progress)
     return SweepOutcome(Path(out_dir), tuple(outcomes))
@@ -75,11 +77,12 @@ class SweepRunner:
     """
 
     def __init__(self, out_dir: Path, *, workers: int | None = None, ray: bool = False,
-                 ray_address: str | None = None) -> None:
+                 ray_address: str | None = None, output_format: str = "csv") -> None:
         workers = default_workers() if workers is None else workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         self.out_dir, self.workers = Path(out_dir), workers
+        self.output_format = output_format
         self.runs_dir = self.out_dir / RUNS_DIR
         self.use_ray, self.ray_address = ray or ray_address is not None, ray_address
         self._stack: contextlib.ExitStack | None = None
@@ -139,7 +142,8 @@ class SweepRunner:
             self._pool = ProcessPoolExecutor(max_workers=min(self.workers, len(pending)),
                                              mp_context=multiprocessing.get_context("spawn"))
         runs_dir, order = self.runs_dir, {p.key: i for i, p in enumerate(pending)}
-        futures = {self._pool.submit(_simulate_and_commit, p, runs_dir): p for p in pending}
+        futures = {self._pool.submit(_simulate_and_commit, p, runs_dir, self.output_format): p
+                   for p in pending}
         while futures:
             done, _ = wait(futures, return_when=FIRST_COMPLETED)
             for future in sorted(done, key=lambda f: order[futures[f].key]):
@@ -171,7 +175,8 @@ class SweepRunner:
             except POINT_ERRORS as exc:  # a RayTaskError is also an instance of its cause's class
                 settle(_failed(point, self.runs_dir, exc))
                 continue
-            commit_point(point, self.runs_dir, lambda d: write_run_dir(result, d))
+            commit_point(point, self.runs_dir,
+                         lambda d: write_run_dir(result, d, self.output_format))
             settle(PointOutcome(point, self.runs_dir / point.name, "ran", result.summary))
 
 
@@ -182,10 +187,10 @@ def _read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _simulate_and_commit(point: SweepPoint, runs_dir: Path) -> dict[str, Any]:
+def _simulate_and_commit(point: SweepPoint, runs_dir: Path, output_format: str) -> dict[str, Any]:
     """Pool task: simulate one point and store it; returns its summary."""
     result = run_simulation(point.config)
-    commit_point(point, runs_dir, lambda d: write_run_dir(result, d))
+    commit_point(point, runs_dir, lambda d: write_run_dir(result, d, output_format))
     return result.summary
 
 

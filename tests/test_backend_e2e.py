@@ -269,7 +269,8 @@ def run_cli(*args: str) -> int:
 
 
 def test_cli_writes_a_complete_run_directory(tmp_path):
-    from servelab.reports import SUMMARY_KEYS, read_json, read_requests_csv, read_steps_csv
+    from servelab.reports import SUMMARY_KEYS
+    from servelab.reports.runio import read_json, read_requests, read_steps
 
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE_CSV)
@@ -282,10 +283,10 @@ def test_cli_writes_a_complete_run_directory(tmp_path):
     summary = read_json(out / "summary.json")
     assert tuple(summary) == SUMMARY_KEYS
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 49
-    records = read_requests_csv(out / "requests.csv")
+    records = read_requests(out / "requests.csv")
     assert [r.request_id for r in records] == list(range(6))
     assert [r.output_tokens for r in records] == [8, 10, 6, 12, 4, 9]
-    steps = read_steps_csv(out / "steps.csv")
+    steps = read_steps(out / "steps.csv")
     assert steps and all(s.duration_s > 0 and s.kv_blocks_total == 12 for s in steps)
     assert all(b.start_s >= a.start_s + a.duration_s for a, b in zip(steps, steps[1:]))
     lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]

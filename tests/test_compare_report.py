@@ -22,7 +22,7 @@ from servelab.reports.comparison import leaders, load_comparison, tenant_service
 from servelab.reports.document import Image, Table, Text
 from servelab.reports.findings import analyse
 from servelab.reports.report import build_document
-from servelab.reports.runio import read_steps_csv
+from servelab.reports.runio import read_steps
 from servelab.reports.slo import find_break, slo_attainment, slo_tiers, tier_p99
 
 POLICIES = ("fcfs", "priority", "sjf", "fair")
@@ -198,7 +198,7 @@ def test_a_break_is_marked_only_where_a_value_crossed_its_line(document):
 def _steps(comparison, policy, rate, manager) -> list[StepRecord]:
     point = next(p for p in comparison.points
                  if (p.policy, p.rate, p.labels["block_manager"]) == (policy, rate, manager))
-    return read_steps_csv(comparison.out_dir / "runs" / point.name / "steps.csv")
+    return read_steps(comparison.out_dir / "runs" / point.name / "steps.csv")
 
 
 def test_report_md_table_equals_the_run_summaries(sweep):

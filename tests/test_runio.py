@@ -1,9 +1,12 @@
-"""Run-directory files: exact round trips, deterministic bytes, atomic writes, clear errors."""
+"""Run-directory files: exact round trips (CSV and Parquet), deterministic bytes, atomic
+writes, clear errors."""
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -11,17 +14,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from servelab.record_table import stored_fields
 from servelab.records import RequestRecord, StepRecord
-from servelab.reports import (
+from servelab.reports.runio import (
     REQUEST_COLUMNS,
     REQUEST_EXTRA_COLUMNS,
     STEP_COLUMNS,
     read_json,
-    read_requests_csv,
-    read_steps_csv,
+    read_requests,
+    read_steps,
     write_json,
-    write_requests_csv,
-    write_steps_csv,
+    write_records,
+    write_requests,
+    write_steps,
 )
 
 REQUESTS = [
@@ -41,90 +46,151 @@ STEPS = [
 ]
 
 
-def test_requests_round_trip_with_none_cells(tmp_path):
+FORMATS = ["csv", "parquet"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_requests_round_trip_with_none_cells(tmp_path, fmt):
+    path = tmp_path / f"requests.{fmt}"
+    write_requests(path, REQUESTS)
+    assert list(read_requests(path)) == REQUESTS
+
+
+def test_csv_layout_header_none_cells_and_unquoted_text(tmp_path):
     path = tmp_path / "requests.csv"
-    write_requests_csv(path, REQUESTS)
-    assert read_requests_csv(path) == REQUESTS
+    write_requests(path, [REQUESTS[1], REQUESTS[3]])   # no text cell needs quotes: none has them
     lines = path.read_text().split("\n")
     assert lines[0] == ",".join(REQUEST_COLUMNS)  # no SLO and n == 1: no extra columns
     assert lines[-1] == "" and "\r" not in path.read_text()
     # None is an empty cell: the last request has no times, ttft/tpot/e2el.
-    assert lines[-2] == "11,3.0,1,0,,,,,,,0,default,0,rejected,"
+    assert lines[-2] == "11,3,1,0,,,,,,,0,default,0,rejected,"
 
 
-def test_requests_extra_columns_round_trip(tmp_path):
+def test_text_that_needs_quotes_is_quoted(tmp_path):
+    path = tmp_path / "requests.csv"
+    write_requests(path, REQUESTS)
+    text = path.read_text()
+    assert '"team, ""quoted"""' in text and '"prompt longer than\nthe whole KV cache"' in text
+    with open(path, newline="", encoding="utf-8") as f:
+        assert list(csv.reader(f))[1][11] == 'team, "quoted"'
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_requests_extra_columns_round_trip(tmp_path, fmt):
     records = REQUESTS + [RequestRecord(12, 4.0, 3, 2, "finished", 4.0, 4.5, 5.0, n=3,
                                         slo_ttft_ms=250.0, slo_tpot_ms=None)]
-    path = tmp_path / "requests.csv"
-    write_requests_csv(path, records)
-    assert path.read_text().split("\n")[0] == ",".join(REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS)
-    assert read_requests_csv(path) == records
+    path = tmp_path / f"requests.{fmt}"
+    write_requests(path, records)
+    if fmt == "csv":
+        assert path.read_text().split("\n")[0] == ",".join(REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS)
+    assert list(read_requests(path)) == records
 
 
 def test_carriage_returns_in_text_round_trip(tmp_path):
     records = [RequestRecord(0, 0.0, 1, 0, "rejected", tenant="a\rb", reject_reason="\r"),
                RequestRecord(1, 0.0, 1, 0, "rejected", reject_reason="\r\n,\"")]
-    write_requests_csv(tmp_path / "r.csv", records)
-    assert read_requests_csv(tmp_path / "r.csv") == records
+    write_requests(tmp_path / "r.csv", records)
+    assert list(read_requests(tmp_path / "r.csv")) == records
 
 
 def test_token_times_are_not_stored(tmp_path):
     record = RequestRecord(0, 0.0, 1, 2, "finished", 0.0, 0.5, 1.0, token_times=[0.5, 1.0])
-    write_requests_csv(tmp_path / "r.csv", [record])
-    (back,) = read_requests_csv(tmp_path / "r.csv")
+    write_requests(tmp_path / "r.csv", [record])
+    (back,) = read_requests(tmp_path / "r.csv")
     assert back.token_times is None and back.finish_s == 1.0
 
 
-def test_derived_columns_and_floats_are_exact(tmp_path):
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+_FLOATS = {name for name, kind in {**stored_fields(RequestRecord), **stored_fields(StepRecord)}.items()
+           if kind.startswith("float")} | {"ttft_ms", "tpot_ms", "e2el_ms"}
+
+
+def _assert_cells_are_the_records(path, records, names) -> None:
+    """Every cell, read with the csv module (and float() for a float column), is the
+    record's value bit for bit; a derived column's is what the record computes."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == tuple(names) and len(rows) == len(records) + 1
+    for row, record in zip(rows[1:], records):
+        for name, cell in zip(names, row):
+            value = getattr(record, name)
+            if value is None:
+                assert cell == "", (name, cell)
+            elif name in _FLOATS:
+                assert _bits(float(cell)) == _bits(float(value)), (name, cell, value)
+            else:
+                assert cell == str(value), (name, cell, value)
+
+
+def test_floats_are_written_as_shortest_text_that_reads_back_exactly(tmp_path):
     path = tmp_path / "requests.csv"
-    write_requests_csv(path, REQUESTS[:1])
+    write_requests(path, REQUESTS)
+    _assert_cells_are_the_records(path, REQUESTS, REQUEST_COLUMNS)
     row = path.read_text().split("\n")[1]
-    r = REQUESTS[0]
-    assert row.startswith(f"0,{r.arrival_s!r},10,5,{r.scheduled_s!r},{r.first_token_s!r},"
-                          f"{r.finish_s!r},{r.ttft_ms!r},{r.tpot_ms!r},{r.e2el_ms!r},2,")
-    assert row.endswith(',"team, ""quoted""",-1,finished,')
+    assert row.startswith("0,0.30000000000000004,10,5,0.3,0.3333333333333333,1000.000000001,")
+    steps = tmp_path / "steps.csv"
+    write_steps(steps, STEPS)
+    _assert_cells_are_the_records(steps, STEPS, STEP_COLUMNS)
 
 
-def test_steps_round_trip(tmp_path):
-    path = tmp_path / "steps.csv"
-    write_steps_csv(path, STEPS)
-    assert path.read_text().split("\n")[0] == ",".join(STEP_COLUMNS)
-    assert read_steps_csv(path) == STEPS
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_steps_round_trip(tmp_path, fmt):
+    path = tmp_path / f"steps.{fmt}"
+    write_steps(path, STEPS)
+    if fmt == "csv":
+        assert path.read_text().split("\n")[0] == ",".join(STEP_COLUMNS)
+    assert list(read_steps(path)) == STEPS
 
 
 @pytest.mark.parametrize("values", [
-    [0, 1, 2, 32767],              # all small: formatted from the table of small ints
-    [0, 32768], [-1, 5], [3, 2**40, 7], [True, 1],
+    [0, 1, 2, 32767], [0, 32768], [-1, 5], [3, 2**40, 7], [True, 1], [2**63, 1],
 ])
 def test_int_columns_are_written_as_str(tmp_path, values):
-    """An int cell is str(int) whether it comes from the small-int table or not; a bool
-    is not an int cell."""
+    """An int cell is str(int); a bool is not an int cell, nor is an int beyond 64 bits."""
     records = [RequestRecord(i, 0.0, 1, 0, "rejected", priority=v) for i, v in enumerate(values)]
     path = tmp_path / "r.csv"
-    if any(type(v) is bool for v in values):
-        with pytest.raises(ValueError, match="priority"):
-            write_requests_csv(path, records)
+    if any(type(v) is bool or v >= 2**63 for v in values):
+        with pytest.raises(ValueError, match="request 0: priority must"):
+            write_requests(path, records)
         assert not path.exists()
         return
-    write_requests_csv(path, records)
+    write_requests(path, records)
     column = REQUEST_COLUMNS.index("priority")
     cells = [line.split(",")[column] for line in path.read_text().splitlines()[1:]]
     assert cells == [str(v) for v in values]
-    assert [r.priority for r in read_requests_csv(path)] == values
+    assert [r.priority for r in read_requests(path)] == values
 
 
-def test_empty_files_round_trip(tmp_path):
-    write_requests_csv(tmp_path / "r.csv", [])
-    write_steps_csv(tmp_path / "s.csv", [])
-    assert read_requests_csv(tmp_path / "r.csv") == []
-    assert read_steps_csv(tmp_path / "s.csv") == []
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_empty_files_round_trip(tmp_path, fmt):
+    write_requests(tmp_path / f"r.{fmt}", [])
+    write_steps(tmp_path / f"s.{fmt}", [])
+    assert list(read_requests(tmp_path / f"r.{fmt}")) == []
+    assert list(read_steps(tmp_path / f"s.{fmt}")) == []
 
 
-def test_writes_are_deterministic_and_leave_no_temporary_files(tmp_path):
-    write_requests_csv(tmp_path / "a.csv", REQUESTS)
-    write_requests_csv(tmp_path / "b.csv", list(REQUESTS))
-    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "b.csv"]
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_writes_are_deterministic_and_leave_no_temporary_files(tmp_path, fmt):
+    write_requests(tmp_path / f"a.{fmt}", REQUESTS)
+    write_requests(tmp_path / f"b.{fmt}", list(REQUESTS))
+    assert (tmp_path / f"a.{fmt}").read_bytes() == (tmp_path / f"b.{fmt}").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"a.{fmt}", f"b.{fmt}"]
+
+
+def test_a_run_directory_holds_one_format_and_is_read_as_such(tmp_path):
+    write_records(tmp_path, REQUESTS, STEPS, "csv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.csv", "steps.csv"]
+    write_records(tmp_path, REQUESTS, STEPS, "parquet")   # the CSV files are replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.parquet", "steps.parquet"]
+    assert list(read_requests(tmp_path)) == REQUESTS and list(read_steps(tmp_path)) == STEPS
+    with pytest.raises(ValueError, match="output format must be one of csv, parquet"):
+        write_records(tmp_path, REQUESTS, STEPS, "feather")
+    (tmp_path / "steps.parquet").unlink()
+    with pytest.raises(ValueError, match="expected one of steps.csv or steps.parquet, found neither"):
+        read_steps(tmp_path)
 
 
 _finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -154,10 +220,16 @@ def test_requests_round_trip_property(tmp_path, records):
     path = tmp_path / "requests.csv"  # each example overwrites it
     if not all(map(_writable, records)):
         with pytest.raises(ValueError, match=r"^request -?[0-9]+: (ttft|tpot|e2el)_ms "):
-            write_requests_csv(path, records)
+            write_requests(path, records)
         return
-    write_requests_csv(path, records)
-    assert read_requests_csv(path) == records
+    write_requests(path, records)
+    assert list(read_requests(path)) == records
+    _assert_cells_are_the_records(path, records, REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS
+                                  if len(path.read_text().split("\n")[0].split(",")) > 15
+                                  else REQUEST_COLUMNS)
+    parquet = tmp_path / "requests.parquet"
+    write_requests(parquet, records)
+    assert list(read_requests(parquet)) == records
 
 
 def test_json_keeps_order_indent_and_trailing_newline(tmp_path):
@@ -183,18 +255,18 @@ def test_json_refuses_nan_and_numpy_and_keeps_the_old_file(tmp_path, bad, error)
 
 def test_csv_write_failure_keeps_the_old_file(tmp_path):
     path = tmp_path / "requests.csv"
-    write_requests_csv(path, REQUESTS)
+    write_requests(path, REQUESTS)
     before = path.read_bytes()
     broken = RequestRecord(5, math.inf, 1, 1, "rejected")
     with pytest.raises(ValueError, match="request 5: arrival_s must be a finite number"):
-        write_requests_csv(path, REQUESTS + [broken])
+        write_requests(path, REQUESTS + [broken])
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["requests.csv"]
 
 
 def test_bad_step_value_is_named_on_write(tmp_path):
     with pytest.raises(ValueError, match="step record 1: num_steps must be an integer"):
-        write_steps_csv(tmp_path / "s.csv", [STEPS[0], StepRecord(0.0, 1.0, 0, 1, 0, 1, 0, 0, 1, 4,
+        write_steps(tmp_path / "s.csv", [STEPS[0], StepRecord(0.0, 1.0, 0, 1, 0, 1, 0, 0, 1, 4,
                                                                   num_steps=2.0)])
 
 
@@ -223,12 +295,12 @@ def test_malformed_request_cell_names_file_line_and_column(tmp_path, column, cel
     row = _good_row()
     path = tmp_path / "requests.csv"
     path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(row) + "\n")
-    assert len(read_requests_csv(path)) == 1  # the good row is good
+    assert len(read_requests(path)) == 1  # the good row is good
     row[REQUEST_COLUMNS.index(column)] = cell
     path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(_good_row()) + "\n\n"
                     + ",".join(row) + "\n")
     with pytest.raises(ValueError) as info:
-        read_requests_csv(path)
+        read_requests(path)
     assert str(info.value) == f"{path}:4: {message}"
 
 
@@ -236,45 +308,49 @@ def test_wrong_cell_count_and_header_are_named(tmp_path):
     path = tmp_path / "requests.csv"
     path.write_text(",".join(REQUEST_COLUMNS) + "\n" + ",".join(_good_row()[:-1]) + "\n")
     with pytest.raises(ValueError, match=r"requests\.csv:2: expected 15 cells, got 14"):
-        read_requests_csv(path)
+        read_requests(path)
     path.write_text(",".join(reversed(REQUEST_COLUMNS)) + "\n")
     with pytest.raises(ValueError, match=r"requests\.csv:1: unexpected columns reject_reason,"):
-        read_requests_csv(path)
+        read_requests(path)
     path.write_text("")
     with pytest.raises(ValueError, match=r"requests\.csv: empty file"):
-        read_requests_csv(path)
+        read_requests(path)
     steps = tmp_path / "steps.csv"
-    write_steps_csv(steps, STEPS)
+    write_steps(steps, STEPS)
     with pytest.raises(ValueError, match=r"steps\.csv:1: unexpected columns start_s,"):
-        read_requests_csv(steps)
+        read_requests(steps)
 
 
 def test_malformed_step_cell(tmp_path):
     path = tmp_path / "steps.csv"
-    write_steps_csv(path, STEPS)
+    write_steps(path, STEPS)
     text = path.read_text().replace(",1000,1,100,", ",1000,1,lots,")
     Path(path).write_text(text)
     with pytest.raises(ValueError,
                        match=r"steps\.csv:3: column 'num_steps': expected an integer, got 'lots'"):
-        read_steps_csv(path)
+        read_steps(path)
 
 
-def test_rows_are_converted_in_chunks(tmp_path, monkeypatch):
-    from servelab.reports import runio
-    monkeypatch.setattr(runio, "_CHUNK_ROWS", 2)
-    records = REQUESTS + [RequestRecord(20, 5.0, 3, 2, "finished", 5.0, 5.5, 6.0, slo_tpot_ms=9.0)]
+def test_a_bad_cell_after_a_multi_line_cell_is_named_by_its_own_line(tmp_path):
+    records = REQUESTS + [RequestRecord(20, 5.0, 3, 2, "finished", 5.0, 5.5, 6.0)]
     path = tmp_path / "requests.csv"
-    write_requests_csv(path, records)
-    assert read_requests_csv(path) == records
-    write_steps_csv(tmp_path / "steps.csv", STEPS * 3)
-    assert read_steps_csv(tmp_path / "steps.csv") == STEPS * 3
-    # A bad value in the second chunk is still named by its own line: request 9's reason spans
-    # lines 4-5, so request 11 (row 4, chunk 2) sits on line 6.
+    write_requests(path, records)
+    # request 9's reason spans lines 4-5, so request 11 sits on line 6
     lines = path.read_text().split("\n")
     assert lines[5].startswith("11,")
-    lines[5] = lines[5].replace(",rejected,", ",lost,")
+    lines[5] = lines[5].replace(',"rejected",', ',"lost",')
     path.write_text("\n".join(lines))
     with pytest.raises(ValueError, match=r"requests\.csv:6: column 'status': .* got 'lost'"):
-        read_requests_csv(path)
+        read_requests(path)
     with pytest.raises(ValueError, match="request 20: arrival_s must be a finite number"):
-        write_requests_csv(path, records[:-1] + [RequestRecord(20, math.nan, 3, 2, "rejected")])
+        write_requests(path, records[:-1] + [RequestRecord(20, math.nan, 3, 2, "rejected")])
+
+
+def test_a_damaged_parquet_file_and_wrong_columns_are_named(tmp_path):
+    path = tmp_path / "steps.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"steps\.parquet: not a readable Parquet file"):
+        read_steps(path)
+    write_steps(path, STEPS)
+    with pytest.raises(ValueError, match=r"steps\.parquet: unexpected columns start_s,"):
+        read_requests(path)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from servelab.cli import main
-from servelab.reports.runio import read_requests_csv, read_steps_csv
+from servelab.reports.runio import read_requests, read_steps
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.run import SimulationConfig, load_config, run_simulation
 from servelab.traces import TraceRecord, Trace, write_csv
@@ -44,10 +44,10 @@ def test_run_directory_and_summary(tmp_path, trace_file, capsys):
     printed = capsys.readouterr()
     assert "60 requests finished" in printed.out
     assert printed.err == ""                      # no progress bar off a terminal
-    requests = read_requests_csv(out / "requests.csv")
+    requests = read_requests(out / "requests.csv")
     assert [r.request_id for r in requests] == list(range(60))
     assert all(r.status == "finished" for r in requests)
-    steps = read_steps_csv(out / "steps.csv")
+    steps = read_steps(out / "steps.csv")
     assert sum(s.num_steps for s in steps) > len(steps)    # fast-forward was used
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 60 and set(summary["per_tenant"]) == {"a", "b"}
@@ -77,13 +77,13 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     args = ["--trace", str(trace_file), "--num-requests", "30", "--rate-scale", "2"]
     assert simulate(*args, "--out", str(tmp_path / "ff")) == 0
     assert simulate(*args, "--no-fast-forward", "--out", str(tmp_path / "slow")) == 0
-    fast = read_requests_csv(tmp_path / "ff" / "requests.csv")
-    slow = read_requests_csv(tmp_path / "slow" / "requests.csv")
+    fast = read_requests(tmp_path / "ff" / "requests.csv")
+    slow = read_requests(tmp_path / "slow" / "requests.csv")
     assert len(fast) == 30 and fast[-1].arrival_s == pytest.approx(29 * 0.05 / 2)
     for a, b in zip(fast, slow):
         assert (a.request_id, a.output_tokens, a.num_preemptions) == (b.request_id, b.output_tokens, b.num_preemptions)
         assert a.finish_s == pytest.approx(b.finish_s, rel=1e-9)
-    assert all(s.num_steps == 1 for s in read_steps_csv(tmp_path / "slow" / "steps.csv"))
+    assert all(s.num_steps == 1 for s in read_steps(tmp_path / "slow" / "steps.csv"))
 
 
 @pytest.mark.parametrize("args, message", [

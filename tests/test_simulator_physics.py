@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from servelab.config import SchedulerConfig
-from servelab.reports.runio import read_steps_csv
+from servelab.reports.runio import read_steps
 from servelab.simulator.run import SimulationConfig, run_simulation
 from servelab.traces import TenantSpec, Uniform, WorkloadSpec, generate, write_csv
 
@@ -34,8 +34,8 @@ def running_stats(steps) -> tuple[int, float]:
 def test_contiguous_max_reservation_holds_far_fewer_requests_than_paging(trace_file, tmp_path):
     run(trace_file, tmp_path / "paged", kv_blocks=2000)
     run(trace_file, tmp_path / "max", kv_blocks=2000, block_manager="contiguous-max")
-    paged_max, paged_mean = running_stats(read_steps_csv(tmp_path / "paged" / "steps.csv"))
-    max_max, max_mean = running_stats(read_steps_csv(tmp_path / "max" / "steps.csv"))
+    paged_max, paged_mean = running_stats(read_steps(tmp_path / "paged" / "steps.csv"))
+    max_max, max_mean = running_stats(read_steps(tmp_path / "max" / "steps.csv"))
     assert max_max <= 2000 // (4096 // 16)          # one max_model_len reservation each
     assert paged_max >= 4 * max_max
     assert paged_mean >= 3 * max_mean

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from servelab.config import SchedulerConfig
-from servelab.reports.runio import read_requests_csv, read_steps_csv
+from servelab.reports.runio import read_requests, read_steps
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.runner import run_sweep
 from servelab.sweeps.sweep import (DONE_MARKER, LOCK_FILE, RUNS_DIR, SweepError, SweepPoint,
@@ -111,8 +111,8 @@ def test_sweep_stores_each_point_skips_done_ones_and_reports_failures(tmp_path):
         stored = json.loads((o.run_dir / "config.json").read_text())
         assert stored["config"] == o.point.config.to_dict()
         assert json.loads((o.run_dir / "summary.json").read_text()) == o.summary
-        assert len(read_requests_csv(o.run_dir / "requests.csv")) == 20
-        assert read_steps_csv(o.run_dir / "steps.csv")
+        assert len(read_requests(o.run_dir / "requests.csv")) == 20
+        assert read_steps(o.run_dir / "steps.csv")
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [p["key"] for p in sweep["points"]] == [p.key for p in [*points, bad]]
 

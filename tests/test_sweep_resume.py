@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from servelab.reports.metrics import summarize
-from servelab.reports.runio import read_requests_csv, read_steps_csv
+from servelab.reports.runio import read_requests, read_steps
 from servelab.sweeps.sweep import DONE_MARKER, RUNS_DIR
 
 POLICIES, RATES = ("fcfs", "sjf"), ("10", "20", "30")
@@ -62,7 +62,7 @@ def test_sigkill_halfway_then_rerun_completes_without_corrupt_or_duplicate_point
         config = json.loads((run / "config.json").read_text())["config"]
         assert (config["policy"], f"{config['rate']:g}") == (entry["labels"]["policy"],
                                                              f"{entry['labels']['rate']:g}")
-        requests, steps = read_requests_csv(run / "requests.csv"), read_steps_csv(run / "steps.csv")
+        requests, steps = read_requests(run / "requests.csv"), read_steps(run / "steps.csv")
         assert len(requests) == 150
         stored = json.loads((run / "summary.json").read_text())
         assert stored == json.loads(json.dumps(summarize(

@@ -186,7 +186,7 @@ def test_bad_run_directories_are_named(tmp_path, runs):
     with pytest.raises(ValueError, match="does not exist"):
         load_real_run(tmp_path / "nope")
     (tmp_path / "half").mkdir()
-    with pytest.raises(ValueError, match="steps.csv is missing"):
+    with pytest.raises(ValueError, match="steps.csv or steps.parquet is missing"):
         shutil.copy(dirs[0] / "config.json", tmp_path / "half" / "config.json")
         load_real_run(tmp_path / "half")
     with pytest.raises(ValueError, match="a simulated run: validate compares a real run"):

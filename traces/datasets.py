@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable
 
+from servelab.atomic import atomic_path
 from servelab.traces.record import Trace, TraceError
 
 DEFAULT_TRACE_DIR = Path("~/.cache/servelab/traces")
@@ -102,20 +103,20 @@ def dataset_path(name: str, trace_dir: str | os.PathLike, *, download: bool = Tr
             f"--trace-dir / SERVELAB_TRACE_DIR at a directory that holds it.")
     if not download:
         raise DatasetUnavailableError(f"dataset {name}: {ds.filename} is not in {directory}. {hint}")
-    part = directory / (ds.filename + ".part")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fetch(ds.url, part, timeout)
-        digest = hashlib.sha256(part.read_bytes()).hexdigest()
-    except Exception as exc:  # network, HTTP, file-system: all mean "not available now"
-        part.unlink(missing_ok=True)
-        raise DatasetUnavailableError(f"dataset {name}: {ds.filename} is not in {directory} and downloading "
-                                      f"it from {ds.url} failed ({type(exc).__name__}: {exc}). {hint}") from exc
-    if digest != ds.sha256:
-        part.unlink(missing_ok=True)
-        raise DatasetUnavailableError(f"dataset {name}: the file downloaded from {ds.url} has sha256 {digest}, "
-                                      f"expected {ds.sha256}; not using it. {hint}")
-    os.replace(part, path)
+    except OSError as exc:
+        raise DatasetUnavailableError(f"dataset {name}: cannot create {directory} ({exc}). {hint}") from exc
+    with atomic_path(path) as part:  # removed unless the download is complete and verified
+        try:
+            fetch(ds.url, part, timeout)
+            digest = hashlib.sha256(part.read_bytes()).hexdigest()
+        except Exception as exc:  # network, HTTP, file-system: all mean "not available now"
+            raise DatasetUnavailableError(f"dataset {name}: {ds.filename} is not in {directory} and downloading "
+                                          f"it from {ds.url} failed ({type(exc).__name__}: {exc}). {hint}") from exc
+        if digest != ds.sha256:
+            raise DatasetUnavailableError(f"dataset {name}: the file downloaded from {ds.url} has sha256 {digest}, "
+                                          f"expected {ds.sha256}; not using it. {hint}")
     return path
 
 

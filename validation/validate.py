@@ -86,14 +86,15 @@ class RealRun:
 
 def load_real_run(path: str | Path) -> RealRun:
     """Read a real run directory; ValueError names the file and what is wrong."""
-    from servelab.reports.runio import read_json, read_requests_csv, read_steps_csv
+    from servelab.reports.runio import read_json, read_requests, read_steps, table_file
 
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"run directory {path} does not exist")
     for name in ("config.json", "steps.csv", "requests.csv", "summary.json"):
-        if not (path / name).is_file():
-            raise ValueError(f"{path} is not a run directory: {name} is missing")
+        files = [name] if name.endswith(".json") else [name, name.replace(".csv", ".parquet")]
+        if not any((path / f).is_file() for f in files):
+            raise ValueError(f"{path} is not a run directory: {' or '.join(files)} is missing")
     doc = read_json(path / "config.json")
     fmt = doc.get("format") if isinstance(doc, dict) else None
     if fmt != REAL_RUN_FORMAT:
@@ -115,10 +116,10 @@ def load_real_run(path: str | Path) -> RealRun:
         raise ValueError(f"{path / 'config.json'}: missing or malformed field {exc}") from None
     except ValueError as exc:
         raise ValueError(f"{path / 'config.json'}: {exc}") from None
-    steps = read_steps_csv(path / "steps.csv")
+    steps = read_steps(path)
     if not steps:
-        raise ValueError(f"{path / 'steps.csv'} holds no steps")
-    return RealRun(path, config, derived, model, steps, read_requests_csv(path / "requests.csv"),
+        raise ValueError(f"{table_file(path, 'steps')} holds no steps")
+    return RealRun(path, config, derived, model, steps, read_requests(path),
                    read_json(path / "summary.json"))
 
 
