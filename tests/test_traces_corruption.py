@@ -181,3 +181,31 @@ def test_uncorrupted_files_load_completely_with_format_detection(tmp_path_factor
     assert len(trace) == n - failed and trace.num_dropped == failed
     kept = [(p, o) for _, p, o in rows if not (fmt == "burstgpt" and p % 5 == 0)]
     assert [(r.prompt_tokens, r.output_tokens) for r in trace.records] == kept
+
+
+def _outcome(path, fmt, mode):
+    try:
+        trace = load_trace(path, format=fmt, on_bad_row=mode, **({"rate": 2.0} if fmt == "lengths" else {}))
+    except TraceFormatError as exc:
+        return str(exc)
+    return trace.records, trace.source_rows, trace.dropped, trace.notes
+
+
+@pytest.mark.parametrize("fmt", sorted(RENDER))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_bulk_path_agrees_with_the_row_parser_on_corrupted_files(tmp_path_factory, monkeypatch, fmt, data):
+    """pyarrow's readers (`traces._arrow`) take a file only when they read it exactly as the
+    row parser does: same records, counts and notes, or the same error."""
+    from servelab.traces import loaders
+
+    raw = data.draw(_file(fmt))
+    path = tmp_path_factory.mktemp("agree") / f"t.{fmt}"
+    path.write_bytes(raw)
+    for mode in ("error", "drop"):
+        bulk = _outcome(path, fmt, mode)
+        with monkeypatch.context() as m:
+            m.setattr(loaders, "_bulk_columns", lambda *a, **k: None)
+            rows = _outcome(path, fmt, mode)
+        assert bulk == rows

@@ -93,9 +93,12 @@ def test_mooncake_hashes_blocks_and_batched_timestamps(traces_dir):
 def test_fast_and_row_by_row_paths_agree_on_real_files(traces_dir, monkeypatch):
     names = ["AzureLLMInferenceTrace_code.csv", "splitwise_conv.csv", "bwb_stats_llama2_tokenizer_filtered_v2.csv",
              "mooncake_conversation_trace.jsonl"]
+    bulk = loaders._bulk_columns
+    taken = []
+    monkeypatch.setattr(loaders, "_bulk_columns", lambda *a: taken.append(bulk(*a)) or taken[-1])
     fast = [load_trace(traces_dir / n, rate=3.0 if "bwb" in n else None) for n in names]
-    monkeypatch.setattr(loaders, "fast_columns", lambda *a, **k: None)
-    monkeypatch.setattr(loaders, "fast_mooncake", lambda *a, **k: None)
+    assert len(taken) == len(names) and None not in taken   # every real file is clean
+    monkeypatch.setattr(loaders, "_bulk_columns", lambda *a, **k: None)
     slow = [load_trace(traces_dir / n, rate=3.0 if "bwb" in n else None) for n in names]
     for f, s in zip(fast, slow):
         assert f.records == s.records and f.source_rows == s.source_rows and f.notes == s.notes
@@ -345,7 +348,7 @@ def test_servelab_bulk_path_agrees_with_the_row_parser(tmp_path, monkeypatch, te
     path = _write(tmp_path, text)
     fast = _load_or_error(path, on_bad_row)
     with monkeypatch.context() as m:
-        m.setattr(loaders, "fast_servelab", lambda *a, **k: None)
+        m.setattr(loaders, "_bulk_columns", lambda *a, **k: None)
         slow = _load_or_error(path, on_bad_row)
     assert fast == slow
 
@@ -353,9 +356,61 @@ def test_servelab_bulk_path_agrees_with_the_row_parser(tmp_path, monkeypatch, te
 def test_servelab_bulk_path_is_taken_for_a_clean_file(tmp_path, monkeypatch):
     text = (_SERVELAB_HEAD + "\n0.5,10,3,a,-2,500,,,\n1.5,4,2,,,,1e1,,\n")
     taken = []
-    real = loaders.fast_servelab
-    monkeypatch.setattr(loaders, "fast_servelab", lambda *a: taken.append(1) or real(*a))
+    real = loaders.arrow_csv
+    monkeypatch.setattr(loaders, "arrow_csv", lambda *a: taken.append(real(*a)) or taken[-1])
     a, b = load_trace(_write(tmp_path, text)).records
-    assert taken and (a.tenant, a.priority, a.slo_ttft_ms, a.slo_tpot_ms) == ("a", -2, 500.0, None)
+    assert taken and taken[-1] is not None   # the bulk path read it, not the row parser
+    assert (a.tenant, a.priority, a.slo_ttft_ms, a.slo_tpot_ms) == ("a", -2, 500.0, None)
     assert (b.tenant, b.priority, b.slo_ttft_ms, b.slo_tpot_ms) == ("default", 0, None, 10.0)
-    assert real([line for line in text.splitlines()[1:]], _SERVELAB_HEAD.split(",")) is not None
+
+
+# ----------------------------------------------------------------------------- pyarrow's leniencies
+@pytest.mark.parametrize("text", [
+    SPLIT + "0,0x1F,3\n",                       # Arrow casts hex to int
+    SPLIT + "1e00005,3,3\n",                    # more exponent digits than the row parser takes
+    SPLIT + "Infinity,3,3\n", SPLIT + " 1,3,3\n", SPLIT + "1,+3,3\n",
+    SPLIT + "1,3,3\r2,3,3\n",                   # a lone CR: a line end for Arrow only
+    AZURE + "2023-11-16 18:17,3,3\r\n",         # no seconds: Arrow's timestamp parser takes it
+    AZURE + "2023-11-16 18:17:03+01:00,3,3\r\n",
+    '{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1]} '
+    '{"timestamp": 2, "input_length": 3, "output_length": 1, "hash_ids": [1]}\n',
+    '{"timestamp": 1, "timestamp": 2, "input_length": 3, "output_length": 1, "hash_ids": [1]}\n',
+    b'{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1]}\n'
+    b'{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1], "x": "\xff"}\n',
+])
+def test_what_pyarrow_reads_differently_goes_to_the_row_parser(tmp_path, monkeypatch, text):
+    path = _write(tmp_path, text, "t.jsonl" if text[:1] in ("{", b"{") else "t.csv")
+    bulk = loaders._bulk_columns
+    taken = []
+    monkeypatch.setattr(loaders, "_bulk_columns", lambda *a: taken.append(bulk(*a)) or taken[-1])
+    try:
+        got = load_trace(path, on_bad_row="drop").records
+    except TraceError as exc:
+        got = str(exc)
+    assert taken == [None]
+    monkeypatch.setattr(loaders, "_bulk_columns", lambda *a: None)
+    try:
+        assert load_trace(path, on_bad_row="drop").records == got
+    except TraceError as exc:
+        assert str(exc) == got
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(st.floats(allow_nan=False, allow_infinity=False).map(repr),
+                      st.from_regex(r"\A[+-]?(?:[0-9]{1,25}(?:\.[0-9]{0,25})?|\.[0-9]{1,25})"
+                                    r"(?:[eE][+-]?[0-9]{1,4})?\Z")))
+def test_pyarrow_reads_a_decimal_as_python_does(text):
+    """Times and SLOs are converted by Arrow's cast: correctly rounded, as float() is."""
+    import struct
+
+    import pyarrow as pa
+
+    expected = float(text)
+    try:
+        got = pa.array([text]).cast(pa.float64())[0].as_py()
+    except pa.ArrowInvalid:
+        got = None
+    if math.isfinite(expected):
+        assert struct.pack("<d", got) == struct.pack("<d", expected)
+    else:   # beyond the float range: either way the bulk path leaves it to the row parser
+        assert got is None or math.isinf(got)

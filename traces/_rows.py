@@ -8,6 +8,7 @@ trace file are corruption, not data.
 from __future__ import annotations
 
 import csv
+import datetime as _dt
 import math
 import re
 from bisect import bisect_right
@@ -19,6 +20,8 @@ from servelab.traces.record import RowIssue, TraceError, TraceFormatError
 ON_BAD_ROW = ("error", "drop")
 MAX_LENGTH = 2**31 - 1
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,4})?", re.ASCII)
+AZURE_TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?", re.ASCII)
+NS = 10**9
 _NON_FINITE = frozenset({"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"})
 
 
@@ -96,6 +99,25 @@ def parse_length(cell: str, column: str) -> int:
     if v > MAX_LENGTH:
         raise BadRow("implausible length", f"{column} is {cell.strip()!r}, above {MAX_LENGTH}")
     return v
+
+
+def parse_azure_ns(cell: str, column: str, days: dict) -> int:
+    """'2023-11-16 18:17:03.9799600' -> integer nanoseconds since 0001-01-01 (exact)."""
+    m = AZURE_TIME.fullmatch(cell.strip())
+    if m is None:
+        raise BadRow("invalid timestamp", f"{column} is {cell[:40]!r}; expected YYYY-MM-DD HH:MM:SS[.fffffff]")
+    y, mo, d, hh, mm, ss, frac = m.groups()
+    day = days.get((y, mo, d))
+    if day is None:
+        try:
+            day = days[(y, mo, d)] = _dt.date(int(y), int(mo), int(d)).toordinal()
+        except ValueError:
+            raise BadRow("invalid timestamp", f"{column} is {cell.strip()!r}, not a calendar date") from None
+    h, mi, s = int(hh), int(mm), int(ss)
+    if h > 23 or mi > 59 or s > 59:
+        raise BadRow("invalid timestamp", f"{column} is {cell.strip()!r}, not a time of day")
+    ns = int(frac.ljust(9, "0")) if frac else 0
+    return ((day * 86400 + h * 3600 + mi * 60 + s) * NS) + ns
 
 
 @dataclass

@@ -11,9 +11,10 @@
 
 Foreign formats are re-based so the first kept request arrives at 0 s. Azure datetimes are
 parsed to integer nanoseconds (Python's datetime keeps only microseconds), so relative
-times are exact to the file's 100 ns resolution. Clean CSV files go through one bulk regex
-(`_fast`); anything else is parsed row by row to find the exact line and problem. The
-conversation trace (19,366 rows) loads in about 0.1 s (`python -m servelab.traces.benchmark`).
+times are exact to the file's 100 ns resolution. Clean files (every format but BurstGPT)
+are read by pyarrow's CSV and JSON readers (`_arrow`); anything else is parsed row by row
+to find the exact line and problem. The conversation trace (19,366 rows) loads in about
+0.1 s (`python -m servelab.traces.benchmark`).
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ import datetime as _dt
 import json
 import math
 import os
-import re
 from typing import Callable
 
-from servelab.traces._fast import fast_columns, fast_mooncake, fast_servelab
-from servelab.traces._rows import (BadRow, RowSink, enforce_order, parse_int, parse_length,
-                                   parse_number, read_lines, split_cells)
+from servelab.traces._arrow import csv_columns as arrow_csv
+from servelab.traces._arrow import json_columns as arrow_json
+from servelab.traces._rows import (NS, BadRow, RowSink, enforce_order, parse_azure_ns, parse_int,
+                                   parse_length, parse_number, read_lines, split_cells)
 from servelab.traces.record import MAX_HASH, NeedsRateError, Trace, TraceError, TraceFormatError, TraceRecord
 
 FORMATS = ("azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
@@ -44,9 +45,7 @@ _CSV_COLUMNS = {
     "servelab": {"time": "arrival_s", "prompt": "prompt_tokens", "output": "output_tokens"},
 }
 _SERVELAB_OPTIONAL = ("tenant", "priority", "slo_ttft_ms", "slo_tpot_ms", "prefix_block_size", "prefix_hashes")
-_AZURE_TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?", re.ASCII)
-_NS = 10**9
-_TIME_DIVISOR = {"azure": _NS, "mooncake": 1000}  # raw time units per second
+_TIME_DIVISOR = {"azure": NS, "mooncake": 1000}  # raw time units per second
 
 Row = tuple  # (line, time, prompt, output, hashes, block_size, tenant, priority, slo_ttft, slo_tpot)
 
@@ -86,7 +85,8 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
         raise TraceError(f"unknown trace format {format!r}; expected auto or one of {', '.join(FORMATS)}")
     sink, clips = RowSink(path_s, on_bad_row), RowSink(path_s, "drop")
     with open(path, "rb") as f:
-        lines = read_lines(f.read())
+        data = f.read()
+    lines = read_lines(data)
     header_no, header = _first_nonblank(lines)
     if header_no is None:
         raise TraceFormatError(path_s, None, "the file holds no rows (empty or blank)")
@@ -101,8 +101,9 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
     if keep_failed and fmt != "burstgpt":
         raise TraceError("keep_failed applies only to BurstGPT traces")
 
-    times, prompts, outputs, extras, data_rows = _parse(path_s, lines, header_no, header, fmt, sink, clips,
-                                                        keep_failed)
+    times, prompts, outputs, extras, data_rows = _parse(path_s, data, lines, header_no, header, fmt, sink,
+                                                        clips, keep_failed)
+    del data, lines
     notes = [f"format {fmt}"]
     if fmt == "lengths":
         import numpy as np
@@ -132,26 +133,14 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
 
 
 # ----------------------------------------------------------------------------- reading rows
-def _parse(path: str, lines: list[str | None], header_no: int, header: str, fmt: str, sink: RowSink,
-           clips: RowSink, keep_failed: bool):
+def _parse(path: str, data: bytes, lines: list[str | None], header_no: int, header: str, fmt: str,
+           sink: RowSink, clips: RowSink, keep_failed: bool):
     """(raw times, prompts, outputs, extra fields per row or None, data rows) in file order,
     bad rows already raised or dropped, times checked for order."""
-    names = _clean_header(header)
-    columns = _fast_columns(lines, header_no, names, fmt)
+    columns = _bulk_columns(data, lines, header_no, header, fmt)
     if columns is not None:
-        times, prompts, outputs = columns
-        return times, prompts, outputs, None, len(prompts)
-    if fmt == "servelab" and names is not None and None not in lines:
-        columns = fast_servelab(lines[header_no:], names)
-        if columns is not None:
-            times, prompts, outputs, extras = columns
-            return times, prompts, outputs, extras, len(prompts)
-    if fmt == "mooncake" and None not in lines:
-        columns = fast_mooncake(lines[header_no - 1:])
-        if columns is not None:
-            times, prompts, outputs, hashes = columns
-            extras = [(h, MOONCAKE_BLOCK_SIZE, "default", 0, None, None) for h in hashes]
-            return times, prompts, outputs, extras, len(prompts)
+        times, prompts, outputs, extras = columns
+        return times, prompts, outputs, extras, len(prompts)
     if fmt == "mooncake":
         rows, data_rows = _read_rows(lines, header_no - 1, sink, _mooncake_row)
     else:
@@ -180,16 +169,26 @@ def _clean_header(header: str) -> list[str] | None:
     return names if len({name.lower() for name in names}) == len(names) else None
 
 
-def _fast_columns(lines: list[str | None], header_no: int, names: list[str] | None, fmt: str):
-    """(times, prompts, outputs) of a clean CSV file via the bulk regex path (`_fast`), or
-    None to parse row by row. `names`: the header's `_clean_header`."""
-    if fmt not in ("azure", "splitwise", "lengths") or names is None or None in lines:
+def _bulk_columns(data: bytes, lines: list[str | None], header_no: int, header: str, fmt: str):
+    """(times, prompts, outputs, extra fields per row or None) of a clean file, read by
+    pyarrow (`_arrow`), or None to parse it row by row. BurstGPT always goes row by row."""
+    if None in lines:   # invalid UTF-8: the row parser names the line
         return None
-    index = {name.lower(): i for i, name in enumerate(names)}
-    if not set(_CSV_COLUMNS[fmt].values()) <= index.keys():
+    if fmt == "mooncake":
+        columns = arrow_json(data, sum(1 for line in lines if line and not line.isspace()))
+        if columns is None:
+            return None
+        times, prompts, outputs, hashes = columns
+        return times, prompts, outputs, [(h, MOONCAKE_BLOCK_SIZE, "default", 0, None, None)
+                                         for h in hashes]
+    names = _clean_header(header)
+    if fmt not in ("azure", "splitwise", "lengths", "servelab") or names is None or header_no != 1:
         return None
-    roles = {role: index[name] for role, name in _CSV_COLUMNS[fmt].items()}
-    return fast_columns(lines[header_no:], names, roles, azure_time=fmt == "azure")
+    by_lower = {name.lower(): name for name in names}
+    if not set(_CSV_COLUMNS[fmt].values()) <= by_lower.keys():
+        return None   # the row parser names what is missing
+    roles = {role: by_lower[column] for role, column in _CSV_COLUMNS[fmt].items()}
+    return arrow_csv(data, names, roles, fmt)
 
 
 def _read_rows(lines, start: int, sink: RowSink, parse: Callable, ncols: int | None = None):
@@ -242,7 +241,7 @@ def _csv_row_parser(path: str, fmt: str, header_no: int, header: str) -> Callabl
 
     if fmt == "azure":
         it, lt, days = col["time"], label["time"], {}
-        return lambda c: (_azure_ns(c[it], lt, days), parse_length(c[ip], lp), parse_length(c[io], lo),
+        return lambda c: (parse_azure_ns(c[it], lt, days), parse_length(c[ip], lp), parse_length(c[io], lo),
                           None, None, "default", 0, None, None)
     if fmt == "splitwise":
         it, lt = col["time"], label["time"]
@@ -368,28 +367,9 @@ def _json_length(obj: dict, key: str) -> int:
 
 
 # ----------------------------------------------------------------------------- times
-def _azure_ns(cell: str, column: str, days: dict) -> int:
-    """'2023-11-16 18:17:03.9799600' -> integer nanoseconds since 0001-01-01 (exact)."""
-    m = _AZURE_TIME.fullmatch(cell.strip())
-    if m is None:
-        raise BadRow("invalid timestamp", f"{column} is {cell[:40]!r}; expected YYYY-MM-DD HH:MM:SS[.fffffff]")
-    y, mo, d, hh, mm, ss, frac = m.groups()
-    day = days.get((y, mo, d))
-    if day is None:
-        try:
-            day = days[(y, mo, d)] = _dt.date(int(y), int(mo), int(d)).toordinal()
-        except ValueError:
-            raise BadRow("invalid timestamp", f"{column} is {cell.strip()!r}, not a calendar date") from None
-    h, mi, s = int(hh), int(mm), int(ss)
-    if h > 23 or mi > 59 or s > 59:
-        raise BadRow("invalid timestamp", f"{column} is {cell.strip()!r}, not a time of day")
-    ns = int(frac.ljust(9, "0")) if frac else 0
-    return ((day * 86400 + h * 3600 + mi * 60 + s) * _NS) + ns
-
-
 def _format_ns(ns: int) -> str:
-    day, rest = divmod(ns, 86400 * _NS)
-    sec, frac = divmod(rest, _NS)
+    day, rest = divmod(ns, 86400 * NS)
+    sec, frac = divmod(rest, NS)
     date = _dt.date.fromordinal(day)
     digits = f"{frac:09d}"
     return f"{date} {sec // 3600:02d}:{sec // 60 % 60:02d}:{sec % 60:02d}.{digits[:7] if frac % 100 == 0 else digits}"
