@@ -41,27 +41,19 @@ METRICS: dict[str, bool] = {
 
 
 def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float | None:
-    """Kendall's tau-b of two equally long samples: (concordant − discordant) pairs over
-    √((pairs − ties in x)(pairs − ties in y)). None when undefined (fewer than 2 values,
-    or every pair tied in x or in y). O(n²): n here is a handful of policies."""
+    """Kendall's tau-b of two equally long samples (`scipy.stats.kendalltau`, variant b).
+    None when undefined: fewer than 2 values, or every pair tied in x or in y (a constant
+    sample), where scipy gives NaN."""
     if len(x) != len(y):
         raise ValueError(f"kendall_tau_b needs equally long samples, got {len(x)} and {len(y)}")
     x, y = [float(v) for v in x], [float(v) for v in y]
     if not all(map(math.isfinite, x + y)):
         raise ValueError("kendall_tau_b needs finite values")
-    n = len(x)
-    concordant = discordant = tied_x = tied_y = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            dx = (x[i] > x[j]) - (x[i] < x[j])
-            dy = (y[i] > y[j]) - (y[i] < y[j])
-            tied_x += dx == 0
-            tied_y += dy == 0
-            concordant += dx * dy > 0
-            discordant += dx * dy < 0
-    pairs = n * (n - 1) // 2
-    denom = math.sqrt((pairs - tied_x) * (pairs - tied_y))
-    return None if denom == 0 else (concordant - discordant) / denom
+    if len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(x, y, variant="b").statistic)
 
 
 def trace_from_requests(run: RealRun) -> Trace:
