@@ -35,6 +35,7 @@ import torch
 
 from servelab import __version__
 from servelab.atomic import atomic_path
+from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
@@ -60,9 +61,6 @@ CLOCKS = ("virtual", "wall")
 CPU_KV_BYTES = 256 * 2**20
 """Default KV pool on a CPU: at most this much, and no more than max_num_seqs sequences of
 max_model_len tokens need."""
-NON_TORCH_RESERVE_BYTES = 2**30
-"""GPU memory kept outside weights, activations and KV (cuBLAS workspaces, Triton, allocator
-slack): an assumption, as in the simulator's capacity model."""
 
 
 class RunSetupError(ValueError):
@@ -159,34 +157,26 @@ def _setup_step() -> Iterator[None]:
 def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                           block_size: int, scheduler: SchedulerConfig,
                           gpu_memory_utilization: float = 0.9) -> int:
-    """KV blocks for a run that did not say: on CUDA, total memory × utilisation − what
-    others already hold − weights − peak activations of a full-budget step − a fixed
-    reserve; on a CPU, at most CPU_KV_BYTES and no more than max_num_seqs full-length
-    sequences need. Raises ValueError when not one block fits."""
+    """KV blocks for a run that did not say: on CUDA, `servelab.capacity.kv_capacity_blocks`
+    (the simulator's formula) of the memory CUDA reports, what others already hold, the
+    weights and this runner's activation peak (`SERVELAB_TORCH`); on a CPU, at most
+    CPU_KV_BYTES and no more than max_num_seqs full-length sequences need. Raises
+    ValueError when not one block fits."""
     elem = torch.empty((), dtype=dtype).element_size()
     block_bytes = spec.kv_bytes_per_token(elem) * block_size
     if device.type != "cuda":
         needed = scheduler.max_num_seqs * -(-scheduler.max_model_len // block_size)
         return max(1, min(CPU_KV_BYTES // block_bytes, needed))
     free, total = torch.cuda.mem_get_info(device)
-    weights = spec.num_params * elem
-    q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    # Live at the peak of a layer: residual, normed input, q/k/v (RoPE in fp32), gate|up and
-    # the SwiGLU product; counted at 4 bytes per element to cover the fp32 temporaries.
-    per_token = (4 * spec.hidden_size + 4 * q_kv + 5 * spec.intermediate_size) * 4
-    # Sampling rows: fp32 logits, their sort, fp64 softmax and CDF.
-    logits = scheduler.max_num_seqs * spec.vocab_size * 24
-    reserve = NON_TORCH_RESERVE_BYTES + scheduler.max_num_batched_tokens * per_token + logits
-    budget = total * gpu_memory_utilization - (total - free) - weights - reserve
-    blocks = int(budget // block_bytes)
-    if blocks < 1:
-        gib = 2**30
-        raise ValueError(
-            f"no room for KV blocks on {device}: {total * gpu_memory_utilization / gib:.1f} GiB "
-            f"at gpu_memory_utilization={gpu_memory_utilization} − {(total - free) / gib:.1f} GiB "
-            f"in use − {weights / gib:.1f} GiB weights − {reserve / gib:.1f} GiB activation "
-            "reserve leaves nothing; pass --kv-blocks or use a smaller model")
-    return blocks
+    reserve = SERVELAB_TORCH.bytes(
+        hidden=spec.hidden_size, qkv=(spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+        intermediate=spec.intermediate_size, vocab=spec.vocab_size,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs)
+    return kv_capacity_blocks(memory_bytes=total, gpu_memory_utilization=gpu_memory_utilization,
+                              in_use_bytes=total - free, weight_bytes=spec.num_params * elem,
+                              reserve_bytes=reserve, block_bytes=block_bytes,
+                              where=f"{spec.name} on {device}",
+                              hint="pass --kv-blocks or use a smaller model")
 
 
 def _check_host_memory(spec: ModelSpec, dtype: torch.dtype, cache: CacheConfig) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelab.capacity import VLLM_FUSED_BF16
+from servelab.capacity import kv_capacity_blocks as engine_kv_capacity_blocks
 from servelab.models import ModelSpec, load_model_spec
 from servelab.simulator.gpus import DTYPE_BYTES, GIB, GPUSpec, get_gpu
 
@@ -148,24 +150,15 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf1
 
 # --- KV capacity, derived as an engine derives it ------------------------------------------
 
-NON_TORCH_RESERVE_BYTES = GIB
-"""Memory an engine holds outside weights, activations and KV: CUDA-graph pools, NCCL and
-cuBLAS workspaces, allocator slack. 1 GiB is an assumption (vLLM measures it at start-up);
-pass `activation_reserve_gb` to use a measured figure instead."""
-
-
 def activation_reserve_bytes(model: ModelSpec, tp: int = 1, max_num_batched_tokens: int = 2048,
                              max_num_seqs: int = 128) -> int:
-    """Peak activation memory of a full-budget step plus the non-torch reserve.
-
-    An engine profiles one forward pass of `max_num_batched_tokens` tokens: the MLP holds
-    the residual, its input, the gate/up output and the activation (2·hidden + 3·I/tp BF16
-    values per token), and sampling holds FP32 logits for `max_num_seqs` rows.
-    """
+    """Peak activation memory of a full-budget step on one GPU of the engine the simulator
+    models (`servelab.capacity.VLLM_FUSED_BF16`), plus the non-torch reserve."""
     s = ShardedShapes.of(model, tp)
-    per_token = (2 * s.hidden + 3 * s.intermediate) * ACT_BYTES
-    logits = max_num_seqs * s.vocab * 4
-    return NON_TORCH_RESERVE_BYTES + max_num_batched_tokens * per_token + logits
+    return VLLM_FUSED_BF16.bytes(hidden=s.hidden, qkv=s.q_dim + 2 * s.kv_dim,
+                                 intermediate=s.intermediate, vocab=s.vocab,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_seqs=max_num_seqs)
 
 
 def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
@@ -173,8 +166,9 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                        kv_dtype: str = "bf16", weight_dtype: str = "bf16",
                        activation_reserve_gb: float | None = None,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 128) -> int:
-    """KV blocks that fit on each GPU:
-    (memory × utilization − weights/tp − activation reserve) // bytes per block per GPU.
+    """KV blocks that fit on each GPU (`servelab.capacity.kv_capacity_blocks`, the formula
+    the real backend uses too): memory × utilization − weights/tp − activation reserve,
+    over the bytes of a block on one GPU.
 
     `activation_reserve_gb` (GiB, as the catalog reads GB) replaces the modelled reserve
     (`activation_reserve_bytes`). Raises ValueError when the weights or the reserve leave
@@ -200,11 +194,7 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
             f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at tp={tp} "
             f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
             f"gpu_memory_utilization={gpu_memory_utilization}: raise tp or use fp8 weights")
-    block_bytes = block_size * shapes.kv_bytes_per_token
-    blocks = int((budget - weights - reserve) // block_bytes)
-    if blocks < 1:
-        raise ValueError(
-            f"no room for a KV block of {model.name} on {gpu.name}: {budget / GIB:.2f} GiB "
-            f"budget − {weights / GIB:.2f} GiB weights − {reserve / GIB:.2f} GiB activation "
-            f"reserve leaves less than one {block_bytes}-byte block")
-    return blocks
+    return engine_kv_capacity_blocks(
+        memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        weight_bytes=weights, reserve_bytes=reserve,
+        block_bytes=block_size * shapes.kv_bytes_per_token, where=f"{model.name} on {gpu.name}")
