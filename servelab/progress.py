@@ -1,19 +1,27 @@
-"""The progress bar of a long run (`servelab simulate`, `servelab run`): requests done out
-of all, their rate and the time left (tqdm's ETA, from wall time), and the run's own clock
-(simulated seconds, or the real engine's virtual or wall clock) with whatever else the
-command wants to show.
+"""Progress of long work, drawn by tqdm: the one place commands show it.
+
+A run (`servelab simulate`, `servelab run`): requests done out of all, their rate and the
+time left (tqdm's ETA, from wall time), and the run's own clock (simulated seconds, or the
+real engine's virtual or wall clock) with whatever else the command wants to show.
 
     bar = RequestProgress(total=2000, command="simulate", clock="simulated")
     bar.update(done=120, clock_s=8.5)                  # as often as liked: tqdm throttles
     bar.close()
 
-Drawn only on a terminal (or when `enabled=True`): redirected output stays clean. tqdm is
-imported when a bar is made, so importing this module costs nothing.
+A sweep (`servelab compare`, `servelab capacity`): one line per settled point, the record
+of what ran (also when redirected), and on a terminal a bar of the batch beneath them.
+
+    progress = PointProgress(command="compare")
+    runner.run(points, progress)                       # progress(outcome, done, total)
+
+Bars are drawn only on a terminal (or when `enabled=True`): redirected output stays clean.
+tqdm is imported when a bar is made, so importing this module costs nothing.
 """
 from __future__ import annotations
 
 import sys
-from typing import IO
+import time
+from typing import IO, Any, Callable
 
 
 class RequestProgress:
@@ -38,6 +46,47 @@ class RequestProgress:
         self._bar.set_postfix_str(f"{self.clock} {clock_s:,.1f} s" + (f", {extra}" if extra else ""),
                                   refresh=False)
         self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class PointProgress:
+    """`progress(outcome, done, total)` for `SweepRunner.run`: writes "<command>: <prefix>[done/
+    total] <point>  <state>[: error][detail]  (elapsed S s)" per settled point (`detail`
+    of its outcome, when given), above a tqdm bar of the batch on a terminal. `prefix` may
+    change between batches (a capacity search's round)."""
+
+    def __init__(self, *, command: str = "compare", detail: Callable[[Any], str] | None = None,
+                 stream: IO[str] | None = None, enabled: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.command, self.detail, self.prefix = command, detail, ""
+        self.start = time.monotonic()
+        self._bar = None
+
+    def __call__(self, outcome, done: int, total: int) -> None:
+        state = {"ran": "done", "done before": "done before, skipped", "failed": "FAILED"}[outcome.status]
+        error = f": {outcome.error}" if outcome.error else ""
+        detail = self.detail(outcome) if self.detail is not None and not outcome.error else ""
+        line = (f"{self.command}: {self.prefix}[{done:>{len(str(total))}}/{total}] "
+                f"{outcome.point.describe()}  {state}{error}{detail}  "
+                f"(elapsed {time.monotonic() - self.start:.1f} s)")
+        if not self.enabled:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            return
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=total, desc=f"{self.command}: {self.prefix}".rstrip(), unit="point",
+                             file=self.stream, leave=False, dynamic_ncols=True)
+        tqdm.write(line, file=self.stream)
+        self._bar.update(1)
+        if done >= total:
+            self.close()
 
     def close(self) -> None:
         if self._bar is not None:

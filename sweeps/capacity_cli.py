@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from servelab.cli import CLIError
-from servelab.sweeps.cli import ProgressLines, add_grid_arguments, grid_axes, plural, point_config
+from servelab.progress import PointProgress
+from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
 
 
 def _fraction(text: str) -> float:
@@ -114,7 +115,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
           f"req/s to {args.attainment:.0%} SLO attainment, within {args.tolerance:.0%}, "
           f"{plural(workers, 'worker')}, into {out}", file=sys.stderr)
-    progress = ProgressLines(command="capacity", detail=lambda o: f" ({slo_attainment(o.summary):.1%} within SLO)")
+    progress = PointProgress(command="capacity",
+                             detail=lambda o: f" ({slo_attainment(o.summary):.1%} within SLO)")
     try:
         with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address,
                          output_format=args.output_format) as runner:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from servelab.cli import CLIError
 from servelab.memory import block_manager_names
 from servelab.options import policy_flag_owners
 from servelab.policies import preemption_names
+from servelab.progress import PointProgress
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
 
@@ -189,25 +189,6 @@ def build_points(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 # --------------------------------------------------------------------------- the command
-class ProgressLines:
-    """One stderr line per settled point: points settled/total, what it was (and `detail`
-    of its outcome, when given), time elapsed."""
-
-    def __init__(self, stream=None, command: str = "compare",
-                 detail: Callable[[Any], str] | None = None) -> None:
-        self.stream, self.start = stream or sys.stderr, time.monotonic()
-        self.command, self.detail, self.prefix = command, detail, ""
-
-    def __call__(self, outcome, done: int, total: int) -> None:
-        width = len(str(total))
-        state = {"ran": "done", "done before": "done before, skipped", "failed": "FAILED"}[outcome.status]
-        error = f": {outcome.error}" if outcome.error else ""
-        detail = self.detail(outcome) if self.detail is not None and not outcome.error else ""
-        self.stream.write(f"{self.command}: {self.prefix}[{done:>{width}}/{total}] {outcome.point.describe()}  "
-                          f"{state}{error}{detail}  (elapsed {time.monotonic() - self.start:.1f} s)\n")
-        self.stream.flush()
-
-
 def plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
@@ -226,7 +207,8 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     print(f"compare: {plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
     try:
         outcome = run_sweep(points, out, workers=workers, ray=args.ray, ray_address=args.ray_address,
-                            axes=axes, progress=ProgressLines(), output_format=args.output_format)
+                            axes=axes, progress=PointProgress(command="compare"),
+                            output_format=args.output_format)
     except SweepError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:

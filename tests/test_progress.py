@@ -36,3 +36,35 @@ def test_the_real_engine_loop_shows_its_clock_and_the_scheduler_state(capsys):
     err = capsys.readouterr().err
     assert "run:" in err and "5/20 requests" in err and "wall clock 3.2 s" in err
     assert "4 running, 7 waiting, 0 swapped, 40 steps" in err
+
+
+def _outcome(status: str, error: str | None = None):
+    point = types.SimpleNamespace(describe=lambda: "policy=fcfs rate=12")
+    return types.SimpleNamespace(status=status, error=error, point=point, summary={})
+
+
+def test_a_sweep_writes_one_line_per_point_off_a_terminal():
+    from servelab.progress import PointProgress
+
+    stream = io.StringIO()
+    progress = PointProgress(command="compare", stream=stream, detail=lambda o: " (90.0% within SLO)")
+    progress.prefix = "round 1 "
+    progress(_outcome("ran"), 1, 10)
+    progress(_outcome("failed", "ValueError: bad"), 2, 10)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("compare: round 1 [ 1/10] policy=fcfs rate=12  done (90.0% within SLO)  (elapsed ")
+    assert lines[1].startswith("compare: round 1 [ 2/10] policy=fcfs rate=12  FAILED: ValueError: bad  (elapsed ")
+    assert "\r" not in stream.getvalue()   # no bar off a terminal
+
+
+def test_on_a_terminal_the_lines_sit_above_a_bar_of_the_batch():
+    from servelab.progress import PointProgress
+
+    stream = io.StringIO()
+    progress = PointProgress(command="capacity", stream=stream, enabled=True)
+    progress(_outcome("done before"), 1, 2)
+    progress(_outcome("ran"), 2, 2)
+    text = stream.getvalue()
+    assert "capacity: [1/2] policy=fcfs rate=12  done before, skipped" in text
+    assert "1/2" in text and "point" in text   # tqdm's bar: points settled of the batch
+    assert progress._bar is None               # closed with its batch
