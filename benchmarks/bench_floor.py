@@ -67,13 +67,12 @@ def run_phases(cli_args: list[str], out: Path) -> dict:
     t1 = time.perf_counter()
     result = sim.run()
     t2 = time.perf_counter()
-    write_run_dir(result, out)
+    write_run_dir(result, out, args.output_format)
     t3 = time.perf_counter()
-    steps = result.steps
+    num_steps = result.steps.column("num_steps")
     return {"build_s": t1 - t0, "run_s": t2 - t1, "write_s": t3 - t2,
-            "requests": len(result.requests), "rows": len(steps),
-            "single_rows": sum(1 for s in steps if s.num_steps == 1),
-            "engine_steps": sum(s.num_steps for s in steps)}
+            "requests": len(result.requests), "rows": len(num_steps),
+            "single_rows": int((num_steps == 1).sum()), "engine_steps": int(num_steps.sum())}
 
 
 def cheapest_step_s(num_steps: int = 20_000) -> float:

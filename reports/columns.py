@@ -98,7 +98,7 @@ def column(records: Sequence, name: str) -> list:
 def floats(records: Sequence, name: str) -> np.ndarray:
     """One float column; None becomes NaN."""
     if isinstance(records, RecordTable):
-        return records.column(name).astype(float)
+        return records.column(name)   # read-only, no copy
     try:  # fast path: no None, no intermediate list
         return np.fromiter(map(attrgetter(name), records), dtype=float, count=len(records))
     except (TypeError, ValueError):
@@ -117,7 +117,7 @@ def floats(records: Sequence, name: str) -> np.ndarray:
 def ints(records: Sequence, name: str) -> np.ndarray:
     """One integer column (counts, exact below 2**53); a non-integral value is an error."""
     if isinstance(records, RecordTable):
-        return records.column(name).astype(np.int64)
+        return records.column(name)
     try:
         values = np.fromiter(map(attrgetter(name), records), dtype=float, count=len(records))
     except (TypeError, ValueError):

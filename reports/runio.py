@@ -68,7 +68,8 @@ _KIND = {**stored_fields(RequestRecord), **stored_fields(StepRecord),
 """Column -> kind: a field annotation, or 'status'."""
 _ARROW = {"int": pa.int64(), "float": pa.float64(), "float | None": pa.float64(),
           "str": pa.string(), "status": pa.string()}
-_NEEDS_QUOTES = r'[,"\r\n]'
+_BATCH_ROWS = 1 << 18
+"""Rows converted and written at once: bounds the memory a write needs beyond the table."""
 
 
 # --- writing ----------------------------------------------------------------------------
@@ -94,18 +95,16 @@ def write_requests(path: PathLike, records: Sequence[RequestRecord]) -> None:
     appear only when some record needs them. Raises ValueError naming the first record
     whose value cannot be stored, before the file is touched."""
     table = RecordTable.from_records(RequestRecord, records)
-    columns = {name: table.column(name) for name in table.columns}
-    columns.update(_derived(table))
-    extended = not (np.isnan(columns["slo_ttft_ms"]).all() and np.isnan(columns["slo_tpot_ms"]).all()
-                    and (columns["n"] == 1).all())
-    names = REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS if extended else REQUEST_COLUMNS
-    _write(path, names, columns)
+    derived = _derived(table)
+    extended = not (np.isnan(table.column("slo_ttft_ms")).all()
+                    and np.isnan(table.column("slo_tpot_ms")).all() and (table.column("n") == 1).all())
+    _write(path, REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS if extended else REQUEST_COLUMNS,
+           table, derived)
 
 
 def write_steps(path: PathLike, records: Sequence[StepRecord]) -> None:
     """Write step records as CSV or Parquet (by the file's suffix), one column per field."""
-    table = RecordTable.from_records(StepRecord, records)
-    _write(path, STEP_COLUMNS, {name: table.column(name) for name in STEP_COLUMNS})
+    _write(path, STEP_COLUMNS, RecordTable.from_records(StepRecord, records), {})
 
 
 def _derived(table: RecordTable) -> dict[str, np.ndarray]:
@@ -130,24 +129,31 @@ def _derived(table: RecordTable) -> dict[str, np.ndarray]:
     return derived
 
 
-def _write(path: PathLike, names: Sequence[str], columns: dict[str, np.ndarray]) -> None:
-    arrays = []
-    for name in names:
-        values = columns[name]
-        if values.dtype == object:
-            arrays.append(pa.array(values, type=pa.string()))
-        else:   # NaN is None in an optional float column, and is null in the file
-            arrays.append(pa.array(values, from_pandas=_KIND[name] == "float | None"))
-    table = pa.Table.from_arrays(arrays, names=list(names))
+def _write(path: PathLike, names: Sequence[str], table: RecordTable,
+           derived: dict[str, np.ndarray]) -> None:
+    """Write the columns `names` (the table's, or `derived`'s) a batch of rows at a time, so
+    that only a batch is ever converted to Arrow's types at once."""
+    schema = pa.schema([(name, _ARROW[_KIND[name]]) for name in names])
     fmt = _format(path)
+    quote = fmt == "csv" and any(c in word for name in names if schema.field(name).type == pa.string()
+                                 for word in set(table.column(name)) for c in ',"\r\n')
     with atomic_path(path) as tmp:
-        if fmt == "parquet":
-            pq.write_table(table, tmp)
-            return
-        text = [a for a in arrays if a.type == pa.string()]
-        quote = any(pc.any(pc.match_substring_regex(a, _NEEDS_QUOTES)).as_py() for a in text)
-        pacsv.write_csv(table, tmp, pacsv.WriteOptions(
-            quoting_style="needed" if quote else "none", quoting_header="none"))
+        writer = pq.ParquetWriter(tmp, schema) if fmt == "parquet" else pacsv.CSVWriter(
+            tmp, schema, write_options=pacsv.WriteOptions(
+                quoting_style="needed" if quote else "none", quoting_header="none"))
+        with writer:
+            for start in range(0, len(table), _BATCH_ROWS):
+                rows = slice(start, start + _BATCH_ROWS)
+                writer.write_batch(pa.record_batch(
+                    [_arrow(derived[name][rows] if name in derived else table.column(name, rows), name)
+                     for name in names], schema=schema))
+
+
+def _arrow(values: np.ndarray, name: str) -> pa.Array:
+    if values.dtype == object:
+        return pa.array(values, type=pa.string())
+    # NaN is None in an optional float column, and is null in the file
+    return pa.array(values, from_pandas=_KIND[name] == "float | None")
 
 
 def _format(path: PathLike) -> str:
@@ -170,7 +176,8 @@ def read_requests(path: PathLike) -> RecordTable:
     columns.setdefault("slo_ttft_ms", np.full(n, math.nan))
     columns.setdefault("slo_tpot_ms", np.full(n, math.nan))
     columns.setdefault("n", np.ones(n, dtype=np.int64))
-    table = RecordTable(RequestRecord, {name: columns[name] for name in stored_fields(RequestRecord)})
+    table = RecordTable.from_columns(RequestRecord,
+                                     {name: columns[name] for name in stored_fields(RequestRecord)})
     for name, computed in _derived(table).items():
         stored = columns[name]
         same = (np.isnan(stored) == np.isnan(computed)) & (
@@ -183,7 +190,7 @@ def read_requests(path: PathLike) -> RecordTable:
 def read_steps(path: PathLike) -> RecordTable:
     """Step records from a steps.csv / steps.parquet file, or from a run directory."""
     path = table_file(path, "steps")
-    return RecordTable(StepRecord, _read(path, (STEP_COLUMNS,)))
+    return RecordTable.from_columns(StepRecord, _read(path, (STEP_COLUMNS,)))
 
 
 def table_file(path: PathLike, name: str) -> Path:

@@ -8,12 +8,14 @@
     log.append(step)
     steps = log.table()
 
-A `RequestRecord` or `StepRecord` object costs 300-400 bytes; as columns a step row costs 144
-and a request row about 110, and metrics, checks and writers take whole columns instead of
-walking objects. A column is a numpy array: int64 for int fields, float64 for float fields
-(NaN stands for None in a `float | None` field; a stored float is always finite), object
-(Python str) for str fields. Fields that are not flat (`RequestRecord.token_times`) are not
-held: a record built from a table has their default.
+A `RequestRecord` or `StepRecord` object costs 300-400 bytes; as columns a step row costs
+about 60 and a request row about 80, and metrics, checks and writers take whole columns
+instead of walking objects. A column is a numpy array: float64 for float fields (NaN stands
+for None in a `float | None` field; a stored float is always finite), object (Python str)
+for str fields, and for int fields the narrowest signed integer type that holds the values
+(most counts fit 16 bits) — handed out as int64, so arithmetic on a column cannot
+overflow. Fields that are not flat (`RequestRecord.token_times`) are not held: a record
+built from a table has their default.
 
 A table is a read-only Sequence of records, so code written for a list of records works
 unchanged: indexing builds one record (about a microsecond), iterating builds them a block
@@ -74,9 +76,11 @@ class RecordTable(Sequence):
         if len(lengths) > 1:
             raise ValueError(f"columns of unequal lengths {sorted(lengths)}")
         for name, annotation in stored_fields(record_type).items():
-            if columns[name].dtype != KINDS[annotation] or columns[name].ndim != 1:
+            dtype = columns[name].dtype
+            if columns[name].ndim != 1 or not (dtype == KINDS[annotation] or (
+                    annotation == "int" and dtype.kind == "i")):
                 raise ValueError(f"column {name} must be a 1-d {np.dtype(KINDS[annotation])} array, "
-                                 f"got {columns[name].dtype}")
+                                 f"got {dtype}")
         self.record_type = record_type
         self._columns = dict(columns)
         self._len = lengths.pop() if lengths else 0
@@ -102,6 +106,13 @@ class RecordTable(Sequence):
         return cls(record_type, columns)
 
     @classmethod
+    def from_columns(cls, record_type: type, columns: Mapping[str, np.ndarray]) -> "RecordTable":
+        """A table of ready, checked columns of the fields' kinds (a reader's): int columns
+        are stored narrowed (see the module docstring)."""
+        return cls(record_type, {name: _narrow(c) if c.dtype.kind == "i" else c
+                                 for name, c in columns.items()})
+
+    @classmethod
     def concat(cls, record_type: type, tables: Iterable["RecordTable"]) -> "RecordTable":
         """One table of the rows of `tables`, in order."""
         return _join(record_type, [t._columns.copy() for t in tables])
@@ -119,9 +130,12 @@ class RecordTable(Sequence):
         return self.take(np.argsort(key, kind="stable"))
 
     # --- reading ------------------------------------------------------------------------
-    def column(self, name: str) -> np.ndarray:
-        """One column (read-only view; NaN for None in a `float | None` column)."""
-        column = self._columns[name].view()
+    def column(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        """One column (or the `rows` of it), read-only: float64 (NaN for None in a
+        `float | None` column), int64 or object (str)."""
+        column = self._columns[name][rows]
+        column = column.astype(np.int64) if column.dtype.kind == "i" and column.dtype != np.int64 \
+            else column.view()
         column.flags.writeable = False
         return column
 
@@ -185,7 +199,7 @@ def _convert(values: list, annotation: str) -> np.ndarray | None:
         values = [v.item() if isinstance(v, np.generic) else v for v in values]
     if annotation == "int":
         try:
-            return np.array(values, dtype=np.int64)
+            return _narrow(np.array(values, dtype=np.int64))
         except OverflowError:
             return None
     missing = values.count(None) if type(None) in types else 0
@@ -197,6 +211,20 @@ def _convert(values: list, annotation: str) -> np.ndarray | None:
     finite = np.isfinite(column)
     # NaN spells None: a NaN among the values themselves is not a number we can store
     return column if int(finite.sum()) == len(column) - missing else None
+
+
+_INT_TYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32))
+
+
+def _narrow(column: np.ndarray) -> np.ndarray:
+    """The int column in the narrowest signed type that holds its values."""
+    if len(column):
+        low, high = int(column.min()), int(column.max())
+        for dtype in _INT_TYPES:
+            info = np.iinfo(dtype)
+            if info.min <= low and high <= info.max:
+                return column.astype(dtype)
+    return column
 
 
 def _problem(value, annotation: str) -> str | None:
@@ -219,16 +247,21 @@ def _problem(value, annotation: str) -> str | None:
 
 class RecordLog:
     """Records that arrive one at a time (a replica's steps, its finished requests), kept
-    as columns: every `chunk_rows` records, the buffered objects become a table chunk and
-    are freed. `append` is a list append and a length check."""
+    as columns: every `chunk_rows` records the buffered objects are checked, converted
+    (`RecordTable.from_records`) and copied into growing column arrays, then freed.
 
-    __slots__ = ("record_type", "chunk_rows", "_buffer", "_chunks", "_len")
+    The arrays double when full (amortised O(1) a row; capacity never written is never
+    touched, so it costs no memory), and widen when a chunk's integers need more bits.
+    `table()` is a view of them, not a copy. `append` is a list append and a length check.
+    """
+
+    __slots__ = ("record_type", "chunk_rows", "_buffer", "_columns", "_len")
 
     def __init__(self, record_type: type, chunk_rows: int = 16_384) -> None:
         self.record_type = record_type
         self.chunk_rows = chunk_rows
         self._buffer: list = []
-        self._chunks: list[RecordTable] = []
+        self._columns: dict[str, np.ndarray] = {}
         self._len = 0
 
     def append(self, record) -> None:
@@ -243,22 +276,27 @@ class RecordLog:
             self._flush()
 
     def _flush(self) -> None:
-        if self._buffer:
-            self._chunks.append(RecordTable.from_records(self.record_type, self._buffer))
-            self._len += len(self._buffer)
-            self._buffer = []
+        if not self._buffer and self._columns:
+            return
+        chunk = RecordTable.from_records(self.record_type, self._buffer)
+        start, stop = self._len, self._len + len(chunk)
+        for name, values in chunk._columns.items():
+            column = self._columns.get(name)
+            if column is None or stop > len(column) or not np.can_cast(values.dtype, column.dtype):
+                dtype = values.dtype if column is None else np.result_type(column.dtype, values.dtype)
+                grown = np.empty(max(stop, 2 * (0 if column is None else len(column))), dtype)
+                if start:
+                    grown[:start] = column[:start]
+                self._columns[name] = column = grown
+            column[start:stop] = values
+        self._len = stop
+        self._buffer = []
 
     def __len__(self) -> int:
         return self._len + len(self._buffer)
 
     def table(self) -> RecordTable:
-        """Everything appended so far, as one table (the log keeps it as its only chunk).
-        Joining releases each chunk's column as it goes: the peak is the table plus one
-        column, not twice the table."""
+        """Everything appended so far, as one table: a view of the log's columns (later
+        appends do not show in it)."""
         self._flush()
-        chunks, self._chunks = self._chunks, []
-        parts = [dict(c._columns) for c in chunks]   # the only references once chunks goes
-        del chunks
-        table = _join(self.record_type, parts)
-        self._chunks = [table]
-        return table
+        return RecordTable(self.record_type, {n: c[:self._len] for n, c in self._columns.items()})

@@ -91,3 +91,14 @@ def test_fields_that_are_not_flat_are_not_held():
     (back,) = RecordTable.from_records(RequestRecord, [record])
     assert back.token_times is None and "token_times" not in RecordTable.from_records(
         RequestRecord, [record]).columns
+
+
+def test_int_columns_are_stored_narrow_and_handed_out_as_int64():
+    steps = [StepRecord(0.0, 1.0, 30_000, 1, 0, 2, 3, 0, 1, 9, decode_context_sum=2**40)] * 2
+    table = RecordTable.from_records(StepRecord, steps)
+    assert table._columns["num_prefill_tokens"].dtype == np.int16      # 2 bytes a row, not 8
+    assert table._columns["decode_context_sum"].dtype == np.int64
+    prefill = table.column("num_prefill_tokens")
+    assert prefill.dtype == np.int64 and int(prefill.sum()) == 60_000   # no int16 overflow
+    assert table.column("num_prefill_tokens", slice(1, 2)).tolist() == [30_000]
+    assert list(table) == steps

@@ -354,3 +354,19 @@ def test_a_damaged_parquet_file_and_wrong_columns_are_named(tmp_path):
     write_steps(path, STEPS)
     with pytest.raises(ValueError, match=r"steps\.parquet: unexpected columns start_s,"):
         read_requests(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_table_is_written_a_batch_of_rows_at_a_time(tmp_path, monkeypatch, fmt):
+    from servelab.reports import runio
+
+    records = REQUESTS * 3
+    steps = STEPS * 5
+    write_requests(tmp_path / f"whole.{fmt}", records)
+    monkeypatch.setattr(runio, "_BATCH_ROWS", 2)
+    write_requests(tmp_path / f"batched.{fmt}", records)
+    write_steps(tmp_path / f"steps.{fmt}", steps)
+    assert list(read_requests(tmp_path / f"batched.{fmt}")) == records
+    assert list(read_steps(tmp_path / f"steps.{fmt}")) == steps
+    if fmt == "csv":   # the same bytes, however the rows were batched
+        assert (tmp_path / "batched.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
