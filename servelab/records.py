@@ -1,6 +1,7 @@
 """Plain per-request and per-step records: what executors emit and reports consume.
 
-Both are flat so that they map one-to-one onto the rows of requests.csv and steps.csv.
+Both are flat so that they map one-to-one onto the rows of the requests and steps tables
+(`servelab.reports.runio`); a long run keeps them as columns (`servelab.record_table`).
 """
 from __future__ import annotations
 

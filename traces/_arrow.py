@@ -17,7 +17,6 @@ million rows, most of it turning columns into Python objects for the records.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -184,16 +183,22 @@ def _servelab_extras(cells: dict, n: int) -> list[tuple] | None:
             return None
         tenants = [words[i] for i in encoded.indices.to_numpy().tolist()]
     priorities = [0] * n
-    if "priority" in cells:
-        priorities = [int(p) if p else 0 for p in cells["priority"].to_pylist()]
+    if "priority" in cells:   # an empty cell is 0
+        column = cells["priority"]
+        priorities = pc.if_else(pc.equal(column, ""), "0", column).cast(pa.int64()).to_numpy().tolist()
     slos = []
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         values = [None] * n
-        if name in cells:
-            values = [float(v) if v else None for v in cells[name].to_pylist()]
-            present = [v for v in values if v is not None]
-            if present and not (min(present) > 0 and math.isfinite(max(present))):
+        if name in cells:   # an empty cell is None
+            column = cells[name]
+            present_or_null = pc.if_else(pc.equal(column, ""), pa.scalar(None, pa.string()), column)
+            array = present_or_null.cast(pa.float64()).to_numpy(zero_copy_only=False)   # NaN for None
+            present = array[~np.isnan(array)]
+            if len(present) and not (present.min() > 0 and np.isfinite(present.max())):
                 return None
+            values = array.tolist()
+            if len(present) < n:
+                values = [None if v != v else v for v in values]
         slos.append(values)
     return [(None, None, t, p, a, b) for t, p, a, b in zip(tenants, priorities, *slos)]
 
