@@ -37,7 +37,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -234,15 +234,22 @@ def _read(path: Path, headers: Sequence[Sequence[str]]) -> dict[str, np.ndarray]
     columns = {}
     for name in header:
         values, kind = table.column(name), _KIND[name]
-        ok = (values.null_count == 0 or kind == "float | None") and (
-            kind not in ("float", "float | None") or not pc.any(pc.is_inf(values)).as_py()
-            and not pc.any(pc.is_nan(values)).as_py())
-        if kind == "status":
-            ok = pc.all(pc.is_in(values, pa.array(REQUEST_STATUSES))).as_py() is not False
-        if not ok:
+        if not _column_ok(values, kind):
             _name_bad_row(path, header, f"column {name!r} holds a value out of place")
         columns[name] = _to_numpy(values, kind)
     return columns
+
+
+def _column_ok(values: pa.ChunkedArray, kind: str) -> bool:
+    """No missing value where the column needs one, floats finite, statuses known.
+    (Over no rows, pyarrow's any() and all() are null: nothing is wrong.)"""
+    if values.null_count and kind != "float | None":
+        return False
+    if kind == "status":
+        return pc.all(pc.is_in(values, value_set=pa.array(REQUEST_STATUSES))).as_py() is not False
+    if kind in ("float", "float | None"):
+        return not (pc.any(pc.is_inf(values)).as_py() or pc.any(pc.is_nan(values)).as_py())
+    return True
 
 
 def _to_numpy(values: pa.ChunkedArray, kind: str) -> np.ndarray:
@@ -271,7 +278,7 @@ def _check_header(path: Path, header: tuple[str, ...], headers: Sequence[Sequenc
 _INT = re.compile(r"-?[0-9]+")
 
 
-def _name_bad_row(path: Path, header: tuple[str, ...], problem: str):
+def _name_bad_row(path: Path, header: tuple[str, ...], problem: str) -> NoReturn:
     """Raise ValueError naming the line and column of the first bad cell: the file is walked
     with the csv module, each cell checked as the reader checks its column. (Parquet has no
     lines: the problem is named as it was found.)"""

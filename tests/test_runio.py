@@ -354,6 +354,15 @@ def test_a_damaged_parquet_file_and_wrong_columns_are_named(tmp_path):
     write_steps(path, STEPS)
     with pytest.raises(ValueError, match=r"steps\.parquet: unexpected columns start_s,"):
         read_requests(path)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    for column, values in (("duration_s", [math.inf, 1.0]), ("num_steps", [None, 1])):
+        bad = table.set_column(table.column_names.index(column), column, pa.array(values))
+        pq.write_table(bad, path)
+        with pytest.raises(ValueError, match=rf"steps\.parquet: column '{column}' holds a value out of place"):
+            read_steps(path)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
