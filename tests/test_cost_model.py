@@ -223,6 +223,25 @@ def test_decode_attention_costs_more_per_token_at_short_context():
     assert short > 2 * long
 
 
+def test_warm_l2_raises_the_bandwidth_ceiling_not_a_few_blocks_streaming():
+    """An isolated benchmark with its KV set in L2 streams faster only where HBM was the
+    limit: two thread blocks of the multi-head path stream at their own rate either way
+    (the L40S measurements: 27.5 GB/s a block whether 67 MB or 537 MB are read)."""
+    l40s = get_gpu("l40s")
+    p = K.DecodeAttentionParams(memory_eff=0.8, mha_block_gbps=25.0, l2_gain=3.0)
+
+    def seconds(batch, heads, context, warm):
+        return float(K.decode_attention_time(batch, batch * context, heads, heads, 128, l40s,
+                                             p, warm_l2=warm))
+
+    few = 1 * 16_384 * 2 * 2 * 128 * 2 / (25e9 * 2)      # 2 blocks at 25 GB/s each
+    assert seconds(1, 2, 16_384, warm=True) == pytest.approx(few)
+    assert seconds(1, 2, 16_384, warm=False) == pytest.approx(few)
+    # 128 blocks would stream beyond HBM, and beyond L2: there the L2-sized set (67 MB of
+    # L40S's 96) is read 3x faster
+    assert seconds(4, 32, 1024, warm=False) == pytest.approx(3 * seconds(4, 32, 1024, warm=True))
+
+
 def test_gpus_without_measurements_borrow_a_named_profile():
     for name in gpu_names():
         spec = get_gpu(name)

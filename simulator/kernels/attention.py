@@ -135,8 +135,10 @@ class DecodeAttentionParams(_Params):
     """GB/s of one thread block on the multi-head path without split-KV (one block per
     sequence and head: FlashAttention 2 when query and KV heads are equal); 0: no such path."""
     l2_gain: float = 1.0
-    """Bandwidth multiplier when the KV set fits in L2 and stays there between replays
-    of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
+    """Multiplier on the HBM ceiling when the KV set fits in L2 and stays there between
+    replays of one kernel (isolated benchmarks only; a forward pass reads from HBM). The
+    per-item streaming limits (`head_stream_gbps`, `mha_block_gbps`) are latency-bound
+    and stay as they are: a few thread blocks stream no faster from L2."""
 
     _fractions = ("memory_eff",)
 
@@ -159,14 +161,14 @@ def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
     ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds)."""
     batch = np.asarray(batch, dtype=np.float64)
     heads, kv_heads = np.asarray(heads, np.float64), np.asarray(kv_heads, np.float64)
+    kv_row = 2.0 * kv_heads * head_dim * kv_bytes
     hbm = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    if warm_l2:     # L2 raises the bandwidth ceiling, not what too few work items stream
+        hbm = hbm * _l2_factor(np.asarray(context_sum) * kv_row, gpu, p.l2_gain, True)
     mha = (heads == kv_heads) & (p.mha_block_gbps > 0)
     split = hbm if not p.head_stream_gbps else np.minimum(
         hbm, p.head_stream_gbps * 1e9 * kv_heads * np.maximum(1.0, batch / p.batch_saturation))
     rate = np.where(mha, np.minimum(hbm, p.mha_block_gbps * 1e9 * batch * kv_heads), split)
-    kv_row = 2.0 * kv_heads * head_dim * kv_bytes
-    if warm_l2:
-        rate = rate * _l2_factor(np.asarray(context_sum) * kv_row, gpu, p.l2_gain, True)
     floor = p.floor_s + np.where(mha, 0.0, p.split_floor_s)
     base = floor + batch * kv_heads * p.seq_head_s
     items = batch * (kv_heads * p.work_item_s + heads * p.q_head_s)
