@@ -242,6 +242,24 @@ def test_warm_l2_raises_the_bandwidth_ceiling_not_a_few_blocks_streaming():
     assert seconds(4, 32, 1024, warm=False) == pytest.approx(3 * seconds(4, 32, 1024, warm=True))
 
 
+def test_prefill_l2_share_fades_past_the_cache_size_without_a_cliff():
+    """A replayed prefill keeps part of its streamed Q, O and K/V in L2 past the L2 size
+    (L40S measurements show no step where the set passes 96 MB): the memory term grows
+    smoothly with the set, and a set twice the L2 still gains."""
+    l40s = get_gpu("l40s")
+    p = K.PrefillAttentionParams(memory_eff=1.0, l2_gain=3.0)
+
+    def memory_s(tokens, warm):   # per token, of 16-token sequences: almost all memory
+        seqs = tokens // 16
+        return float(K.prefill_attention_time(seqs, tokens, 0.0, seqs * 256, 0.0, 32, 32,
+                                              128, l40s, p, warm_l2=warm)) / tokens
+
+    per_token = [memory_s(t, True) for t in (1024, 1400, 1536, 1700, 3072)]
+    cold = memory_s(3072, False)
+    assert all(b / a < 1.5 for a, b in zip(per_token, per_token[1:]))   # no 3x cliff
+    assert per_token[-1] < cold
+
+
 def test_gpus_without_measurements_borrow_a_named_profile():
     for name in gpu_names():
         spec = get_gpu(name)

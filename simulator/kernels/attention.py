@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.simulator.gpus import GPUSpec
-from servelab.simulator.kernels.base import _Params
+from servelab.simulator.kernels.base import _Params, l2_hit
 
 # ---------------------------------------------------------------------------- attention
 #
@@ -46,7 +46,7 @@ class PrefillAttentionParams(_Params):
     (FlashAttention 3 on Hopper), 0 where each query head is its own (FlashAttention 2):
     what the padding waste is counted per."""
     l2_gain: float = 1.0
-    """Bandwidth multiplier when the working set fits in L2 and stays there between
+    """Bandwidth multiplier on the share of the working set that stays in L2 between
     replays of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
 
     _fractions = ("compute_eff", "memory_eff")
@@ -99,9 +99,9 @@ def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads, kv
     keys = np.maximum(max_keys, (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0))
     compute = pairs * per_pair + seqs * per_seq + keys * per_key
     memory = tokens * per_token + ctx_sum * per_ctx
-    if warm_l2:
+    if warm_l2:     # the streamed set keeps a share of itself in L2, fading past its size
         bw_bytes = memory * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
-        memory = memory / _l2_factor(bw_bytes, gpu, p.l2_gain, True)
+        memory = memory / (1.0 + (p.l2_gain - 1.0) * l2_hit(bw_bytes, gpu, sharpness=2.0))
     return np.where(tokens > 0, floor + compute + memory, 0.0)
 
 

@@ -72,3 +72,13 @@ class _Params:
             return cls(**values)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+def l2_hit(working_set, gpu, fraction: float = 1.0, sharpness: float = 8.0):
+    """Share of a working set (bytes) served from L2 when a kernel is replayed: a smooth
+    step around `fraction` of the L2 capacity, as steep as `sharpness` (8: the set fits
+    or it does not, as for a GEMM's tiles; 2: a streamed set that keeps part of itself in
+    L2 well past the capacity, as attention's Q, O and K/V do)."""
+    if not gpu.l2_mb or not fraction:
+        return 0.0
+    return 1.0 / (1.0 + (working_set / (fraction * gpu.l2_mb * 1e6)) ** sharpness)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.simulator.gpus import GPUSpec
-from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params
+from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params, l2_hit
 
 # --------------------------------------------------------------------------------- GEMM
 #
@@ -90,13 +90,6 @@ class GemmParams(_Params):
                                   "cta_overlap"))
 
 
-def _hit(working_set, gpu: GPUSpec, fraction: float):
-    """Share of a working set served from L2: a smooth step around the usable capacity."""
-    if not gpu.l2_mb or not fraction:
-        return 0.0
-    return 1.0 / (1.0 + (working_set / (fraction * gpu.l2_mb * 1e6)) ** 8)
-
-
 def gemm_time(m, n, k, gpu: GPUSpec, p: GemmParams, dtype: str = "bf16",
               weight_bytes: float = 2.0, in_bytes: float = 2.0, out_bytes: float = 2.0,
               warm_l2: bool = False):
@@ -130,7 +123,7 @@ def gemm_time(m, n, k, gpu: GPUSpec, p: GemmParams, dtype: str = "bf16",
     t = p.floor_s + best
     if p.quant_elem_s:
         mk = m[..., 0] * k[..., 0]
-        hit = _hit(3 * mk, gpu, p.l2_fraction)
+        hit = l2_hit(3 * mk, gpu, p.l2_fraction)
         t = t + p.quant_elem_s * mk * ((1 - hit) + hit / p.l2_gain)
     return t
 
@@ -138,8 +131,8 @@ def gemm_time(m, n, k, gpu: GPUSpec, p: GemmParams, dtype: str = "bf16",
 def _gemm_traffic(m, n, k, gpu, p, bw, weight_bytes, in_bytes, out_bytes, warm_l2):
     """(seconds reading W and X, seconds writing Y) with L2 hits where they apply."""
     w, x, y = weight_bytes * k * n, in_bytes * m * k, out_bytes * m * n
-    hit_x = _hit(x + w + y, gpu, p.l2_fraction)
-    hit_w = _hit(BENCH_LAYERS * w + x + y, gpu, p.l2_fraction) if warm_l2 else 0.0
+    hit_x = l2_hit(x + w + y, gpu, p.l2_fraction)
+    hit_w = l2_hit(BENCH_LAYERS * w + x + y, gpu, p.l2_fraction) if warm_l2 else 0.0
     hit_y = hit_x if warm_l2 else 0.0
     read = (w * (1 - hit_w) + x * (1 - hit_x)) / bw + (w * hit_w + x * hit_x) / (bw * p.l2_gain)
     write = y * p.write_penalty * ((1 - hit_y) + hit_y / p.l2_gain) / bw
