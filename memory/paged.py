@@ -30,10 +30,14 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
+from .block_keys import BlockKeys
+from .later_memo import LaterMemos
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
+NO_KEYS = BlockKeys()
+"""The contents of a sequence with no known keys (never extended)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -44,11 +48,11 @@ class _SeqBlocks:
     """GPU block ids, or CPU block ids while swapped out."""
     num_tokens: int
     on_gpu: bool = True
-    contents: tuple[Hashable, ...] = ()
-    """Content keys of its full blocks, as far as known (may run ahead of num_tokens)."""
+    contents: BlockKeys = NO_KEYS
+    """Content keys (and chain hashes) of its full blocks, as far as known (may run ahead
+    of num_tokens). Never extended while the manager holds it."""
     num_committed: int = 0
     """Leading blocks whose content is in the cache chain (its own or an equal block)."""
-    last_hash: int | None = None
     last_entry_id: int = 0
     chain_broken: bool = False
     """A collision stopped the chain: no later block of this sequence is committed."""
@@ -83,7 +87,8 @@ class PagedBlockManager(BlockManager):
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
                  "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache",
-                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits")
+                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits",
+                 "_later")
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  watermark_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
@@ -114,6 +119,8 @@ class PagedBlockManager(BlockManager):
         """Token slots filled in referenced GPU blocks, each block counted once."""
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._later = LaterMemos(self._cache) if self._cache is not None else None
+        """LATER answers kept for waiting sequences' keys (see later_memo.py)."""
 
     @classmethod
     def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
@@ -126,11 +133,24 @@ class PagedBlockManager(BlockManager):
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,
                      expected_total_tokens: int | None = None) -> AllocStatus:
-        """O(blocks hit) with prefix caching, O(1) without; changes nothing (cache
-        lookups here are not counted as queries and do not refresh the LRU order)."""
+        """O(1) without prefix caching. With it, O(blocks hit), or O(1) when the same
+        `BlockKeys` was found LATER before and nothing that could change that happened
+        since (`LaterMemos`). Changes nothing visible (cache lookups here are not counted
+        as queries and do not refresh the LRU order)."""
         check_count("can_allocate", "num_tokens", num_tokens, 1)
-        return self._admission(-(-num_tokens // self.block_size),
-                               self._match(num_tokens, block_contents))
+        num_blocks = -(-num_tokens // self.block_size)
+        if self._cache is None or not block_contents:
+            return self._admission(num_blocks, NO_MATCH)
+        keys = BlockKeys.of(block_contents)
+        later = self._later
+        if keys is block_contents and later.known_later(keys, num_tokens, self.num_free_blocks):
+            return _LATER
+        match = self._match(num_tokens, keys)
+        status = self._admission(num_blocks, match)
+        if status is _LATER and keys is block_contents:
+            cap = min(len(keys), (num_tokens - 1) // self.block_size)
+            later.remember(keys, num_tokens, self.num_free_blocks, min(len(match.blocks) + 1, cap))
+        return status
 
     def allocate(self, seq_id: Hashable, num_tokens: int,
                  block_contents: Sequence[Hashable] = (), *,
@@ -141,7 +161,9 @@ class PagedBlockManager(BlockManager):
         check_count("allocate", "num_tokens", num_tokens, 1)
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
-        match = self._match(num_tokens, block_contents)
+        cache = self._cache
+        contents = BlockKeys.of(block_contents) if cache is not None and block_contents else NO_KEYS
+        match = self._match(num_tokens, contents)
         status = self._admission(num_blocks, match)
         if status is not _OK:
             raise BlockManagerError(
@@ -150,15 +172,14 @@ class PagedBlockManager(BlockManager):
                 f"watermark {self.watermark_blocks}")
         refcount = self._refcount
         hits = match.blocks
-        cache = self._cache
-        contents: tuple[Hashable, ...] = ()
         if cache is not None:
-            contents = tuple(block_contents)
+            self._later.forget(contents)
             self._prefix_queries += min(len(contents), num_tokens // bs)
             self._prefix_hits += len(hits)
             for b in hits:
                 if not refcount[b]:
                     cache.touch(b)
+                    self._later.touches += 1
                     self._slots_used += bs
                 else:
                     self._extra_refs += 1
@@ -169,7 +190,7 @@ class PagedBlockManager(BlockManager):
                 refcount[b] = 1
         self._slots_used += num_tokens - len(hits) * bs
         self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
-                                        len(hits), match.last_hash, match.last_entry_id)
+                                        len(hits), match.last_entry_id)
         return len(hits) * bs
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
@@ -185,8 +206,8 @@ class PagedBlockManager(BlockManager):
         end = min(num_computed_tokens // self.block_size, len(seq.contents))
         if end > seq.num_committed:
             link = cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
-                                seq.last_hash, seq.last_entry_id, self._free)
-            seq.num_committed, seq.last_hash = link.num_committed, link.last_hash
+                                seq.last_entry_id, self._free)
+            seq.num_committed = link.num_committed
             seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
 
     # ------------------------------------------------------------------ growth
@@ -358,8 +379,8 @@ class PagedBlockManager(BlockManager):
         self._extra_refs += len(parent.blocks)
         self._seqs[child_seq_id] = _SeqBlocks(
             list(parent.blocks), parent.num_tokens, True,
-            parent.contents[:parent.num_tokens // self.block_size], parent.num_committed,
-            parent.last_hash, parent.last_entry_id, parent.chain_broken)
+            parent.contents.prefix(parent.num_tokens // self.block_size), parent.num_committed,
+            parent.last_entry_id, parent.chain_broken)
 
     def free(self, seq_id: Hashable) -> None:
         """O(blocks). Blocks go back last-first, so a cached sequence's tail is
@@ -414,12 +435,12 @@ class PagedBlockManager(BlockManager):
         if self._cache is None:
             self._free.extend(reversed(released))
         else:
-            self._cache.release(reversed(released), self._free)
+            self._cache.release(released[::-1], self._free)
         for seq in group:
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_gpu = False
             # Its GPU copies may be reused by others: recommit after swap-in.
-            seq.num_committed, seq.last_hash, seq.last_entry_id = 0, None, 0
+            seq.num_committed, seq.last_entry_id = 0, 0
             seq.chain_broken = False
         return list(mapping.items())
 
@@ -553,7 +574,7 @@ class PagedBlockManager(BlockManager):
         computed, since the next token is sampled from its output."""
         if self._cache is None or not block_contents:
             return NO_MATCH
-        return self._cache.match(block_contents, (num_tokens - 1) // self.block_size)
+        return self._cache.match(BlockKeys.of(block_contents), (num_tokens - 1) // self.block_size)
 
     def _admission(self, num_blocks: int, match: PrefixMatch) -> AllocStatus:
         if num_blocks > self.num_gpu_blocks - self.watermark_blocks:
@@ -590,15 +611,19 @@ class PagedBlockManager(BlockManager):
         refcount = self._refcount
         bs = self.block_size
         last_released = refcount[blocks[-1]] == 1
-        unreferenced = []
-        extra = 0
-        for b in reversed(blocks):
-            if refcount[b] == 1:
-                unreferenced.append(b)
-            else:
-                refcount[b] -= 1
-                extra += 1
-        self._extra_refs -= extra
+        counts = list(map(refcount.__getitem__, blocks))
+        if counts.count(1) == len(counts):   # nothing shared: every block goes (in C)
+            unreferenced = blocks[::-1]
+        else:
+            unreferenced = []
+            extra = 0
+            for b in reversed(blocks):
+                if refcount[b] == 1:
+                    unreferenced.append(b)
+                else:
+                    refcount[b] -= 1
+                    extra += 1
+            self._extra_refs -= extra
         released = len(unreferenced) * bs
         if self._parked:
             self._free += unreferenced
@@ -658,6 +683,11 @@ class PagedBlockManager(BlockManager):
         _require(sum(fill.values()) == self._slots_used,
                  f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
         _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
+        if self._later is not None:
+            for keys, num_tokens in self._later.valid():
+                if self.num_free_blocks <= self._later.free_then(keys):
+                    status = self._admission(-(-num_tokens // bs), self._match(num_tokens, keys))
+                    _require(status is _LATER, f"a kept LATER answer is {status.value} now")
 
 
 register_block_manager("paged", PagedBlockManager.from_config)

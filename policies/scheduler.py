@@ -472,6 +472,7 @@ class Scheduler:
             if status is not AllocStatus.OK:
                 # NEVER, or LATER with nothing running that could free memory.
                 policy.remove(req)
+                kv.forget(req)
                 self._reject(req, "needs more KV blocks than the cache holds"
                              if status is AllocStatus.NEVER else
                              "does not fit in an empty KV cache", now, out)
