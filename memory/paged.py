@@ -31,6 +31,7 @@ from typing import Hashable, Iterable, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
 from .block_keys import BlockKeys
+from .host_tier import HostTier
 from .later_memo import LaterMemos
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from .registry import register_block_manager
@@ -56,6 +57,8 @@ class _SeqBlocks:
     last_entry_id: int = 0
     chain_broken: bool = False
     """A collision stopped the chain: no later block of this sequence is committed."""
+    num_loaded: int = 0
+    """Of its prefix hits at allocation, the blocks loaded from the host tier."""
 
 
 def check_size(owner: str, name: str, value: object, lo: int) -> int:
@@ -88,10 +91,11 @@ class PagedBlockManager(BlockManager):
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
                  "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache",
                  "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits",
-                 "_later")
+                 "_later", "num_host_blocks", "_host")
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
-                 watermark_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+                 watermark_blocks: int = 0, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
         owner = type(self).__name__
         self.block_size = check_size(owner, "block_size", block_size, 1)
         self.num_gpu_blocks = check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
@@ -103,6 +107,10 @@ class PagedBlockManager(BlockManager):
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
                              f"got {enable_prefix_caching!r}")
+        self.num_host_blocks = check_size(owner, "num_host_blocks", num_host_blocks, 0)
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError(f"{owner}: a host tier ({num_host_blocks} blocks) holds prefix-cache "
+                             "blocks and needs enable_prefix_caching")
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
         self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
@@ -121,13 +129,18 @@ class PagedBlockManager(BlockManager):
         self._prefix_hits = 0
         self._later = LaterMemos(self._cache) if self._cache is not None else None
         """LATER answers kept for waiting sequences' keys (see later_memo.py)."""
+        self._host = HostTier(num_host_blocks, self._cache) if num_host_blocks else None
+        """The host-memory tier of the prefix cache (see host_tier.py), or None."""
+        if self._host is not None:
+            self._cache.host = self._host
 
     @classmethod
     def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
         """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
         return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                    watermark_blocks=cache.watermark_blocks,
-                   enable_prefix_caching=cache.enable_prefix_caching)
+                   enable_prefix_caching=cache.enable_prefix_caching,
+                   num_host_blocks=cache.num_host_blocks)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
@@ -171,12 +184,17 @@ class PagedBlockManager(BlockManager):
                 f"{num_blocks - len(match.blocks)} new blocks, {self.num_free_blocks} free, "
                 f"watermark {self.watermark_blocks}")
         refcount = self._refcount
-        hits = match.blocks
+        hits = gpu_hits = match.blocks
+        loaded: list = []
+        if match.on_host:   # pinned out of the host tier before _take can evict there
+            on_host = set(match.on_host)
+            gpu_hits = [b for i, b in enumerate(hits) if i not in on_host]
+            loaded = [self._host.load(hits[i]) for i in match.on_host]
         if cache is not None:
             self._later.forget(contents)
             self._prefix_queries += min(len(contents), num_tokens // bs)
             self._prefix_hits += len(hits)
-            for b in hits:
+            for b in gpu_hits:
                 if not refcount[b]:
                     cache.touch(b)
                     self._later.touches += 1
@@ -184,14 +202,29 @@ class PagedBlockManager(BlockManager):
                 else:
                     self._extra_refs += 1
                 refcount[b] += 1
-        new = self._take(num_blocks - len(hits))
+        new = self._take(num_blocks - len(gpu_hits))
         if not self._parked:
             for b in new:
                 refcount[b] = 1
-        self._slots_used += num_tokens - len(hits) * bs
+        self._slots_used += num_tokens - len(gpu_hits) * bs
+        if loaded:   # the first new blocks receive the host hits
+            hits = list(hits)
+            for i, gb, entry in zip(match.on_host, new, loaded):
+                self._host.loading(gb, hits[i])
+                cache.adopt(gb, entry)
+                hits[i] = gb
+            new = new[len(loaded):]
         self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
-                                        len(hits), match.last_entry_id)
+                                        len(hits), match.last_entry_id, num_loaded=len(loaded))
         return len(hits) * bs
+
+    def host_hit_tokens(self, seq_id: Hashable) -> int:
+        return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host-tier copies the calls since the last one need: (GPU, host) offloads
+        and (host, GPU) loads (see host_tier.py); ([], []) without a host tier."""
+        return self._host.take_transfers() if self._host is not None else ([], [])
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """O(newly committed blocks): one hash and one dict probe each."""
@@ -360,7 +393,7 @@ class PagedBlockManager(BlockManager):
                 return 0
             rooms.append(room)
         rooms.sort()
-        q, spare = divmod(self.num_free_blocks, len(seqs))
+        q, spare = divmod(self.num_free_blocks_without_offload, len(seqs))
         return min(limit, q * bs + min(bs - 1, rooms[spare]))
 
     def _reject_append(self, op: str, seq_id: Hashable, num_new_tokens: object) -> None:
@@ -531,6 +564,12 @@ class PagedBlockManager(BlockManager):
         return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
 
     @property
+    def num_free_blocks_without_offload(self) -> int:
+        """With a host tier, taking an evictable block copies it to the host: only the
+        free list is free of copies. Without one, every free block."""
+        return len(self._free) if self._host is not None else self.num_free_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_gpu_blocks - self.num_free_blocks
 
@@ -552,7 +591,11 @@ class PagedBlockManager(BlockManager):
             token_slots_used=self._slots_used, token_slots_allocated=used * self.block_size,
             reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
             num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
-            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits)
+            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits,
+            num_host_total_blocks=self.num_host_blocks,
+            num_host_cached_blocks=self._host.num_cached if self._host is not None else 0,
+            host_offloaded_blocks=self._host.offloaded if self._host is not None else 0,
+            host_loaded_blocks=self._host.loaded if self._host is not None else 0)
 
     # ------------------------------------------------------------------ internals
     def _seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
@@ -582,7 +625,12 @@ class PagedBlockManager(BlockManager):
         need = num_blocks - len(match.blocks)
         if match.blocks:  # reviving an evictable hit takes it out of the free count
             refcount = self._refcount
-            need += sum(1 for b in match.blocks if not refcount[b])
+            gpu_hits = match.blocks
+            if match.on_host:   # a host hit needs a fresh GPU block, as a miss does
+                need += len(match.on_host)
+                on_host = set(match.on_host)
+                gpu_hits = [b for i, b in enumerate(gpu_hits) if i not in on_host]
+            need += sum(1 for b in gpu_hits if not refcount[b])
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
@@ -597,8 +645,13 @@ class PagedBlockManager(BlockManager):
             return taken
         taken = free[::-1]
         free.clear()
-        taken += self._cache.evict(n - len(taken))
-        return taken
+        if self._host is None:
+            taken += self._cache.evict(n - len(taken))
+            return taken
+        entries: list = []
+        evicted = self._cache.evict(n - len(taken), entries)
+        self._host.store(evicted, entries)
+        return taken + evicted
 
     def _release(self, blocks: list[int], num_tokens: int) -> None:
         """Drop one reference to each of a sequence's GPU blocks, last block first.
@@ -675,6 +728,11 @@ class PagedBlockManager(BlockManager):
             _require(not set(self._free) & set(self._cache.evictable_blocks()),
                      "a block is both free and evictable")
             _require(not any(self._cache.is_cached(b) for b in self._free), "a free block is cached")
+        if self._host is not None:
+            self._host.check_invariants(self._cache.block_of_hash.get)
+            gpu_ids = {self._cache.entry_id[b] for b in self._cache.block_of_hash.values()}
+            host_ids = {self._host.entry_id(b) for b in self._host.index.block_of_hash.values()}
+            _require(not gpu_ids & host_ids, "an entry is in both tiers")
         _require(used + len(self._free) + cached == self.num_gpu_blocks,
                  f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
         cpu_used = sum(1 for r in cpu_refs if r)

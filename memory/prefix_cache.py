@@ -37,6 +37,7 @@ from .lru import BlockLRU
 
 if TYPE_CHECKING:
     from .block_keys import BlockKeys
+    from .host_tier import HostTier
 
 
 def chain_hash(parent_hash: int | None, content: Hashable) -> int:
@@ -56,8 +57,11 @@ class PrefixMatch:
     """The longest cached run of leading blocks for some block contents."""
 
     blocks: list[int]
+    """GPU block ids, except at `on_host` positions: host-tier block ids."""
     last_entry_id: int
     """Entry id of the last matched block (0 when nothing matched)."""
+    on_host: tuple[int, ...] = ()
+    """Positions (indices into `blocks`) whose entry is in the host tier."""
 
 
 NO_MATCH = PrefixMatch([], 0)
@@ -151,7 +155,7 @@ class PrefixCache(CacheIndex):
     existing entry (see `commit`).
     """
 
-    __slots__ = ("_lru", "_next_entry_id", "_watches")
+    __slots__ = ("_lru", "_next_entry_id", "_watches", "host")
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
@@ -159,6 +163,8 @@ class PrefixCache(CacheIndex):
         """Unreferenced committed blocks; least recently used first."""
         self._next_entry_id = 1
         self._watches: list[Watch] = []
+        self.host: HostTier | None = None
+        """The host-memory tier behind this cache, if any (set by the block manager)."""
 
     # ------------------------------------------------------------------ lookups
     def match(self, keys: BlockKeys, max_blocks: int) -> PrefixMatch:
@@ -181,9 +187,34 @@ class PrefixCache(CacheIndex):
                 break  # a hash collision: different content or a different prefix
             blocks.append(block)
             parent_id = entry_ids[block]
+        if len(blocks) < min(max_blocks, len(hashes)) and self.host is not None:
+            return self._match_tiers(keys, max_blocks, blocks, parent_id)
         if not blocks:
             return NO_MATCH
         return PrefixMatch(blocks, parent_id)
+
+    def _match_tiers(self, keys: BlockKeys, max_blocks: int, blocks: list[int],
+                     parent_id: int) -> PrefixMatch:
+        """`match` continued past the GPU: each further position is looked up on the GPU,
+        then on the host. O(further matched blocks)."""
+        host = self.host
+        hashes, contents = keys.hashes, keys.keys
+        on_host = []
+        for i in range(len(blocks), min(max_blocks, len(hashes))):
+            h, content = hashes[i], contents[i]
+            block = self.find(h, parent_id, content)
+            if block is not None:
+                parent_id = self.entry_id[block]
+            else:
+                block = host.find(h, parent_id, content)
+                if block is None:
+                    break
+                on_host.append(i)
+                parent_id = host.entry_id(block)
+            blocks.append(block)
+        if not blocks:
+            return NO_MATCH
+        return PrefixMatch(blocks, parent_id, tuple(on_host))
 
     def is_cached(self, block: int) -> bool:
         return self.hash[block] is not None
@@ -227,6 +258,8 @@ class PrefixCache(CacheIndex):
             size = len(by_hash)
             by_hash.update(zip(chain_hashes, blocks[start:end]))
             if len(by_hash) - size == end - start:
+                if self.host is not None:
+                    self.host.discard_hashes(chain_hashes)
                 return self._commit_new(blocks, keys, start, end, parent_id, chain_hashes)
             for h in chain_hashes:   # a hash repeats inside the run (a collision): undo
                 by_hash.pop(h, None)
@@ -249,6 +282,8 @@ class PrefixCache(CacheIndex):
                 self.drop([other])
                 free.append(other)
             block = blocks[i]
+            if self.host is not None:
+                self.host.discard_hashes((h,))
             by_hash[h] = block
             hashes[block] = h
             entry_ids[block] = entry_id
@@ -323,6 +358,12 @@ class PrefixCache(CacheIndex):
 
     def unwatch(self, w: Watch) -> None:
         self._watches.remove(w)
+
+    def notify_host(self, hashes) -> None:
+        """Entries were put in the host tier under these hashes: a match may now run
+        further (through them), so watches on them are raised too."""
+        if self._watches:
+            self._notify(hashes)
 
     def _notify(self, hashes) -> None:
         for w in self._watches:

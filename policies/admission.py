@@ -89,6 +89,9 @@ class KVAdmission:
             done.append(s)
         for s in done:
             self._keys.pop(s.seq_id, None)
+        if self._prefix_caching and req.cached_tokens is None:  # the first admission
+            req.cached_tokens = sum(s.num_computed_tokens for s in done)
+            req.cpu_cached_tokens = sum(bm.host_hit_tokens(s.seq_id) for s in done)
         return AllocStatus.OK
 
     def block_keys(self, req: Request, seq: Sequence) -> BlockKeys:

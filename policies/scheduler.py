@@ -88,6 +88,7 @@ class Scheduler:
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
             and not keep_token_times and not self._charges_service))
         self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
+        self._host_tier = block_manager.num_host_blocks > 0
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -177,6 +178,8 @@ class Scheduler:
         for entries in step.entries.values():
             listed.extend(entries)
         out.scheduled = self._batch.work(listed)
+        if self._host_tier:   # the copies this step's allocations and evictions imply
+            out.offload, out.load = self.bm.take_transfers()
         if self.emit_block_tables:
             table = self.bm.block_table
             out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}

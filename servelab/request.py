@@ -87,6 +87,11 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times: list[float] | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache at the first admission (vLLM's
+    `cached_tokens`); None when the scheduler keeps no prefix cache."""
+    cpu_cached_tokens: int | None = None
+    """Of `cached_tokens`, those loaded from the CPU tier (None without a prefix cache)."""
     seed: int | None = None
     """Per-request sampling seed (real backend); sample i uses seed + i."""
 
