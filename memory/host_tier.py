@@ -157,7 +157,7 @@ class HostTier:
         if len(free) + len(pending) + len(cached) != self.num_blocks:
             raise AssertionError(f"host blocks: {len(free)} free + {len(pending)} pending + "
                                  f"{len(cached)} cached != {self.num_blocks}")
-        if not set(self._offloads) <= set(cached):
+        if not set(self._offloads) <= set(cached) | pending:   # pending: loaded after it
             raise AssertionError("a pending offload targets a host block without an entry")
         if set(self._loads.values()) != pending:
             raise AssertionError("pending loads and host blocks waiting to be free disagree")
