@@ -133,6 +133,12 @@ class BlockManager(abc.ABC):
         Blocks are only committed to the prefix cache by `mark_computed`.
         """
 
+    def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
+        """How many tokens `allocate` would hit now for a new sequence of `num_tokens`
+        tokens with these contents (either tier of the prefix cache). A peek: nothing
+        changes, no statistic counts. Default 0: a manager without a prefix cache."""
+        return 0
+
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         """Of the tokens `allocate` hit for this (allocated) sequence, how many were
         loaded from a host (CPU) tier of the prefix cache rather than found on the GPU.

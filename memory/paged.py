@@ -218,6 +218,11 @@ class PagedBlockManager(BlockManager):
                                         len(hits), match.last_entry_id, num_loaded=len(loaded))
         return len(hits) * bs
 
+    def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
+        """O(blocks hit) with the keys' chain hashes at hand (a `BlockKeys`)."""
+        check_count("cached_prefix_tokens", "num_tokens", num_tokens, 1)
+        return len(self._match(num_tokens, block_contents).blocks) * self.block_size
+
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
 

@@ -104,6 +104,16 @@ class KVAdmission:
             keys.extend(req.block_contents(seq, bs, len(keys)))
         return keys
 
+    def cached_tokens(self, req: Request) -> int:
+        """Tokens of the live sequences of a waiting `req` that the prefix cache would
+        serve if it were admitted now (0 without prefix caching). O(blocks hit), the keys
+        built once (`block_keys`)."""
+        if not self._prefix_caching:
+            return 0
+        bm = self._bm
+        return sum(bm.cached_prefix_tokens(s.num_tokens, self.block_keys(req, s))
+                   for s in req.seqs if not s.finished)
+
     def forget(self, req: Request) -> None:
         """Drop a request's kept keys (it was rejected while waiting)."""
         for s in req.seqs:

@@ -88,6 +88,8 @@ class Scheduler:
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
             and not keep_token_times and not self._charges_service))
         self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
+        if policy.reads_prefix_cache:
+            policy.attach_prefix_probe(self._kv.cached_tokens)
         self._host_tier = block_manager.num_host_blocks > 0
 
     # ------------------------------------------------------------------ arrivals

@@ -24,13 +24,16 @@ def workloads(draw):
     chunk = draw(st.sampled_from([None, 1, 3, 8, 32]))
     budget = draw(st.integers(4, 96))
     max_model_len = draw(st.sampled_from([32, 64, 256]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm"]))
     options = {}
     if policy == "priority":
         options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 1.0]))}
     elif policy == "sjf":
         options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
                    "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
+    elif policy == "lpm":
+        options = {"max_wait_s": draw(st.sampled_from([None, 0.05])),
+                   "max_queue": draw(st.sampled_from([2, 128]))}
     sched = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=budget,
         chunked_prefill=chunk, step_composition=draw(st.sampled_from(["decode_first", "prefill_first"])),
