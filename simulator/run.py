@@ -342,6 +342,23 @@ def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
                          "or a larger --gpu-memory-utilization")
 
 
+def check_host_tier(config: SimulationConfig) -> None:
+    """ValueError if the config's CPU tier and swap pool need more host memory than its
+    machine has: the host-memory check of `build_simulation`, without the trace (what a
+    sweep checks once per machine before it starts)."""
+    from servelab.host_memory import check_host_memory
+    from servelab.models import load_model_spec
+    from servelab.simulator.cost_model import CostModel
+    from servelab.simulator.gpus import get_gpu
+
+    c = config
+    if not c.kv_offload_gb:
+        return
+    cost = CostModel(load_model_spec(c.model), get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
+                     kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
+    check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * cost.block_bytes * c.tp)
+
+
 def build_simulation(config: SimulationConfig) -> Simulation:
     """Load the trace, model and GPU, derive the KV capacity and wire the replicas.
     Raises ValueError (TraceError included) on anything wrong with the inputs."""

@@ -193,12 +193,31 @@ def plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
+def _check_host_tiers(points) -> None:
+    """A CPU tier larger than its machine allows fails every point alike: say so once,
+    before the sweep starts (each distinct machine and tier checked once)."""
+    from servelab.simulator.run import check_host_tier
+
+    seen = set()
+    for point in points:
+        c = point.config
+        machine = (c.model, c.gpu, c.tp, c.weight_dtype, c.kv_dtype, c.calibration, c.block_size,
+                   c.kv_offload_gb, c.cpu_kv_blocks)
+        if machine not in seen:
+            seen.add(machine)
+            try:
+                check_host_tier(c)
+            except ValueError as exc:
+                raise CLIError(str(exc)) from None
+
+
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.report import write_report
     from servelab.sweeps.runner import default_workers, run_sweep
     from servelab.sweeps.sweep import SweepError
 
     axes, points = build_points(args, parser)
+    _check_host_tiers(points)
     out = Path(args.out)
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \
