@@ -377,6 +377,16 @@ class EpochMachine(RuleBasedStateMachine):
         assert u.num_host_cached_blocks <= u.num_host_total_blocks
         assert u.num_free_blocks + u.num_used_blocks + u.num_cached_blocks == u.num_total_blocks
 
+    @invariant()
+    def swap_pool_is_accounted_apart(self):
+        """The swap pool holds exactly the swapped sequences' blocks and the host tier
+        exactly its cached entries: blocks never pass from one to the other."""
+        u = self.m.usage()
+        swapped = {b for s in self.tokens if self.m.is_swapped(s) for b in self.m.block_table(s)}
+        assert u.num_cpu_used_blocks == len(swapped) and u.num_cpu_total_blocks == 6
+        assert u.num_host_total_blocks == self.host_blocks
+        assert u.num_host_cached_blocks == len(self.m._host.index.block_of_hash)
+
 
 class TinyHostMachine(EpochMachine):
     host_blocks = 1
