@@ -26,6 +26,7 @@ from servelab.memory import block_manager_names
 from servelab.options import policy_flag_owners
 from servelab.policies import preemption_names
 from servelab.progress import PointProgress
+from servelab.simulator.router import ROUTERS
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
 
@@ -72,10 +73,11 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
     ("--preemptions", "preemption", "--preemption",
      _one_of(tuple(preemption_names())), "MODE,MODE,..."),
+    ("--routers", "router", "--router", _one_of(tuple(ROUTERS)), "R,R,..."),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
-              "preemption", "policy", "rate")
+              "preemption", "router", "policy", "rate")
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
