@@ -15,10 +15,10 @@ from servelab.policies.scheduler import Scheduler
 from servelab.policies.sjf import OutputLengthPredictor, SJFPolicy
 
 __all__ = [
-    "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy", "OutputLengthPredictor", "Policy",
-    "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy", "Scheduler", "SchedulerError",
-    "build_scheduler", "make_policy", "make_preemption", "policy_classes", "policy_names",
-    "preemption_names", "register_policy", "register_preemption",
+    "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
+    "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
+    "Scheduler", "SchedulerError", "build_scheduler", "make_policy", "make_preemption",
+    "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",
 ]
 
 
