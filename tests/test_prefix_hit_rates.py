@@ -82,3 +82,15 @@ def test_lru_ideal_by_hand():
     with pytest.raises(ValueError, match="does not divide"):
         lru_prefix_hit_ratio(trace, 12, 3)
     assert lru_prefix_hit_ratio(Trace((TraceRecord(0, 5, 1),)), 12) is None
+
+
+def test_prefix_affinity_routing_raises_the_hit_rate_over_round_robin(mooncake_slice):
+    """Four replicas: round-robin spreads a conversation's turns over all of them, the
+    prefix-affinity router sends each turn where its prefix was last served."""
+    _, path = mooncake_slice
+    rates = {}
+    for router in ("round-robin", "prefix-affinity"):
+        rates[router] = run_simulation(SimulationConfig(
+            trace=str(path), prefix_caching=True, kv_blocks=10_000, replicas=4, router=router,
+            scheduler=SCHED)).summary["prefix_cache_hit_rate"]
+    assert rates["prefix-affinity"] > rates["round-robin"] + 0.01   # 6.7% against 5.3%
