@@ -53,6 +53,14 @@ class BlockUsage:
     prefix_queries: int
     """Full blocks looked up in the prefix cache."""
     prefix_hits: int
+    """Blocks reused (from either tier of the prefix cache)."""
+    num_host_total_blocks: int = 0
+    """Blocks of the host-memory tier of the prefix cache (0: no such tier)."""
+    num_host_cached_blocks: int = 0
+    host_offloaded_blocks: int = 0
+    """Blocks copied GPU -> host tier so far (evicted prefix blocks kept there)."""
+    host_loaded_blocks: int = 0
+    """Blocks copied host tier -> GPU so far (prefix hits found there)."""
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -80,6 +88,11 @@ class BlockManager(abc.ABC):
     num_cpu_blocks: int
     watermark_blocks: int = 0
     """Blocks admission (`can_allocate`) keeps free for running sequences to grow into."""
+
+    num_host_blocks: int = 0
+    """Blocks of a host-memory (CPU) tier of the prefix cache; 0 for a manager without
+    one. With one, the manager's calls imply copies between the tiers, which the
+    scheduler collects once per step (`take_transfers`) for the executor."""
 
     grows_by_block: ClassVar[bool] = False
     """The one optional capability: does block use follow the paging law? That is, a
@@ -119,6 +132,31 @@ class BlockManager(abc.ABC):
         always < num_tokens so that at least one token is computed and sampled from).
         Blocks are only committed to the prefix cache by `mark_computed`.
         """
+
+    def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
+        """How many tokens `allocate` would hit now for a new sequence of `num_tokens`
+        tokens with these contents (either tier of the prefix cache). A peek: nothing
+        changes, no statistic counts. Default 0: a manager without a prefix cache."""
+        return 0
+
+    def host_hit_tokens(self, seq_id: Hashable) -> int:
+        """Of the tokens `allocate` hit for this (allocated) sequence, how many were
+        loaded from a host (CPU) tier of the prefix cache rather than found on the GPU.
+        Default 0: a manager without such a tier."""
+        return 0
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies implied by the calls since the last one: (GPU, host) block
+        pairs to copy to the host first of all in the step, and (host, GPU) pairs to
+        copy back after swaps, before compute. Default: none (no host tier)."""
+        return [], []
+
+    @property
+    def num_free_blocks_without_offload(self) -> int:
+        """Free blocks that can be taken without copying an evicted prefix block to a
+        host tier: what a run of steps advanced in closed form may grow into, since it
+        has no step to perform copies in. Default: `num_free_blocks`."""
+        return self.num_free_blocks
 
     @abc.abstractmethod
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:

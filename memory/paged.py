@@ -30,10 +30,15 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
+from .block_keys import BlockKeys
+from .host_tier import HostTier
+from .later_memo import LaterMemos
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
+NO_KEYS = BlockKeys()
+"""The contents of a sequence with no known keys (never extended)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -44,14 +49,16 @@ class _SeqBlocks:
     """GPU block ids, or CPU block ids while swapped out."""
     num_tokens: int
     on_gpu: bool = True
-    contents: tuple[Hashable, ...] = ()
-    """Content keys of its full blocks, as far as known (may run ahead of num_tokens)."""
+    contents: BlockKeys = NO_KEYS
+    """Content keys (and chain hashes) of its full blocks, as far as known (may run ahead
+    of num_tokens). Never extended while the manager holds it."""
     num_committed: int = 0
     """Leading blocks whose content is in the cache chain (its own or an equal block)."""
-    last_hash: int | None = None
     last_entry_id: int = 0
     chain_broken: bool = False
     """A collision stopped the chain: no later block of this sequence is committed."""
+    num_loaded: int = 0
+    """Of its prefix hits at allocation, the blocks loaded from the host tier."""
 
 
 def check_size(owner: str, name: str, value: object, lo: int) -> int:
@@ -83,10 +90,12 @@ class PagedBlockManager(BlockManager):
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
                  "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache",
-                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits")
+                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits",
+                 "_later", "num_host_blocks", "_host")
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
-                 watermark_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+                 watermark_blocks: int = 0, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
         owner = type(self).__name__
         self.block_size = check_size(owner, "block_size", block_size, 1)
         self.num_gpu_blocks = check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
@@ -98,6 +107,10 @@ class PagedBlockManager(BlockManager):
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
                              f"got {enable_prefix_caching!r}")
+        self.num_host_blocks = check_size(owner, "num_host_blocks", num_host_blocks, 0)
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError(f"{owner}: a host tier ({num_host_blocks} blocks) holds prefix-cache "
+                             "blocks and needs enable_prefix_caching")
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
         self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
@@ -114,23 +127,43 @@ class PagedBlockManager(BlockManager):
         """Token slots filled in referenced GPU blocks, each block counted once."""
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._later = LaterMemos(self._cache) if self._cache is not None else None
+        """LATER answers kept for waiting sequences' keys (see later_memo.py)."""
+        self._host = HostTier(num_host_blocks, self._cache) if num_host_blocks else None
+        """The host-memory tier of the prefix cache (see host_tier.py), or None."""
+        if self._host is not None:
+            self._cache.host = self._host
 
     @classmethod
     def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
         """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
         return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                    watermark_blocks=cache.watermark_blocks,
-                   enable_prefix_caching=cache.enable_prefix_caching)
+                   enable_prefix_caching=cache.enable_prefix_caching,
+                   num_host_blocks=cache.num_host_blocks)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,
                      expected_total_tokens: int | None = None) -> AllocStatus:
-        """O(blocks hit) with prefix caching, O(1) without; changes nothing (cache
-        lookups here are not counted as queries and do not refresh the LRU order)."""
+        """O(1) without prefix caching. With it, O(blocks hit), or O(1) when the same
+        `BlockKeys` was found LATER before and nothing that could change that happened
+        since (`LaterMemos`). Changes nothing visible (cache lookups here are not counted
+        as queries and do not refresh the LRU order)."""
         check_count("can_allocate", "num_tokens", num_tokens, 1)
-        return self._admission(-(-num_tokens // self.block_size),
-                               self._match(num_tokens, block_contents))
+        num_blocks = -(-num_tokens // self.block_size)
+        if self._cache is None or not block_contents:
+            return self._admission(num_blocks, NO_MATCH)
+        keys = BlockKeys.of(block_contents)
+        later = self._later
+        if keys is block_contents and later.known_later(keys, num_tokens, self.num_free_blocks):
+            return _LATER
+        match = self._match(num_tokens, keys)
+        status = self._admission(num_blocks, match)
+        if status is _LATER and keys is block_contents:
+            cap = min(len(keys), (num_tokens - 1) // self.block_size)
+            later.remember(keys, num_tokens, self.num_free_blocks, min(len(match.blocks) + 1, cap))
+        return status
 
     def allocate(self, seq_id: Hashable, num_tokens: int,
                  block_contents: Sequence[Hashable] = (), *,
@@ -141,7 +174,9 @@ class PagedBlockManager(BlockManager):
         check_count("allocate", "num_tokens", num_tokens, 1)
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
-        match = self._match(num_tokens, block_contents)
+        cache = self._cache
+        contents = BlockKeys.of(block_contents) if cache is not None and block_contents else NO_KEYS
+        match = self._match(num_tokens, contents)
         status = self._admission(num_blocks, match)
         if status is not _OK:
             raise BlockManagerError(
@@ -149,28 +184,52 @@ class PagedBlockManager(BlockManager):
                 f"{num_blocks - len(match.blocks)} new blocks, {self.num_free_blocks} free, "
                 f"watermark {self.watermark_blocks}")
         refcount = self._refcount
-        hits = match.blocks
-        cache = self._cache
-        contents: tuple[Hashable, ...] = ()
+        hits = gpu_hits = match.blocks
+        loaded: list = []
+        if match.on_host:   # pinned out of the host tier before _take can evict there
+            on_host = set(match.on_host)
+            gpu_hits = [b for i, b in enumerate(hits) if i not in on_host]
+            loaded = [self._host.load(hits[i]) for i in match.on_host]
         if cache is not None:
-            contents = tuple(block_contents)
+            self._later.forget(contents)
             self._prefix_queries += min(len(contents), num_tokens // bs)
             self._prefix_hits += len(hits)
-            for b in hits:
+            for b in gpu_hits:
                 if not refcount[b]:
                     cache.touch(b)
+                    self._later.touches += 1
                     self._slots_used += bs
                 else:
                     self._extra_refs += 1
                 refcount[b] += 1
-        new = self._take(num_blocks - len(hits))
+        new = self._take(num_blocks - len(gpu_hits))
         if not self._parked:
             for b in new:
                 refcount[b] = 1
-        self._slots_used += num_tokens - len(hits) * bs
+        self._slots_used += num_tokens - len(gpu_hits) * bs
+        if loaded:   # the first new blocks receive the host hits
+            hits = list(hits)
+            for i, gb, entry in zip(match.on_host, new, loaded):
+                self._host.loading(gb, hits[i])
+                cache.adopt(gb, entry)
+                hits[i] = gb
+            new = new[len(loaded):]
         self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
-                                        len(hits), match.last_hash, match.last_entry_id)
+                                        len(hits), match.last_entry_id, num_loaded=len(loaded))
         return len(hits) * bs
+
+    def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
+        """O(blocks hit) with the keys' chain hashes at hand (a `BlockKeys`)."""
+        check_count("cached_prefix_tokens", "num_tokens", num_tokens, 1)
+        return len(self._match(num_tokens, block_contents).blocks) * self.block_size
+
+    def host_hit_tokens(self, seq_id: Hashable) -> int:
+        return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host-tier copies the calls since the last one need: (GPU, host) offloads
+        and (host, GPU) loads (see host_tier.py); ([], []) without a host tier."""
+        return self._host.take_transfers() if self._host is not None else ([], [])
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """O(newly committed blocks): one hash and one dict probe each."""
@@ -185,8 +244,8 @@ class PagedBlockManager(BlockManager):
         end = min(num_computed_tokens // self.block_size, len(seq.contents))
         if end > seq.num_committed:
             link = cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
-                                seq.last_hash, seq.last_entry_id, self._free)
-            seq.num_committed, seq.last_hash = link.num_committed, link.last_hash
+                                seq.last_entry_id, self._free)
+            seq.num_committed = link.num_committed
             seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
 
     # ------------------------------------------------------------------ growth
@@ -339,7 +398,7 @@ class PagedBlockManager(BlockManager):
                 return 0
             rooms.append(room)
         rooms.sort()
-        q, spare = divmod(self.num_free_blocks, len(seqs))
+        q, spare = divmod(self.num_free_blocks_without_offload, len(seqs))
         return min(limit, q * bs + min(bs - 1, rooms[spare]))
 
     def _reject_append(self, op: str, seq_id: Hashable, num_new_tokens: object) -> None:
@@ -358,8 +417,8 @@ class PagedBlockManager(BlockManager):
         self._extra_refs += len(parent.blocks)
         self._seqs[child_seq_id] = _SeqBlocks(
             list(parent.blocks), parent.num_tokens, True,
-            parent.contents[:parent.num_tokens // self.block_size], parent.num_committed,
-            parent.last_hash, parent.last_entry_id, parent.chain_broken)
+            parent.contents.prefix(parent.num_tokens // self.block_size), parent.num_committed,
+            parent.last_entry_id, parent.chain_broken)
 
     def free(self, seq_id: Hashable) -> None:
         """O(blocks). Blocks go back last-first, so a cached sequence's tail is
@@ -414,12 +473,12 @@ class PagedBlockManager(BlockManager):
         if self._cache is None:
             self._free.extend(reversed(released))
         else:
-            self._cache.release(reversed(released), self._free)
+            self._cache.release(released[::-1], self._free)
         for seq in group:
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_gpu = False
             # Its GPU copies may be reused by others: recommit after swap-in.
-            seq.num_committed, seq.last_hash, seq.last_entry_id = 0, None, 0
+            seq.num_committed, seq.last_entry_id = 0, 0
             seq.chain_broken = False
         return list(mapping.items())
 
@@ -510,6 +569,12 @@ class PagedBlockManager(BlockManager):
         return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
 
     @property
+    def num_free_blocks_without_offload(self) -> int:
+        """With a host tier, taking an evictable block copies it to the host: only the
+        free list is free of copies. Without one, every free block."""
+        return len(self._free) if self._host is not None else self.num_free_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_gpu_blocks - self.num_free_blocks
 
@@ -531,7 +596,11 @@ class PagedBlockManager(BlockManager):
             token_slots_used=self._slots_used, token_slots_allocated=used * self.block_size,
             reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
             num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
-            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits)
+            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits,
+            num_host_total_blocks=self.num_host_blocks,
+            num_host_cached_blocks=self._host.num_cached if self._host is not None else 0,
+            host_offloaded_blocks=self._host.offloaded if self._host is not None else 0,
+            host_loaded_blocks=self._host.loaded if self._host is not None else 0)
 
     # ------------------------------------------------------------------ internals
     def _seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
@@ -553,7 +622,7 @@ class PagedBlockManager(BlockManager):
         computed, since the next token is sampled from its output."""
         if self._cache is None or not block_contents:
             return NO_MATCH
-        return self._cache.match(block_contents, (num_tokens - 1) // self.block_size)
+        return self._cache.match(BlockKeys.of(block_contents), (num_tokens - 1) // self.block_size)
 
     def _admission(self, num_blocks: int, match: PrefixMatch) -> AllocStatus:
         if num_blocks > self.num_gpu_blocks - self.watermark_blocks:
@@ -561,7 +630,12 @@ class PagedBlockManager(BlockManager):
         need = num_blocks - len(match.blocks)
         if match.blocks:  # reviving an evictable hit takes it out of the free count
             refcount = self._refcount
-            need += sum(1 for b in match.blocks if not refcount[b])
+            gpu_hits = match.blocks
+            if match.on_host:   # a host hit needs a fresh GPU block, as a miss does
+                need += len(match.on_host)
+                on_host = set(match.on_host)
+                gpu_hits = [b for i, b in enumerate(gpu_hits) if i not in on_host]
+            need += sum(1 for b in gpu_hits if not refcount[b])
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
@@ -576,8 +650,13 @@ class PagedBlockManager(BlockManager):
             return taken
         taken = free[::-1]
         free.clear()
-        taken += self._cache.evict(n - len(taken))
-        return taken
+        if self._host is None:
+            taken += self._cache.evict(n - len(taken))
+            return taken
+        entries: list = []
+        evicted = self._cache.evict(n - len(taken), entries)
+        self._host.store(evicted, entries)
+        return taken + evicted
 
     def _release(self, blocks: list[int], num_tokens: int) -> None:
         """Drop one reference to each of a sequence's GPU blocks, last block first.
@@ -590,15 +669,19 @@ class PagedBlockManager(BlockManager):
         refcount = self._refcount
         bs = self.block_size
         last_released = refcount[blocks[-1]] == 1
-        unreferenced = []
-        extra = 0
-        for b in reversed(blocks):
-            if refcount[b] == 1:
-                unreferenced.append(b)
-            else:
-                refcount[b] -= 1
-                extra += 1
-        self._extra_refs -= extra
+        counts = list(map(refcount.__getitem__, blocks))
+        if counts.count(1) == len(counts):   # nothing shared: every block goes (in C)
+            unreferenced = blocks[::-1]
+        else:
+            unreferenced = []
+            extra = 0
+            for b in reversed(blocks):
+                if refcount[b] == 1:
+                    unreferenced.append(b)
+                else:
+                    refcount[b] -= 1
+                    extra += 1
+            self._extra_refs -= extra
         released = len(unreferenced) * bs
         if self._parked:
             self._free += unreferenced
@@ -650,6 +733,11 @@ class PagedBlockManager(BlockManager):
             _require(not set(self._free) & set(self._cache.evictable_blocks()),
                      "a block is both free and evictable")
             _require(not any(self._cache.is_cached(b) for b in self._free), "a free block is cached")
+        if self._host is not None:
+            self._host.check_invariants(self._cache.block_of_hash.get)
+            gpu_ids = {self._cache.entry_id[b] for b in self._cache.block_of_hash.values()}
+            host_ids = {self._host.entry_id(b) for b in self._host.index.block_of_hash.values()}
+            _require(not gpu_ids & host_ids, "an entry is in both tiers")
         _require(used + len(self._free) + cached == self.num_gpu_blocks,
                  f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
         cpu_used = sum(1 for r in cpu_refs if r)
@@ -658,6 +746,11 @@ class PagedBlockManager(BlockManager):
         _require(sum(fill.values()) == self._slots_used,
                  f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
         _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
+        if self._later is not None:
+            for keys, num_tokens in self._later.valid():
+                if self.num_free_blocks <= self._later.free_then(keys):
+                    status = self._admission(-(-num_tokens // bs), self._match(num_tokens, keys))
+                    _require(status is _LATER, f"a kept LATER answer is {status.value} now")
 
 
 register_block_manager("paged", PagedBlockManager.from_config)

@@ -7,6 +7,7 @@ from servelab.policies.base import (KeyedQueue, Policy, PolicyFlag, SchedulerErr
                                     policy_names, register_policy)
 from servelab.policies.fair import FairSharePolicy
 from servelab.policies.fcfs import FCFSPolicy
+from servelab.policies.lpm import LongestPrefixMatchPolicy
 from servelab.policies.preemption import (Preemption, make_preemption, preemption_names,
                                           register_preemption)
 from servelab.policies.priority import PriorityPolicy
@@ -14,10 +15,10 @@ from servelab.policies.scheduler import Scheduler
 from servelab.policies.sjf import OutputLengthPredictor, SJFPolicy
 
 __all__ = [
-    "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "OutputLengthPredictor", "Policy",
-    "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy", "Scheduler", "SchedulerError",
-    "build_scheduler", "make_policy", "make_preemption", "policy_classes", "policy_names",
-    "preemption_names", "register_policy", "register_preemption",
+    "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
+    "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
+    "Scheduler", "SchedulerError", "build_scheduler", "make_policy", "make_preemption",
+    "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",
 ]
 
 

@@ -10,6 +10,11 @@ The scheduler decides when to try (policy order, token budget, seats: `Scheduler
 - `none_fits`: no waiting candidate can be admitted while running sequences only decode
   (what a fast-forward run must be sure of).
 
+With prefix caching, each waiting sequence's block keys and their chain hashes are built
+once (`BlockKeys`) and extended only when the sequence has grown, instead of at every
+look-up; the block manager is handed the same object each time, so it can remember what
+it found for it.
+
 The memo is used only where LATER is monotone in free blocks: a block manager that
 `grows_by_block` says LATER exactly when free < need + watermark, and without a prefix
 cache a request's need does not change. A property test checks that it never changes a
@@ -21,7 +26,8 @@ from typing import Iterable
 
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.request import Request, Sequence
+from servelab.memory.block_keys import BlockKeys
+from servelab.request import Request, SeqId, Sequence
 
 
 class KVAdmission:
@@ -36,6 +42,9 @@ class KVAdmission:
         self.later: tuple[Request, int, int] | None = None
         """The last request whose allocation was LATER: (request, tokens, free blocks
         then), or None."""
+        self._keys: dict[SeqId, BlockKeys] = {}
+        """Block keys of waiting sequences, kept between look-ups; a sequence's entry is
+        handed to the block manager (and dropped here) when it is allocated."""
 
     def never_fits(self, req: Request) -> str | None:
         """Why `req` can never run (the reason a rejection gives), or None."""
@@ -57,13 +66,13 @@ class KVAdmission:
     def allocate(self, req: Request) -> AllocStatus:
         """Allocate blocks for every live sequence of a request, all or nothing; each
         allocated sequence's computed tokens are its prefix-cache hits."""
-        bm, bs = self._bm, self._bm.block_size
+        bm = self._bm
         done: list[Sequence] = []
         max_total, expected_total = req.prompt_len + req.max_tokens, req.prompt_len + req.output_len
         for s in req.seqs:
             if s.finished:
                 continue
-            contents = req.block_contents(s, bs) if self._prefix_caching else ()
+            contents = self.block_keys(req, s) if self._prefix_caching else ()
             status = bm.can_allocate(s.num_tokens, contents, max_total_tokens=max_total,
                                      expected_total_tokens=expected_total)
             if status is not AllocStatus.OK:
@@ -78,7 +87,37 @@ class KVAdmission:
                                                 expected_total_tokens=expected_total)
             s.prefill_len = s.num_tokens
             done.append(s)
+        for s in done:
+            self._keys.pop(s.seq_id, None)
+        if self._prefix_caching and req.cached_tokens is None:  # the first admission
+            req.cached_tokens = sum(s.num_computed_tokens for s in done)
+            req.cpu_cached_tokens = sum(bm.host_hit_tokens(s.seq_id) for s in done)
         return AllocStatus.OK
+
+    def block_keys(self, req: Request, seq: Sequence) -> BlockKeys:
+        """The sequence's block keys, extended to its current length. O(new blocks)."""
+        keys = self._keys.get(seq.seq_id)
+        if keys is None:
+            keys = self._keys[seq.seq_id] = BlockKeys()
+        bs = self._bm.block_size
+        if len(keys) < seq.num_tokens // bs:
+            keys.extend(req.block_contents(seq, bs, len(keys)))
+        return keys
+
+    def cached_tokens(self, req: Request) -> int:
+        """Tokens of the live sequences of a waiting `req` that the prefix cache would
+        serve if it were admitted now (0 without prefix caching). O(blocks hit), the keys
+        built once (`block_keys`)."""
+        if not self._prefix_caching:
+            return 0
+        bm = self._bm
+        return sum(bm.cached_prefix_tokens(s.num_tokens, self.block_keys(req, s))
+                   for s in req.seqs if not s.finished)
+
+    def forget(self, req: Request) -> None:
+        """Drop a request's kept keys (it was rejected while waiting)."""
+        for s in req.seqs:
+            self._keys.pop(s.seq_id, None)
 
     def known_later(self, req: Request) -> bool:
         """Is `req` known not to fit (LATER) with the memory free now? True when its
@@ -103,7 +142,6 @@ class KVAdmission:
             return True  # no seat
         if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
             return True  # decodes take the whole budget before admission is tried
-        bs = self._bm.block_size
         for head in candidates:
             if self.known_later(head):
                 continue
@@ -112,7 +150,7 @@ class KVAdmission:
             for s in head.seqs:
                 if s.finished:
                     continue
-                contents = head.block_contents(s, bs) if self._prefix_caching else ()
+                contents = self.block_keys(head, s) if self._prefix_caching else ()
                 if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
                     return False
         return True

@@ -7,7 +7,8 @@ request to admit (`peek`), tells it what happened (`add`, `requeue`, `remove`,
 (`victim_key`: the running request with the largest key is preempted first). What a
 policy can do beyond ordering is declared, never guessed: `preemptive` (it may preempt
 running requests for a waiting one), `charges_service` (it accounts each step's
-service), its command-line `flags`, and the `tenant_weights` it shares service by.
+service), `reads_prefix_cache` (it orders by what the prefix cache holds), its
+command-line `flags`, and the `tenant_weights` it shares service by.
 
 A new policy is one file holding a subclass decorated with `@register_policy("name")`
 (docs/extending.md); nothing else changes. Keys are tuples ending in the unique request
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import abc
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
+from servelab.options import positive_float
 from servelab.registry import Registry
 from servelab.request import Request
 
@@ -69,6 +72,25 @@ class PolicyFlag:
     @property
     def dest(self) -> str:
         return self.flag.replace("-", "_")
+
+
+def max_wait_flag(flag: str) -> PolicyFlag:
+    """The starvation guard's flag (`--<flag> S|off`, keyword `max_wait_s`): once the
+    oldest waiting request has waited S seconds it is admitted first; 'off' is None."""
+    return PolicyFlag(flag, "max_wait_s", "starvation guard: admit the oldest first once it "
+                      "waited S seconds, or 'off'", parse=_wait_seconds, metavar="S|off",
+                      to_option=_off_is_none)
+
+
+def _wait_seconds(text: str) -> float:
+    """SECONDS (> 0) or 'off' (infinity: the guard never fires)."""
+    if text.strip().lower() == "off":
+        return math.inf
+    return positive_float(text)
+
+
+def _off_is_none(seconds: float) -> float | None:
+    return None if seconds == math.inf else seconds
 
 
 class KeyedQueue:
@@ -131,6 +153,10 @@ class Policy(abc.ABC):
     scheduler call it — every step, for every scheduled request — which also keeps it
     from batching decodes and a fast-forward run from passing an arrival."""
 
+    reads_prefix_cache: ClassVar[bool] = False
+    """Does the waiting order depend on what the prefix cache holds (lpm)? Only then does
+    the scheduler hand the policy a probe, once (`attach_prefix_probe`)."""
+
     flags: ClassVar[tuple[PolicyFlag, ...]] = ()
     """Command-line flags of this policy's options (`servelab simulate`, `run`, `compare`)."""
 
@@ -154,6 +180,14 @@ class Policy(abc.ABC):
         """The tenants' shares this policy divides service by, which a run's fairness
         index is measured against; None (the default): every tenant counts the same."""
         return None
+
+    def attach_prefix_probe(self, cached_tokens: Callable[[Request], int]) -> None:
+        """Called once, before any request arrives, by the scheduler of a policy that
+        declares `reads_prefix_cache`: `cached_tokens(req)` is how many tokens of the
+        waiting `req` the prefix cache would serve if it were admitted now (0 without
+        prefix caching). O(cached blocks) per call."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares reads_prefix_cache "
+                                  "but does not take the probe")
 
     # --- the waiting order -------------------------------------------------------
     @abc.abstractmethod

@@ -258,7 +258,7 @@ class DecodeBatch:
             # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
             # first r buckets of the cycle.
             bs, buckets = self._bs, self._buckets
-            q, spare = divmod(self._bm.num_free_blocks, n)
+            q, spare = divmod(self._bm.num_free_blocks_without_offload, n)
             if k <= q * bs:
                 return k  # memory for q whole cycles: the finish comes first
             r = 0

@@ -88,6 +88,9 @@ class Scheduler:
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
             and not keep_token_times and not self._charges_service))
         self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
+        if policy.reads_prefix_cache:
+            policy.attach_prefix_probe(self._kv.cached_tokens)
+        self._host_tier = block_manager.num_host_blocks > 0
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
@@ -177,6 +180,8 @@ class Scheduler:
         for entries in step.entries.values():
             listed.extend(entries)
         out.scheduled = self._batch.work(listed)
+        if self._host_tier:   # the copies this step's allocations and evictions imply
+            out.offload, out.load = self.bm.take_transfers()
         if self.emit_block_tables:
             table = self.bm.block_table
             out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
@@ -472,6 +477,7 @@ class Scheduler:
             if status is not AllocStatus.OK:
                 # NEVER, or LATER with nothing running that could free memory.
                 policy.remove(req)
+                kv.forget(req)
                 self._reject(req, "needs more KV blocks than the cache holds"
                              if status is AllocStatus.NEVER else
                              "does not fit in an empty KV cache", now, out)

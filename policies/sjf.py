@@ -5,8 +5,7 @@ import math
 import random
 
 from servelab._validate import check_choice, check_float
-from servelab.options import positive_float
-from servelab.policies.base import KeyedQueue, Policy, PolicyFlag, register_policy
+from servelab.policies.base import KeyedQueue, Policy, PolicyFlag, max_wait_flag, register_policy
 from servelab.request import Request
 
 PREDICTORS = ("oracle", "noisy", "prompt")
@@ -52,17 +51,6 @@ class OutputLengthPredictor:
         return d
 
 
-def _wait_seconds(text: str) -> float:
-    """SECONDS (> 0) or 'off' (infinity: the guard never fires)."""
-    if text.strip().lower() == "off":
-        return math.inf
-    return positive_float(text)
-
-
-def _off_is_none(seconds: float) -> float | None:
-    return None if seconds == math.inf else seconds
-
-
 @register_policy("sjf")
 class SJFPolicy(Policy):
     """Admit the request with the least predicted remaining output first.
@@ -79,9 +67,7 @@ class SJFPolicy(Policy):
 
     flags = (
         PolicyFlag("sjf-predictor", "predictor", "output-length predictor", choices=PREDICTORS),
-        PolicyFlag("sjf-max-wait-s", "max_wait_s", "starvation guard: admit the oldest first "
-                   "once it waited S seconds, or 'off'", parse=_wait_seconds, metavar="S|off",
-                   to_option=_off_is_none),
+        max_wait_flag("sjf-max-wait-s"),
     )
 
     @classmethod

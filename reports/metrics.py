@@ -37,6 +37,11 @@ Beyond vLLM's keys:
   step duration (a fast-forwarded record, num_steps > 1, by its total duration), its max is
   over records. ``mean_batch_size``: num_running averaged over steps, a fast-forwarded record
   counting num_steps times.
+- Prefix caching (only when the records carry ``cached_tokens``, i.e. the run kept a prefix
+  cache; the keys are absent otherwise): ``prefix_cache_hit_rate`` = cached prompt tokens /
+  prompt tokens of finished requests (vLLM's ``cached_tokens``, counted at a request's first
+  admission), and its split by the tier the hits came from, ``prefix_cache_gpu_hit_rate`` and
+  ``prefix_cache_cpu_hit_rate`` (they add up to the rate). None when no prompt token finished.
 - ``per_tenant`` (sorted by tenant): service = (1 x input + 2 x output tokens of finished
   requests) / duration, VTC's weighting; ``jain_fairness_index`` = Jain's index over the
   tenants' service divided by their weights (None when nobody was served). A tenant with no
@@ -77,6 +82,10 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "jain_fairness_index", "per_tenant",
 )
 """Keys of `summarize()`'s result, in order. ``per_tenant`` maps tenant -> TENANT_KEYS."""
+
+PREFIX_CACHE_KEYS: tuple[str, ...] = (
+    "prefix_cache_hit_rate", "prefix_cache_gpu_hit_rate", "prefix_cache_cpu_hit_rate")
+"""Keys `summarize()` appends after SUMMARY_KEYS when the run kept a prefix cache."""
 
 TENANT_KEYS: tuple[str, ...] = (
     "completed", "rejected", "within_slo", "total_input_tokens", "total_output_tokens",
@@ -148,7 +157,31 @@ def summarize(
     per_tenant = _per_tenant(r, ttft, good, duration_s)
     values["jain_fairness_index"] = _jain_index(per_tenant, tenant_weights or {})
     values["per_tenant"] = per_tenant
-    return {key: values[key] for key in SUMMARY_KEYS}
+    summary = {key: values[key] for key in SUMMARY_KEYS}
+    if any(rec.cached_tokens is not None for rec in requests):
+        summary.update(prefix_cache_rates(requests, fin, r.prompt_tokens))
+    return summary
+
+
+def prefix_cache_rates(requests: Sequence[RequestRecord], finished: np.ndarray | None = None,
+                       prompt_tokens: np.ndarray | None = None) -> dict[str, float | None]:
+    """PREFIX_CACHE_KEYS over the finished requests (a record without a count as 0)."""
+    if finished is None:
+        finished = np.array([rec.status == "finished" for rec in requests], dtype=bool)
+    if prompt_tokens is None:
+        prompt_tokens = ints(requests, "prompt_tokens")
+    cached = np.array([rec.cached_tokens or 0 for rec in requests], dtype=np.int64)
+    cpu = np.array([rec.cpu_cached_tokens or 0 for rec in requests], dtype=np.int64)
+    if len(requests) and ((cached < 0) | (cpu < 0) | (cpu > cached) | (cached > prompt_tokens)).any():
+        bad = int(np.argmax((cached < 0) | (cpu < 0) | (cpu > cached) | (cached > prompt_tokens)))
+        raise ValueError(f"request {requests[bad].request_id}: cached tokens must satisfy "
+                         "0 <= cpu_cached_tokens <= cached_tokens <= prompt_tokens")
+    total = int(prompt_tokens[finished].sum())
+    if not total:
+        return dict.fromkeys(PREFIX_CACHE_KEYS)
+    hit, from_cpu = int(cached[finished].sum()), int(cpu[finished].sum())
+    return {"prefix_cache_hit_rate": hit / total, "prefix_cache_gpu_hit_rate": (hit - from_cpu) / total,
+            "prefix_cache_cpu_hit_rate": from_cpu / total}
 
 
 @dataclass(frozen=True)

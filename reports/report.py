@@ -5,8 +5,10 @@
 It reads files only (`reports/comparison.py`), so it can be rebuilt at any time. The
 report holds: what was run and which SLOs apply; where each policy breaks and why, which
 runs were overloaded or rejected requests, and which policy wins each metric by a clear
-margin (`reports/findings.py`); a summary table per policy and load (the runs'
-summary.json, rounded; "n/a" for a statistic of nothing); and figures
+margin (`reports/findings.py`); with a prefix cache, its hit rate per point and over
+each run and what lpm and prefix-affinity routing bought (`reports/prefix_report.py`); a
+summary table per policy and load (the runs' summary.json, rounded; "n/a" for a
+statistic of nothing); and figures
 (`reports/report_figures.py`). Both files are rendered from one list of blocks
 (`reports/document.py`), so they say the same.
 
@@ -26,6 +28,7 @@ from servelab.reports import plots
 from servelab.reports.comparison import RUNS_DIR, Comparison, describe_labels, load_comparison, show_value
 from servelab.reports.document import Bullets, Heading, ReportFiles, Table, Text, write_document
 from servelab.reports.findings import analyse, constant, findings, summary_cells
+from servelab.reports.prefix_report import prefix_section
 from servelab.reports.report_figures import figures, memory_figure
 from servelab.reports.slo import MIN_ATTAINMENT, describe_tier, slo_attainment, slo_tiers
 
@@ -43,7 +46,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("Rejected", "rejected", 0),
     ("Jain index", "jain_fairness_index", 3),
 )
-_AXIS_NAMES = {"model": "Model", "gpu": "GPU", "tp": "TP", "block_manager": "Block manager",
+_AXIS_NAMES = {"model": "Model", "gpu": "GPU", "tp": "TP", "router": "Router",
+               "block_manager": "Block manager",
                "block_size": "Block size", "chunked_prefill": "Chunk size", "preemption": "Preemption"}
 
 
@@ -64,6 +68,9 @@ def build_document(c: Comparison, *, title: str | None = None, level: int = 1) -
     for labels, group in groups:
         suffix = f" ({describe_labels(labels)})" if labels else ""
         doc += [Heading(sub, "Findings" + suffix), *findings(group)]
+    prefix = prefix_section(c)
+    if prefix:
+        doc += [Heading(sub, "Prefix caching"), *prefix]
     doc += [Heading(sub, "Summary per policy and load"), *summary_table(c)]
     for labels, group in groups:
         suffix = f" ({describe_labels(labels)})" if labels else ""
@@ -140,6 +147,8 @@ def summary_table(c: Comparison) -> list:
     """A sentence on what the values are, and the table; a column that is the same at every
     point and explained in the sentence (the whole-run Jain index) is left out."""
     columns = list(TABLE_COLUMNS)
+    if all(p.summary.get("prefix_cache_hit_rate") is not None for p in c.points):
+        columns.append(("Prefix hit rate", "prefix_cache_hit_rate", 3))
     text = ("Values are each run's summary.json (vLLM benchmark definitions), rounded; n/a: a "
             "statistic over no value (nothing finished). SLO met: requests that finished within "
             "their SLOs, over all requests.")

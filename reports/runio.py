@@ -9,10 +9,13 @@ formatted one value at a time in Python. Each file is written atomically
 (`servelab.atomic`), and the same records give the same bytes.
 
 requests has REQUEST_COLUMNS, followed by REQUEST_EXTRA_COLUMNS when any record has a
-per-request SLO or n != 1. ttft_ms, tpot_ms and e2el_ms are derived from the timestamps for
-people and spreadsheets; on reading they must agree with the timestamps. ``token_times``
-are not stored: a record read back has none, so its ITL is the per-request approximation
-described in `servelab.reports.metrics`. steps has one column per StepRecord field.
+per-request SLO or n != 1, then REQUEST_PREFIX_COLUMNS when the run kept a prefix cache
+(its records say how many prompt tokens it served). ttft_ms, tpot_ms and e2el_ms are
+derived from the timestamps for people and spreadsheets; on reading they must agree with
+the timestamps. ``token_times`` are not stored: a record read back has none, so its ITL is
+the per-request approximation described in `servelab.reports.metrics`. steps has one
+column per StepRecord field, except that STEP_TIER_COLUMNS appear only when some step moved
+prefix blocks to or from the CPU tier.
 
 CSV: a float is written as the shortest text that reads back to the same double (Arrow's
 formatting: ``1`` for 1.0, ``0.00001`` for 1e-05), so every value round-trips exactly; None
@@ -59,14 +62,16 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "tenant", "priority", "status", "reject_reason",
 )
 REQUEST_EXTRA_COLUMNS: tuple[str, ...] = ("slo_ttft_ms", "slo_tpot_ms", "n")
+REQUEST_PREFIX_COLUMNS: tuple[str, ...] = ("cached_tokens", "cpu_cached_tokens")
 REQUEST_DERIVED_COLUMNS: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")
-STEP_COLUMNS: tuple[str, ...] = tuple(stored_fields(StepRecord))
+STEP_TIER_COLUMNS: tuple[str, ...] = ("num_offload_blocks", "num_load_blocks")
+STEP_COLUMNS: tuple[str, ...] = tuple(n for n in stored_fields(StepRecord) if n not in STEP_TIER_COLUMNS)
 SUFFIXES = {"csv": ".csv", "parquet": ".parquet"}
 
 _KIND = {**stored_fields(RequestRecord), **stored_fields(StepRecord),
          **dict.fromkeys(REQUEST_DERIVED_COLUMNS, "float | None"), "status": "status"}
 """Column -> kind: a field annotation, or 'status'."""
-_ARROW = {"int": pa.int64(), "float": pa.float64(), "float | None": pa.float64(),
+_ARROW = {"int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "float | None": pa.float64(),
           "str": pa.string(), "status": pa.string()}
 _BATCH_ROWS = 1 << 18
 """Rows converted and written at once: bounds the memory a write needs beyond the table."""
@@ -98,13 +103,17 @@ def write_requests(path: PathLike, records: Sequence[RequestRecord]) -> None:
     derived = _derived(table)
     extended = not (np.isnan(table.column("slo_ttft_ms")).all()
                     and np.isnan(table.column("slo_tpot_ms")).all() and (table.column("n") == 1).all())
-    _write(path, REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS if extended else REQUEST_COLUMNS,
-           table, derived)
+    prefix = not np.isnan(table.column("cached_tokens")).all()
+    _write(path, REQUEST_COLUMNS + (REQUEST_EXTRA_COLUMNS if extended else ())
+           + (REQUEST_PREFIX_COLUMNS if prefix else ()), table, derived)
 
 
 def write_steps(path: PathLike, records: Sequence[StepRecord]) -> None:
-    """Write step records as CSV or Parquet (by the file's suffix), one column per field."""
-    _write(path, STEP_COLUMNS, RecordTable.from_records(StepRecord, records), {})
+    """Write step records as CSV or Parquet (by the file's suffix), one column per field;
+    the CPU-tier columns only when some step moved prefix blocks to or from it."""
+    table = RecordTable.from_records(StepRecord, records)
+    tier = any(table.column(name).any() for name in STEP_TIER_COLUMNS)
+    _write(path, STEP_COLUMNS + (STEP_TIER_COLUMNS if tier else ()), table, {})
 
 
 def _derived(table: RecordTable) -> dict[str, np.ndarray]:
@@ -152,7 +161,9 @@ def _write(path: PathLike, names: Sequence[str], table: RecordTable,
 def _arrow(values: np.ndarray, name: str) -> pa.Array:
     if values.dtype == object:
         return pa.array(values, type=pa.string())
-    # NaN is None in an optional float column, and is null in the file
+    # NaN is None in an optional column, and is null in the file
+    if _KIND[name] == "int | None":
+        return pa.array(values, from_pandas=True).cast(pa.int64())
     return pa.array(values, from_pandas=_KIND[name] == "float | None")
 
 
@@ -169,13 +180,16 @@ def read_requests(path: PathLike) -> RecordTable:
     """Request records from a requests.csv / requests.parquet file, or from a run
     directory holding one; the derived columns must agree with the timestamps."""
     path = table_file(path, "requests")
-    headers = (REQUEST_COLUMNS, REQUEST_COLUMNS + REQUEST_EXTRA_COLUMNS)
+    headers = [REQUEST_COLUMNS + extra + prefix for extra in ((), REQUEST_EXTRA_COLUMNS)
+               for prefix in ((), REQUEST_PREFIX_COLUMNS)]
     columns = _read(path, headers)
     header = tuple(columns)
     n = len(columns["request_id"])
     columns.setdefault("slo_ttft_ms", np.full(n, math.nan))
     columns.setdefault("slo_tpot_ms", np.full(n, math.nan))
     columns.setdefault("n", np.ones(n, dtype=np.int64))
+    for name in REQUEST_PREFIX_COLUMNS:
+        columns.setdefault(name, np.full(n, math.nan))
     table = RecordTable.from_columns(RequestRecord,
                                      {name: columns[name] for name in stored_fields(RequestRecord)})
     for name, computed in _derived(table).items():
@@ -190,7 +204,11 @@ def read_requests(path: PathLike) -> RecordTable:
 def read_steps(path: PathLike) -> RecordTable:
     """Step records from a steps.csv / steps.parquet file, or from a run directory."""
     path = table_file(path, "steps")
-    return RecordTable.from_columns(StepRecord, _read(path, (STEP_COLUMNS,)))
+    columns = _read(path, (STEP_COLUMNS, STEP_COLUMNS + STEP_TIER_COLUMNS))
+    n = len(next(iter(columns.values())))
+    for name in STEP_TIER_COLUMNS:
+        columns.setdefault(name, np.zeros(n, dtype=np.int64))
+    return RecordTable.from_columns(StepRecord, {name: columns[name] for name in stored_fields(StepRecord)})
 
 
 def table_file(path: PathLike, name: str) -> Path:
@@ -243,7 +261,7 @@ def _read(path: Path, headers: Sequence[Sequence[str]]) -> dict[str, np.ndarray]
 def _column_ok(values: pa.ChunkedArray, kind: str) -> bool:
     """No missing value where the column needs one, floats finite, statuses known.
     (Over no rows, pyarrow's any() and all() are null: nothing is wrong.)"""
-    if values.null_count and kind != "float | None":
+    if values.null_count and kind not in ("float | None", "int | None"):
         return False
     if kind == "status":
         return pc.all(pc.is_in(values, value_set=pa.array(REQUEST_STATUSES))).as_py() is not False
@@ -257,6 +275,8 @@ def _to_numpy(values: pa.ChunkedArray, kind: str) -> np.ndarray:
         encoded = values.combine_chunks().dictionary_encode()
         words = np.array(encoded.dictionary.to_pylist(), dtype=object)
         return words[encoded.indices.to_numpy(zero_copy_only=False)]
+    if kind == "int | None":   # nulls become NaN
+        return values.cast(pa.float64()).to_numpy()
     return values.to_numpy().astype(KINDS[kind], copy=False)
 
 
@@ -311,9 +331,9 @@ def _parse_cell(cell: str, kind: str) -> Any:
         return cell
     if kind == "str":
         return cell
-    if kind == "float | None" and cell == "":
+    if kind in ("float | None", "int | None") and cell == "":
         return None
-    if kind == "int":
+    if kind in ("int", "int | None"):
         if not _INT.fullmatch(cell):
             raise ValueError(f"expected an integer, got {cell!r}")
         return int(cell)

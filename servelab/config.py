@@ -65,6 +65,10 @@ class CacheConfig:
     block_manager: str = "paged"
     """A registered block manager (servelab.memory.registry: paged, contiguous-max,
     contiguous-pow2, contiguous-oracle); the name is checked when one is built."""
+    num_host_blocks: int = 0
+    """Host-memory (CPU) tier of the prefix cache, in blocks: prefix blocks evicted from
+    the GPU are kept there (LRU) and loaded back on a hit. Needs enable_prefix_caching;
+    separate from the swap pool (num_cpu_blocks)."""
 
     def __post_init__(self) -> None:
         o = "CacheConfig"
@@ -75,6 +79,10 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"{o}.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         check_name(o, "block_manager", self.block_manager)
+        check_int(o, "num_host_blocks", self.num_host_blocks, 0)
+        if self.num_host_blocks and not self.enable_prefix_caching:
+            raise ValueError(f"{o}.num_host_blocks: a CPU tier holds prefix-cache blocks and "
+                             "needs enable_prefix_caching")
 
     @property
     def watermark_blocks(self) -> int:

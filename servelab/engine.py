@@ -62,7 +62,8 @@ def engine_step(scheduler, executor: Executor, now: float, kv_blocks_total: int,
         shape.num_prefill_seqs, scheduler.num_running, scheduler.num_waiting,
         scheduler.num_swapped, kv_blocks_used(), kv_blocks_total, len(output.preempted), 1,
         shape.prefill_context_sum, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
-        shape.decode_context_sum, shape.num_swap_blocks, shape.num_copy_blocks)
+        shape.decode_context_sum, shape.num_swap_blocks, shape.num_copy_blocks,
+        shape.num_offload_blocks, shape.num_load_blocks)
     return EngineStep(output, result, records, step)
 
 

@@ -50,6 +50,9 @@ class SchedulerOptions(NamedTuple):
     given: the caller derives it (from GPU memory) and then builds the CacheConfig."""
     policy: str
     policy_options: dict
+    kv_offload_gb: float = 0.0
+    """--kv-offload-gb: GiB of CPU memory per replica for the prefix cache's CPU tier; the
+    caller turns it into `num_host_blocks` (it depends on the model's KV bytes)."""
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -153,6 +156,10 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_CACHE_DEFAULTS["enable_prefix_caching"],
                    help="reuse the KV of shared prompt prefixes (default: off)")
+    c.add_argument("--kv-offload-gb", type=non_negative_float, default=0.0, metavar="GB",
+                   help="CPU memory per replica, GiB, for prefix blocks evicted from the GPU "
+                        "(a CPU tier of the prefix cache, LRU; hits are loaded back over "
+                        "PCIe); needs --prefix-caching (default 0: none)")
 
     p = parser.add_argument_group("policy")
     p.add_argument("--policy", default="fcfs",
@@ -215,7 +222,12 @@ def configs_from_args(args: argparse.Namespace, *,
                  num_cpu_blocks=args.cpu_kv_blocks, watermark=args.watermark,
                  enable_prefix_caching=bool(args.prefix_caching), block_manager=args.block_manager)
     _checked(CacheConfig, {**cache, "num_gpu_blocks": args.kv_blocks or 1})  # validate early
-    return SchedulerOptions(scheduler, cache, args.policy, policy_options_from_args(args))
+    offload = getattr(args, "kv_offload_gb", 0.0) or 0.0
+    if offload and not cache["enable_prefix_caching"]:
+        raise CLIError("--kv-offload-gb: a CPU tier holds prefix-cache blocks and needs "
+                       "--prefix-caching")
+    return SchedulerOptions(scheduler, cache, args.policy, policy_options_from_args(args),
+                            offload)
 
 
 def policy_options_from_args(args: argparse.Namespace) -> dict:

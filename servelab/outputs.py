@@ -114,7 +114,14 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(cpu_block, gpu_block) pairs to copy CPU → GPU before the step."""
     copies: list[tuple[int, int]] = field(default_factory=list)
-    """Copy-on-write (src_gpu_block, dst_gpu_block) pairs, done after swaps, before compute."""
+    """Copy-on-write (src_gpu_block, dst_gpu_block) pairs, done after swaps and loads,
+    before compute."""
+    offload: list[tuple[int, int]] = field(default_factory=list)
+    """(gpu_block, host_block) pairs: prefix blocks evicted from the GPU cache, copied to
+    the CPU tier first of all (before anything can overwrite them)."""
+    load: list[tuple[int, int]] = field(default_factory=list)
+    """(host_block, gpu_block) pairs: prefix-cache hits found in the CPU tier, copied to
+    the GPU after swaps, before copies and compute."""
     rejected: list[tuple[int, str]] = field(default_factory=list)
     block_tables: dict[SeqId, list[int]] = field(default_factory=dict)
     """Block table of every scheduled sequence (the executor's view of its KV)."""
@@ -123,7 +130,8 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to move: an executor has no work."""
         work = self.scheduled
-        return not (work._rows or work._listed or self.swap_out or self.swap_in or self.copies)
+        return not (work._rows or work._listed or self.swap_out or self.swap_in or self.copies
+                    or self.offload or self.load)
 
 
 @dataclass(slots=True)
@@ -161,6 +169,8 @@ class BatchShape:
     num_swap_blocks: int = 0          # blocks moved over PCIe (in + out)
     num_copy_blocks: int = 0          # copy-on-write block copies on the GPU
     prefill_max_keys: int = 0         # max (c + q) over prefill chunks; 0: unknown
+    num_offload_blocks: int = 0       # prefix blocks GPU -> CPU tier over PCIe
+    num_load_blocks: int = 0          # prefix hits CPU tier -> GPU over PCIe
 
     @property
     def num_tokens(self) -> int:
@@ -185,4 +195,5 @@ class BatchShape:
                 nds += 1
                 dcs += s.context_len + 1
         return cls(nps, npt, pcs, pqc, pqq, nds, dcs,
-                   len(out.swap_in) + len(out.swap_out), len(out.copies), keys)
+                   len(out.swap_in) + len(out.swap_out), len(out.copies), keys,
+                   len(out.offload), len(out.load))

@@ -11,7 +11,8 @@
 A `RequestRecord` or `StepRecord` object costs 300-400 bytes; as columns a step row costs
 about 60 and a request row about 80, and metrics, checks and writers take whole columns
 instead of walking objects. A column is a numpy array: float64 for float fields (NaN stands
-for None in a `float | None` field; a stored float is always finite), object (Python str)
+for None in a `float | None` field; a stored float is always finite; an `int | None` field
+is float64 too, NaN for None, its values integers below 2**53), object (Python str)
 for str fields, and for int fields the narrowest signed integer type that holds the values
 (most counts fit 16 bits) — handed out as int64, so arithmetic on a column cannot
 overflow. Fields that are not flat (`RequestRecord.token_times`) are not held: a record
@@ -34,7 +35,8 @@ import numpy as np
 
 from servelab.records import RequestRecord
 
-KINDS = {"int": np.int64, "float": np.float64, "float | None": np.float64, "str": object}
+KINDS = {"int": np.int64, "float": np.float64, "float | None": np.float64,
+         "int | None": np.float64, "str": object}
 """Field annotation -> column dtype."""
 _ITER_ROWS = 4096
 """Rows turned into records at a time when iterating: bounds the lists alive at once."""
@@ -132,7 +134,7 @@ class RecordTable(Sequence):
     # --- reading ------------------------------------------------------------------------
     def column(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """One column (or the `rows` of it), read-only: float64 (NaN for None in a
-        `float | None` column), int64 or object (str)."""
+        `float | None` or `int | None` column), int64 or object (str)."""
         column = self._columns[name][rows]
         column = column.astype(np.int64) if column.dtype.kind == "i" and column.dtype != np.int64 \
             else column.view()
@@ -163,7 +165,9 @@ class RecordTable(Sequence):
         lists = []
         for name, annotation in stored_fields(self.record_type).items():
             values = self._columns[name][start:stop].tolist()
-            if annotation == "float | None" and any(v != v for v in values):
+            if annotation == "int | None":
+                values = [None if v != v else int(v) for v in values]
+            elif annotation == "float | None" and any(v != v for v in values):
                 values = [None if v != v else v for v in values]
             lists.append(values)
         return map(self.record_type, *lists)
@@ -191,8 +195,8 @@ def _convert(values: list, annotation: str) -> np.ndarray | None:
     if annotation == "str":
         ok = types <= {str} or not any(_problem(v, annotation) for v in values)
         return np.array(values, dtype=object) if ok else None
-    allowed = {int} if annotation == "int" else {float, int, type(None)} \
-        if annotation == "float | None" else {float, int}
+    allowed = {"int": {int}, "float | None": {float, int, type(None)},
+               "int | None": {int, type(None)}}.get(annotation, {float, int})
     if not types <= allowed:
         if any(_problem(v, annotation) for v in values):
             return None
@@ -202,6 +206,8 @@ def _convert(values: list, annotation: str) -> np.ndarray | None:
             return _narrow(np.array(values, dtype=np.int64))
         except OverflowError:
             return None
+    if annotation == "int | None" and any(v is not None and abs(v) >= _EXACT for v in values):
+        return None
     missing = values.count(None) if type(None) in types else 0
     try:
         column = np.array([math.nan if v is None else v for v in values] if missing else values,
@@ -213,6 +219,8 @@ def _convert(values: list, annotation: str) -> np.ndarray | None:
     return column if int(finite.sum()) == len(column) - missing else None
 
 
+_EXACT = 2**53
+"""An `int | None` column holds integers below this, which float64 keeps exactly."""
 _INT_TYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32))
 
 
@@ -231,13 +239,16 @@ def _problem(value, annotation: str) -> str | None:
     """Why one value cannot be stored in a column of this annotation (None if it can)."""
     if annotation == "str":
         return None if isinstance(value, str) else "must be a string"
-    if annotation == "float | None" and value is None:
+    if annotation in ("float | None", "int | None") and value is None:
         return None
+    integer = annotation in ("int", "int | None")
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        return "must be an integer" if annotation == "int" else "must be a finite number"
-    if annotation == "int":
+        return "must be an integer" if integer else "must be a finite number"
+    if integer:
         if not isinstance(value, (int, np.integer)):
             return "must be an integer"
+        if annotation == "int | None":
+            return None if abs(int(value)) < _EXACT else "must be below 2**53 in magnitude"
         return None if -2**63 <= int(value) < 2**63 else "must fit in 64 bits"
     try:
         return None if math.isfinite(value) else "must be a finite number"

@@ -31,6 +31,11 @@ class RequestRecord:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     n: int = 1
+    cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache when the request was first admitted
+    (vLLM's name); None when the run kept no prefix cache."""
+    cpu_cached_tokens: int | None = None
+    """Of `cached_tokens`, those loaded from the CPU tier; None without a prefix cache."""
     token_times: list[float] | None = None
     """Time of every output token of sample 0, when the executor kept them (for ITL)."""
 
@@ -46,7 +51,8 @@ class RequestRecord:
             num_preemptions=req.num_preemptions, tenant=req.tenant, priority=req.priority,
             reject_reason=req.reject_reason or "", slo_ttft_ms=req.slo_ttft_ms,
             slo_tpot_ms=req.slo_tpot_ms, n=req.n,
-            token_times=list(req.token_times) if req.token_times else None)
+            token_times=list(req.token_times) if req.token_times else None,
+            cached_tokens=req.cached_tokens, cpu_cached_tokens=req.cpu_cached_tokens)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -98,6 +104,10 @@ class StepRecord:
     """For a fast-forwarded run: the value at the run's first step."""
     num_swap_blocks: int = 0
     num_copy_blocks: int = 0
+    num_offload_blocks: int = 0
+    """Prefix blocks copied from the GPU to the CPU tier (evicted there) before the step."""
+    num_load_blocks: int = 0
+    """Prefix-cache hits copied from the CPU tier to the GPU before the step."""
 
     @classmethod
     def field_names(cls) -> list[str]:

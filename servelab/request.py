@@ -87,6 +87,11 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times: list[float] | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache at the first admission (vLLM's
+    `cached_tokens`); None when the scheduler keeps no prefix cache."""
+    cpu_cached_tokens: int | None = None
+    """Of `cached_tokens`, those loaded from the CPU tier (None without a prefix cache)."""
     seed: int | None = None
     """Per-request sampling seed (real backend); sample i uses seed + i."""
 
@@ -128,13 +133,18 @@ class Request:
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
 
-    def block_contents(self, seq: Sequence, block_size: int) -> list[Hashable]:
-        """Content keys of the sequence's full blocks, for prefix caching.
+    def block_contents(self, seq: Sequence, block_size: int, start: int = 0) -> list[Hashable]:
+        """Content keys of the sequence's full blocks from block `start` on, for prefix
+        caching (a sequence only grows, so keys once given never change: callers extend
+        what they already have, `start` = the number of keys they hold).
 
         With token ids a block's content is its tokens. With only trace prefix hashes
-        (e.g. Mooncake's 512-token `hash_ids`) a block inside hashed region k at offset j
-        is `(hash_k, j)`, so equal hashes mean equal content as the trace intends.
-        Without either, nothing is cacheable and the list is empty.
+        (e.g. Mooncake's 512-token `hash_ids`) a block inside hashed region k starting j
+        tokens into it is the integer hash_k * region_size + j (0 <= j < region_size, so
+        equal keys mean equal hash and offset: equal content as the trace intends; an int
+        is the cheapest key to build, hash and free, which long prompts need); a block
+        spanning several regions is (their hashes, j). Without either, nothing is
+        cacheable and the list is empty. O(blocks returned).
         """
         n_full = seq.num_tokens // block_size
         if self.prompt_token_ids is not None:
@@ -142,16 +152,22 @@ class Request:
             if seq.output_token_ids:
                 tokens = tokens + tuple(seq.output_token_ids)
             n_full = min(n_full, len(tokens) // block_size)
-            return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(n_full)]
+            return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(start, n_full)]
         if self.prefix_hashes is not None:
             trace_bs = self.prefix_block_size
             covered = min(self.prompt_len, len(self.prefix_hashes) * trace_bs)
             n_full = min(n_full, covered // block_size)
+            hashes = self.prefix_hashes
+            if trace_bs % block_size == 0:  # every block lies inside one hashed region
+                per = trace_bs // block_size
+                first, stop = start // per, -(-n_full // per)
+                keys = [h * trace_bs + j for h in hashes[first:stop]
+                        for j in range(0, trace_bs, block_size)]
+                return keys[start - first * per:n_full - first * per]
             out = []
-            for i in range(n_full):
-                start = i * block_size
-                first, last = start // trace_bs, (start + block_size - 1) // trace_bs
-                out.append((self.prefix_hashes[first:last + 1], start - first * trace_bs))
+            for i in range(start, n_full):
+                first, last = i * block_size // trace_bs, ((i + 1) * block_size - 1) // trace_bs
+                out.append((hashes[first:last + 1], i * block_size - first * trace_bs))
             return out
         return []
 

@@ -100,6 +100,7 @@ def config_from_args(args: argparse.Namespace):
             block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
             cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
             prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
+            kv_offload_gb=opts.kv_offload_gb,
             replicas=args.replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward)
 

@@ -18,6 +18,8 @@ Kernels and their classes, per layer unless marked once:
         embedding, final_norm, sampler (once)                                      elementwise
     allreduce (2 per layer under TP); logits all-gather (once)                     collective
     swap           KV blocks over PCIe                                             host_link
+    kv_offload     prefix blocks evicted to the CPU tier, over PCIe                host_link
+    kv_load        prefix hits loaded from the CPU tier, over PCIe                 host_link
     block_copy     copy-on-write block copies in HBM                               elementwise
 
 Shapes are per GPU under tensor parallelism (`footprint.py`). Weights are read once per
@@ -25,7 +27,11 @@ step, which is why decode is bandwidth-bound until the batch is large. Simplific
 stated once: activations are BF16 whatever the weight dtype (FP8 weights run W8A8 at the
 FP8 peak where the GPU has one, weight-only otherwise); the LM head and embeddings stay
 BF16; the LM head runs for every sequence in the batch (BatchShape does not say which
-prefill chunks complete); sliding windows are ignored.
+prefill chunks complete); sliding windows are ignored. Host-link copies (swaps, CPU-tier
+offloads and loads) overlap nothing: each kind is one batched copy (the link's latency
+plus its bytes at the link bandwidth) added to the step, which is what an engine that
+waits for them before computing pays; offloads and loads are not overlapped with each
+other either, although PCIe could carry them in opposite directions at once.
 
 Cost. `step_time` is the hot path (called once per simulated step). Everything that
 depends only on the number of tokens (GEMMs, element-wise kernels, all-reduces) or of
@@ -269,6 +275,10 @@ class CostModel:
                 t += x if x > floor else floor
         if shape.num_swap_blocks:
             t += self._swap[0] + shape.num_swap_blocks * self._swap[1]
+        if shape.num_offload_blocks:
+            t += self._swap[0] + shape.num_offload_blocks * self._swap[1]
+        if shape.num_load_blocks:
+            t += self._swap[0] + shape.num_load_blocks * self._swap[1]
         if shape.num_copy_blocks:
             t += self._copy[0] + shape.num_copy_blocks * self._copy[1]
         return t
@@ -421,10 +431,13 @@ class CostModel:
             out["attn_decode"] = OpCost("attn_decode", L, L * 4.0 * s.head_dim * s.heads * ctx,
                                         L * nbytes, sc["attn_decode"] * L * float(t),
                                         "floor" if floor >= a + b * ctx else "memory", True)
-        if shape.num_swap_blocks:
-            nbytes = shape.num_swap_blocks * self.block_bytes
-            out["swap"] = OpCost("host_link", 1, 0.0, nbytes, sc["host_link"] * float(
-                K.host_copy_time(nbytes, g, kp.host_link)), "memory")
+        for name, blocks in (("swap", shape.num_swap_blocks),
+                             ("kv_offload", shape.num_offload_blocks),
+                             ("kv_load", shape.num_load_blocks)):
+            if blocks:
+                nbytes = blocks * self.block_bytes
+                out[name] = OpCost("host_link", 1, 0.0, nbytes, sc["host_link"] * float(
+                    K.host_copy_time(nbytes, g, kp.host_link)), "memory")
         if shape.num_copy_blocks:
             nbytes = 2 * shape.num_copy_blocks * self.block_bytes
             out["block_copy"] = OpCost("elementwise", 1, 0.0, nbytes, sc["elementwise"] * float(

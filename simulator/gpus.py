@@ -30,8 +30,8 @@ the real backend runs on a CPU; its GEMMs are priced at the `bf16_tflops` figure
 `GPUSpec.peak_flops`)."""
 
 _NUMBERS = ("bf16_tflops", "fp8_tflops", "hbm_bandwidth_gbps", "memory_gb", "nvlink_gbps",
-            "pcie_gbps", "sm_count", "l2_mb")
-_OPTIONAL = ("fp8_tflops", "nvlink_gbps", "l2_mb")
+            "pcie_gbps", "sm_count", "l2_mb", "host_memory_gb")
+_OPTIONAL = ("fp8_tflops", "nvlink_gbps", "l2_mb", "host_memory_gb")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,12 @@ class GPUSpec:
     decides whether a small kernel can use the whole chip)."""
     l2_mb: float | None = None
     """L2 cache, MB (informational: the cost model prices weights as read from HBM)."""
+    host_memory_gb: float | None = None
+    """Host (CPU) memory per GPU, GB (read as GiB, like `memory_gb`): the vendor reference
+    server's system memory divided by its GPUs (DGX H100: 2 TB for 8). It bounds what a
+    replica keeps in host memory: the CPU tier of the prefix cache (`--kv-offload-gb`)
+    plus the swap pool may use at most this much per GPU of the replica. None: no bound
+    known (nothing is checked)."""
     architecture: str = ""
     """GPU family ("ampere", "hopper", ...): which measured profile a GPU without
     measurements of its own borrows (see `calibration`)."""

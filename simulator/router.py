@@ -8,10 +8,11 @@ Ties go to the lowest index, so routing is deterministic.
   simulator assigns every request up front (`assign_upfront`), which lets a replica's
   fast-forward run extend to its own next arrival rather than the cluster's.
 - least-outstanding: the replica with the fewest outstanding requests.
-- prefix-affinity: requests whose prompts start with the same blocks go to the replica
-  that served that prefix last, so its prefix cache hits; a new prefix, a request without
-  prefix information, or an affinity replica more than `max_imbalance` requests busier
-  than the least-loaded one falls back to least-outstanding (and the prefix moves there).
+- prefix-affinity: a request goes to the replica that last served the longest prefix of
+  its prompt that any replica served, so its prefix cache hits; a new prefix, a request
+  without prefix information, or an affinity replica more than `max_imbalance` requests
+  busier than the least-loaded one falls back to least-outstanding (and the prefix, all
+  of it, moves there).
 """
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ class LeastOutstandingRouter(Router):
 
 
 class PrefixAffinityRouter(Router):
-    """Sticky prefix → replica map keyed by the prompt's leading `affinity_tokens` tokens
-    (token ids, or the trace's prefix block hashes covering them). Memory O(distinct
-    prefixes); O(replicas + affinity_tokens) per request."""
+    """Routes to the replica that last served the longest known prefix of the prompt, so
+    its prefix cache hits (SGLang's cache-aware routing, on an approximate prefix tree of
+    chain keys: `affinity_keys`). Memory O(distinct prefix units); O(replicas + units of
+    the prompt) per request."""
 
     name = "prefix-affinity"
 
@@ -83,16 +85,26 @@ class PrefixAffinityRouter(Router):
                 raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
         self.affinity_tokens = affinity_tokens
         self.max_imbalance = max_imbalance
-        self._home: dict[Hashable, int] = {}
+        self._home: dict[int, int] = {}
+        """Chain key of a prefix -> the replica that last served it. Prefix-closed: a
+        prefix is entered with all of its own prefixes."""
 
     def route(self, req: Request, outstanding: Sequence[int]) -> int:
         least = least_loaded(outstanding)
-        key = affinity_key(req, self.affinity_tokens)
-        if key is None:
+        keys = affinity_keys(req, self.affinity_tokens)
+        if not keys:
             return least
-        home = self._home.get(key)
+        homes = self._home
+        home = None
+        for key in keys:   # the deepest prefix some replica served
+            served = homes.get(key)
+            if served is None:
+                break
+            home = served
         if home is None or outstanding[home] - outstanding[least] > self.max_imbalance:
-            self._home[key] = home = least
+            home = least
+        for key in keys:
+            homes[key] = home
         return home
 
     def describe(self) -> dict:
@@ -100,16 +112,26 @@ class PrefixAffinityRouter(Router):
                 "max_imbalance": self.max_imbalance}
 
 
-def affinity_key(req: Request, num_tokens: int) -> Hashable | None:
-    """What identifies the prompt's first `num_tokens` tokens: the token ids, or the trace
-    prefix hashes of the blocks covering them; None when the request carries neither."""
-    span = min(num_tokens, req.prompt_len)
+def affinity_keys(req: Request, unit_tokens: int) -> list[int]:
+    """Chain keys of the prompt's leading units: key i = hash((key i-1, unit i)) stands
+    for units 0..i, so equal keys mean equal prefixes (a hash collision can only misroute,
+    never change what a request computes). Units are `unit_tokens` token ids (a prompt
+    shorter than that is one unit), or the trace's prefix-hash blocks. Empty when the
+    request carries neither."""
     if req.prompt_token_ids is not None:
-        return ("tokens", req.prompt_token_ids[:span])
-    if req.prefix_hashes is not None:
-        bs = req.prefix_block_size
-        return ("hashes", bs, req.prefix_hashes[:-(-span // bs)])
-    return None
+        ids = req.prompt_token_ids[:req.prompt_len]
+        n = max(1, len(ids) // unit_tokens)
+        units = [ids[i * unit_tokens:(i + 1) * unit_tokens] for i in range(n)]
+    elif req.prefix_hashes is not None:
+        units = req.prefix_hashes
+    else:
+        return []
+    keys = []
+    key = None
+    for unit in units:
+        key = hash((key, unit))
+        keys.append(key)
+    return keys
 
 
 ROUTERS: dict[str, type[Router]] = {

@@ -88,6 +88,10 @@ class SimulationConfig:
     block_manager: str = "paged"
     prefix_caching: bool = False
     watermark: float = 0.01
+    kv_offload_gb: float = 0.0
+    """CPU memory per replica, GiB, for a host tier of the prefix cache (0: none): prefix
+    blocks evicted from the GPU are kept there and loaded back on a hit. Needs
+    prefix_caching; at most the GPU's host memory per GPU × tp, less the swap pool."""
     # --- cluster ------------------------------------------------------------------------
     replicas: int = 1
     router: str = "round-robin"
@@ -130,6 +134,12 @@ class SimulationConfig:
         check_choice(o, "block_manager", self.block_manager, block_manager_names())
         check_choice(o, "scheduler.preemption", self.scheduler.preemption, preemption_names())
         check_float(o, "watermark", self.watermark, 0.0, 0.5)
+        if isinstance(self.kv_offload_gb, bool) or not isinstance(self.kv_offload_gb, (int, float)) \
+                or not 0 <= self.kv_offload_gb < math.inf:
+            raise ValueError(f"{o}.kv_offload_gb must be a finite number >= 0, got {self.kv_offload_gb!r}")
+        if self.kv_offload_gb and not self.prefix_caching:
+            raise ValueError(f"{o}.kv_offload_gb: a CPU tier holds prefix-cache blocks and needs "
+                             "prefix caching (--prefix-caching)")
         check_int(o, "replicas", self.replicas, 1)
         check_choice(o, "router", self.router, tuple(ROUTERS))
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -156,6 +166,8 @@ class SimulationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.kv_offload_gb:   # so that configs without a CPU tier read as before
+            del out["kv_offload_gb"]
         out["scheduler"] = self.scheduler.to_dict()
         out["policy_options"] = json.loads(json.dumps(self.policy_options))
         return out
@@ -240,6 +252,7 @@ class Simulation:
     on user input (trace, model, GPU, capacity), so `run` fails only on a bug."""
 
     def __init__(self, config: SimulationConfig) -> None:
+        from servelab.host_memory import check_host_memory, check_prefix_block_sizes, host_tier_blocks
         from servelab.models import load_model_spec
         from servelab.policies import build_scheduler
         from servelab.simulator.cost_model import CostModel
@@ -262,9 +275,15 @@ class Simulation:
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs)
         _check_some_request_fits(trace, self.kv_blocks, c.block_size)
+        if c.prefix_caching:
+            check_prefix_block_sizes(trace, c.block_size)
+        replica_block_bytes = cost.block_bytes * c.tp
+        self.host_blocks = host_tier_blocks(c.kv_offload_gb, replica_block_bytes)
+        check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * replica_block_bytes)
         cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks,
                             num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
-                            enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager)
+                            enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager,
+                            num_host_blocks=self.host_blocks)
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
                       for _ in range(c.replicas)]
         with _gc_paused():
@@ -282,8 +301,9 @@ class Simulation:
 
     def derived(self) -> dict[str, Any]:
         cost = self.cost_model
+        tier = {"cpu_tier_blocks_per_replica": self.host_blocks} if self.host_blocks else {}
         return {
-            "kv_blocks_per_replica": self.kv_blocks,
+            "kv_blocks_per_replica": self.kv_blocks, **tier,
             "kv_blocks_source": "configured (kv_blocks)" if self.config.kv_blocks is not None else
                                 "derived from GPU memory",
             "cost_model": {"model": cost.model.name, "gpu": cost.gpu.name, "tp": cost.tp,
@@ -320,6 +340,23 @@ def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
         raise ValueError(f"KV cache of {kv_blocks:,} blocks ({capacity:,} tokens) cannot hold any request: "
                          f"the smallest needs {need:,} tokens (prompt + output); give more --kv-blocks "
                          "or a larger --gpu-memory-utilization")
+
+
+def check_host_tier(config: SimulationConfig) -> None:
+    """ValueError if the config's CPU tier and swap pool need more host memory than its
+    machine has: the host-memory check of `build_simulation`, without the trace (what a
+    sweep checks once per machine before it starts)."""
+    from servelab.host_memory import check_host_memory
+    from servelab.models import load_model_spec
+    from servelab.simulator.cost_model import CostModel
+    from servelab.simulator.gpus import get_gpu
+
+    c = config
+    if not c.kv_offload_gb:
+        return
+    cost = CostModel(load_model_spec(c.model), get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
+                     kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
+    check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * cost.block_bytes * c.tp)
 
 
 def build_simulation(config: SimulationConfig) -> Simulation:

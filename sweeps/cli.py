@@ -26,6 +26,7 @@ from servelab.memory import block_manager_names
 from servelab.options import policy_flag_owners
 from servelab.policies import preemption_names
 from servelab.progress import PointProgress
+from servelab.simulator.router import ROUTERS
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
 
@@ -72,10 +73,11 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
     ("--preemptions", "preemption", "--preemption",
      _one_of(tuple(preemption_names())), "MODE,MODE,..."),
+    ("--routers", "router", "--router", _one_of(tuple(ROUTERS)), "R,R,..."),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
-              "preemption", "policy", "rate")
+              "preemption", "router", "policy", "rate")
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -193,12 +195,31 @@ def plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
+def _check_host_tiers(points) -> None:
+    """A CPU tier larger than its machine allows fails every point alike: say so once,
+    before the sweep starts (each distinct machine and tier checked once)."""
+    from servelab.simulator.run import check_host_tier
+
+    seen = set()
+    for point in points:
+        c = point.config
+        machine = (c.model, c.gpu, c.tp, c.weight_dtype, c.kv_dtype, c.calibration, c.block_size,
+                   c.kv_offload_gb, c.cpu_kv_blocks)
+        if machine not in seen:
+            seen.add(machine)
+            try:
+                check_host_tier(c)
+            except ValueError as exc:
+                raise CLIError(str(exc)) from None
+
+
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.report import write_report
     from servelab.sweeps.runner import default_workers, run_sweep
     from servelab.sweeps.sweep import SweepError
 
     axes, points = build_points(args, parser)
+    _check_host_tiers(points)
     out = Path(args.out)
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \

@@ -110,7 +110,7 @@ class SweepPoint:
 
 
 _AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
-               "block_manager": "", "gpu": "", "model": "", "tp": "tp"}
+               "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp"}
 
 
 def _show(value: Any) -> str:

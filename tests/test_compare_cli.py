@@ -110,6 +110,17 @@ def test_a_grid_where_no_request_fits_fails_with_the_reason_once(tmp_path, capsy
     assert not (tmp_path / "x" / "index.html").exists()
 
 
+def test_a_cpu_tier_the_machine_cannot_hold_fails_before_the_sweep(tmp_path, capsys):
+    assert main(["compare", *COMMON, "--prefix-caching", "--kv-offload-gb", "300", "--gpus",
+                 "h100-sxm,h200", "--policies", "fcfs,lpm", "--workers", "1",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("servelab compare: error: --kv-offload-gb 300 needs 300.0 GiB of host memory "
+                   "per replica, more than its 1 x h100-sxm can have: 256 GiB (256 GiB host "
+                   "memory per GPU on the reference server, host_memory_gb in the GPU catalog)\n")
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rates", "-5,8"], "argument --rates: expected a finite number > 0, got '-5'"),
     (["--tps", "-2"], "argument --tps: expected an integer >= 1, got -2"),

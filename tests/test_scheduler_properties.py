@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
+from dataclasses import replace
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
+from servelab.memory import host_tier, prefix_cache
 from servelab.policies import PriorityPolicy
 from servelab.policies.admission import KVAdmission
 from servelab.request import Request
@@ -24,23 +27,28 @@ def workloads(draw):
     chunk = draw(st.sampled_from([None, 1, 3, 8, 32]))
     budget = draw(st.integers(4, 96))
     max_model_len = draw(st.sampled_from([32, 64, 256]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm"]))
     options = {}
     if policy == "priority":
         options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 1.0]))}
     elif policy == "sjf":
         options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
                    "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
+    elif policy == "lpm":
+        options = {"max_wait_s": draw(st.sampled_from([None, 0.05])),
+                   "max_queue": draw(st.sampled_from([2, 128]))}
     sched = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=budget,
         chunked_prefill=chunk, step_composition=draw(st.sampled_from(["decode_first", "prefill_first"])),
         preemption=draw(st.sampled_from(["recompute", "swap"])), max_model_len=max_model_len,
         waiting_queue_limit=draw(st.sampled_from([None, None, 3])),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])))
+    prefix_caching = draw(st.booleans())
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                         num_cpu_blocks=draw(st.sampled_from([0, 4, 64])),
                         watermark=draw(st.sampled_from([0.0, 0.1])),
-                        enable_prefix_caching=draw(st.booleans()))
+                        enable_prefix_caching=prefix_caching,
+                        num_host_blocks=draw(st.sampled_from([0, 0, 3, 16])) if prefix_caching else 0)
     n_req = draw(st.integers(1, 12))
     reqs = []
     t = 0.0
@@ -194,6 +202,84 @@ def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
     assert sorted(a.records, key=lambda r: r.request_id) == \
         sorted(b.records, key=lambda r: r.request_id)
     assert a.fast_forwarded == b.fast_forwarded
+
+
+class _PlainLRU:
+    """BlockLRU's contract on an OrderedDict, one block at a time: the straightforward
+    path the segmented LRU replaced."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._order
+
+    def park(self, blocks) -> None:
+        for b in blocks:
+            self._order[b] = None
+
+    def remove(self, block: int) -> None:
+        del self._order[block]
+
+    def pop_oldest(self, n: int) -> list[int]:
+        return [self._order.popitem(last=False)[0] for _ in range(n)]
+
+    def blocks(self) -> list[int]:
+        return list(self._order)
+
+    def check(self, expected) -> None:
+        assert set(self._order) == set(expected)
+
+
+@contextlib.contextmanager
+def _plain_prefix_cache():
+    """The prefix cache without its speed machinery: admission hands the block manager a
+    new list of keys, built from the request, at every look-up (so they are hashed again
+    each time and no LATER answer is kept), and evictable blocks sit in an OrderedDict."""
+    patches = [(KVAdmission, "block_keys",
+                lambda self, req, seq: req.block_contents(seq, self._bm.block_size)),
+               (prefix_cache, "BlockLRU", _PlainLRU), (host_tier, "BlockLRU", _PlainLRU)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
+@SETTINGS
+@given(workloads(), st.booleans())
+def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w, fast_forward):
+    """Keys and chain hashes built once per waiting sequence (BlockKeys), LATER answers
+    kept while they provably stand (LaterMemos), evictable blocks parked in segments
+    (BlockLRU), runs of blocks committed in bulk: none of it changes a decision. Every
+    step, every record, the prefix cache's eviction order after every step and the
+    cache's statistics equal those of the plain path, on random workloads with shared
+    prefixes, with and without a CPU tier."""
+    reqs, sched, cache, policy, options = w
+    cache = replace(cache, enable_prefix_caching=True)
+    evictable = {True: [], False: []}
+
+    def run(speedy):
+        def on_step(scheduler, out):
+            evictable[speedy].append(scheduler.bm.evictable_hashes())
+        return simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
+                        fast_forward=fast_forward, on_step=on_step)
+
+    a = run(True)
+    with _plain_prefix_cache():
+        b = run(False)
+    assert _decisions(a) == _decisions(b)
+    assert [(o.offload, o.load) for o in a.outputs] == [(o.offload, o.load) for o in b.outputs]
+    assert sorted(a.records, key=lambda r: r.request_id) == \
+        sorted(b.records, key=lambda r: r.request_id)
+    assert evictable[True] == evictable[False]
+    assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
 
 
 def test_admission_memo_at_the_boundary():

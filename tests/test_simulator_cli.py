@@ -97,6 +97,12 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--tenant-weights", "a=1", "--policy", "priority"], "--tenant-weights applies to --policy fair"),
     (["--tp", "3"], "tp=3 must divide"),
     (["--calibration", "/nonexistent/profile.json"], "cannot read calibration profile"),
+    (["--kv-offload-gb", "4"], "needs --prefix-caching"),
+    (["--prefix-caching", "--kv-offload-gb", "300"], "more than its 1 x h100-sxm can have: 256 GiB"),
+    (["--prefix-caching", "--kv-offload-gb", "200", "--cpu-kv-blocks", "40000"],
+     "+ 78.1 GiB swap pool needs 278.1 GiB"),
+    (["--prefix-caching", "--block-size", "48"], "prefix hashes name 128-token blocks, which the "
+     "KV block size 48 does not divide"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, trace_file, capsys, args, message):
     argv = ["--trace", str(trace_file), *args, "--out", str(tmp_path / "x")]
@@ -113,7 +119,9 @@ def test_user_errors_exit_2_with_one_line(tmp_path, trace_file, capsys, args, me
                                   ["--block-manager", "buddy"], ["--sjf-max-wait-s", "soon"],
                                   ["--kv-blocks", "0"], ["--max-num-seqs", "0"],
                                   ["--rate-scale", "-1"], ["--policy", "lottery"],
-                                  ["--router", "random"], ["--replicas", "0"]])
+                                  ["--router", "random"], ["--replicas", "0"],
+                                  ["--kv-offload-gb", "-1"], ["--kv-offload-gb", "lots"],
+                                  ["--kv-offload-gb", "nan"]])
 def test_malformed_flags_are_argparse_errors(args, capsys):
     with pytest.raises(SystemExit) as exc:
         simulate(*args, "--out", "unused")

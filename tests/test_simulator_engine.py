@@ -225,4 +225,5 @@ def test_step_record_field_order_is_what_the_positional_builders_assume():
         "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
         "num_running", "num_waiting", "num_swapped", "kv_blocks_used", "kv_blocks_total",
         "num_preempted", "num_steps", "prefill_context_sum", "prefill_q_context_sum",
-        "prefill_q_sq_sum", "decode_context_sum", "num_swap_blocks", "num_copy_blocks"]
+        "prefill_q_sq_sum", "decode_context_sum", "num_swap_blocks", "num_copy_blocks",
+        "num_offload_blocks", "num_load_blocks"]

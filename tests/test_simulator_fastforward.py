@@ -37,13 +37,16 @@ def cost_model(model: str, gpu: str, block_size: int) -> CostModel:
 @st.composite
 def scenarios(draw):
     block_size = draw(st.sampled_from([1, 4, 16]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm"]))
     options = {}
     if policy == "priority":
         options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 2.0]))}
     elif policy == "sjf":
         options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
                    "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
+    elif policy == "lpm":
+        options = {"max_wait_s": draw(st.sampled_from([None, 0.05, 1.0])),
+                   "max_queue": draw(st.sampled_from([3, 128]))}
     elif policy == "fair":
         options = {"weights": draw(st.sampled_from([{}, {"a": 2.0, "b": 0.5}]))}
     chunk = draw(st.sampled_from([None, 8, 64, 512]))

@@ -23,7 +23,10 @@ CHANGED = {
     "policy_options": {"max_wait_s": 5.0}, "block_size": 32, "kv_blocks": 300, "cpu_kv_blocks": 10,
     "block_manager": "contiguous-max", "prefix_caching": True, "watermark": 0.02, "replicas": 2,
     "router": "least-outstanding", "slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0, "fast_forward": False,
+    "kv_offload_gb": 4.0,
 }
+#: Fields whose change needs another one changed too (a CPU tier needs prefix caching).
+ALONG = {"kv_offload_gb": {"prefix_caching": True}}
 #: One other valid value for every SchedulerConfig field.
 CHANGED_SCHEDULER = {
     "max_num_seqs": 7, "max_num_batched_tokens": 4096, "chunked_prefill": None,
@@ -41,7 +44,7 @@ def test_any_field_change_gives_another_key():
     base = config_key(BASE)
     keys = {base}
     for name, value in CHANGED.items():
-        changed = dataclasses.replace(BASE, **{name: value})
+        changed = dataclasses.replace(BASE, **{name: value, **ALONG.get(name, {})})
         assert changed != BASE
         assert config_key(changed) != base, name
         keys.add(config_key(changed))

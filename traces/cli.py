@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from servelab.cli import CLIError
+from servelab.options import positive_int
 
 TRACE_DIR_ENV = "SERVELAB_TRACE_DIR"
 _FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
@@ -78,6 +79,12 @@ def register(subparsers) -> None:
     s.add_argument("trace", metavar="T", help="file path, dataset name or 'default'")
     _add_stats_and_convert_options(s)
     s.add_argument("--bins", type=int, default=10, help="inter-arrival histogram bins (default 10)")
+    s.add_argument("--lru-cache-tokens", type=_token_counts, metavar="N[,N...]",
+                   help="also print the prefix hit ratio of an LRU cache of N tokens (the most "
+                        "a serving cache of that size can expect)")
+    s.add_argument("--lru-block-size", type=positive_int, metavar="TOKENS",
+                   help="block size of that LRU cache (default: the trace's hashed blocks; "
+                        "a KV block size must divide them)")
     s.set_defaults(func=_cmd_stats)
 
     c = sub.add_parser("convert", help="write a trace as servelab's canonical CSV",
@@ -102,7 +109,7 @@ def _add_stats_and_convert_options(p: argparse.ArgumentParser) -> None:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from servelab.traces.record import NeedsRateError
-    from servelab.traces.stats import format_stats, trace_stats
+    from servelab.traces.stats import format_lru_hit_ratios, format_stats, trace_stats
     if args.bins < 1:
         raise CLIError(f"--bins must be >= 1, got {args.bins}")
     try:
@@ -116,8 +123,19 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         with_rate = argparse.Namespace(**{**vars(args), "rate": 1.0})
         trace = trace_from_args(with_rate, seed=args.seed, max_model_len=args.max_model_len)
         lengths_only = True
-    print(format_stats(trace_stats(trace, bins=args.bins), lengths_only=lengths_only))
+    lru = ""
+    if args.lru_cache_tokens:
+        try:
+            lru = "\n" + format_lru_hit_ratios(trace, args.lru_cache_tokens, args.lru_block_size)
+        except ValueError as exc:
+            raise CLIError(f"--lru-block-size: {exc}") from None
+    print(format_stats(trace_stats(trace, bins=args.bins), lengths_only=lengths_only) + lru)
     return 0
+
+
+def _token_counts(text: str) -> list[int]:
+    """N[,N...]: positive token counts."""
+    return [positive_int(part) for part in text.split(",")]
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ of the shared traces README, so the figures can be checked against it directly.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +74,60 @@ def prefix_hit_ratio(trace: Trace) -> float | None:
         total += r.prompt_tokens
         seen.update(r.prefix_hashes)
     return hit / total if total else None
+
+
+def lru_prefix_hit_ratio(trace: Trace, capacity_tokens: int,
+                         block_size: int | None = None) -> float | None:
+    """The prefix hit ratio of an LRU cache of `capacity_tokens` token slots in blocks of
+    `block_size` tokens (default: the trace's hashed blocks; a KV block size must divide
+    those), None if no request has hashes. What a serving cache of that size can expect
+    at most: it also holds running requests' blocks and commits a block only once computed.
+
+    Requests come in arrival order. Each hits the leading run of its blocks the cache
+    holds (a block of hashed block h is (h, its offset in h); hits counted in tokens,
+    capped at the prompt), then its blocks become the most recently used, its first
+    one most of all (a prefix's head is what others share, so it goes last), and the
+    least recently used go while more than capacity_tokens // block_size are held.
+    O(blocks) with an OrderedDict.
+    """
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    hit = total = 0
+    for r in trace.records:
+        if r.prefix_hashes is None:
+            continue
+        bs = block_size or r.prefix_block_size
+        if r.prefix_block_size % bs:
+            raise ValueError(f"block size {bs} does not divide the trace's hashed blocks of "
+                             f"{r.prefix_block_size} tokens")
+        covered = min(r.prompt_tokens, len(r.prefix_hashes) * r.prefix_block_size)
+        per = r.prefix_block_size // bs
+        blocks = [(h, j) for h in r.prefix_hashes for j in range(per)][:-(-covered // bs)]
+        run = 0
+        for b in blocks:
+            if b not in cache:
+                break
+            run += 1
+        hit += min(run * bs, r.prompt_tokens)
+        total += r.prompt_tokens
+        for b in reversed(blocks):
+            cache[b] = None
+            cache.move_to_end(b)
+        limit = capacity_tokens // bs
+        while len(cache) > limit:
+            cache.popitem(last=False)
+    return hit / total if total else None
+
+
+def format_lru_hit_ratios(trace: Trace, capacities: list[int], block_size: int | None) -> str:
+    """Lines of `servelab trace stats --lru-cache-tokens`: the LRU ideal of each size."""
+    unit = f"{block_size}-token blocks" if block_size else "the trace's hashed blocks"
+    lines = []
+    for tokens in capacities:
+        ratio = lru_prefix_hit_ratio(trace, tokens, block_size)
+        hit = f"{ratio:.1%}" if ratio is not None else "- (no prefix hashes)"
+        lines.append(f"an LRU prefix cache of {tokens} tokens ({unit}) would hit {hit} of their "
+                     "prompt tokens")
+    return "\n".join(lines)
 
 
 def trace_stats(trace: Trace, *, bins: int = 10) -> TraceStats:

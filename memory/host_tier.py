@@ -1,0 +1,166 @@
+"""The host-memory (CPU) tier of the prefix cache.
+
+A GPU prefix cache holds a few hundred thousand tokens; on a long-prompt trace most reuse
+comes back after its blocks were evicted. Real engines (Mooncake, LMCache, SGLang's
+HiCache, vLLM's CPU offloading) keep evicted prefix blocks in host memory instead. Here a
+block evicted from the GPU cache is copied to a host block (an *offload*), its entry
+moving with it, id included; a later hit on it copies it back into a fresh GPU block
+before the request's prefill (a *load*), the entry moving back. Each cached content sits
+in one tier at a time (a GPU commit of a content the host holds drops the host copy). The
+host tier evicts least recently used first, like the GPU cache. Its blocks are its own
+pool: the swap pool's accounting is separate.
+
+The block manager asks for the copies (`take_transfers`) once per engine step, and the
+executor performs them before anything else in that step: offloads first (they read GPU
+blocks about to be reused), then, after swaps, loads. Within one step's worth of calls:
+
+- a host block that was loaded from is not reused until the copies are taken (it waits
+  in `pending_free`), so an offload cannot overwrite it before the load reads it;
+- an offload into a host block whose entry is evicted again in the same step is dropped
+  (nothing will read it);
+- a GPU block whose pending load has not happened yet and is evicted again gives its
+  entry back to the host block it came from (no copy either way).
+
+Costs: O(1) per block moved; `store` parks a whole eviction's blocks in one LRU segment.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+from .lru import BlockLRU
+from .prefix_cache import CacheIndex, Entry, PrefixCache
+
+
+class HostTier:
+    """Prefix blocks in host memory: an index, an LRU order, a free list and the copies
+    not yet handed to the executor."""
+
+    __slots__ = ("num_blocks", "index", "_lru", "_free", "_pending_free", "_offloads",
+                 "_loads", "_gpu", "offloaded", "loaded")
+
+    def __init__(self, num_blocks: int, gpu: PrefixCache) -> None:
+        self.num_blocks = num_blocks
+        self.index = CacheIndex(num_blocks)
+        self._lru = BlockLRU(num_blocks)
+        """Host blocks holding an entry, least recently used first (all of them: no
+        sequence references a host block)."""
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._pending_free: dict[int, None] = {}
+        """Host blocks loaded from since the copies were last taken (reusable after)."""
+        self._offloads: dict[int, int] = {}
+        """host block -> GPU block: copies GPU -> host not yet taken."""
+        self._loads: dict[int, int] = {}
+        """GPU block -> host block: copies host -> GPU not yet taken."""
+        self._gpu = gpu
+        self.offloaded = 0
+        """Blocks copied to the host so far (offloads taken, cancelled ones excluded)."""
+        self.loaded = 0
+
+    # ------------------------------------------------------------------ queries
+    def find(self, h: int, parent_id: int, content: Hashable) -> int | None:
+        return self.index.find(h, parent_id, content)
+
+    def entry_id(self, block: int) -> int:
+        return self.index.entry_id[block]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    # ------------------------------------------------------------------ moves
+    def load(self, host_block: int) -> Entry:
+        """Take a hit's entry out (the caller adopts it into a GPU block and calls
+        `loading`); the host block is reused only after the copies are taken."""
+        self._lru.remove(host_block)
+        self._pending_free[host_block] = None
+        return self.index.take(host_block)
+
+    def loading(self, gpu_block: int, host_block: int) -> None:
+        self._loads[gpu_block] = host_block
+
+    def store(self, gpu_blocks: list[int], entries: list[Entry]) -> None:
+        """Entries evicted from the GPU (LRU first) with the blocks they leave. A block
+        whose own load is still pending hands its entry back to its host block; the
+        others are offloaded, newest in the host LRU order."""
+        parked = []
+        for gb, entry in zip(gpu_blocks, entries):
+            hb = self._loads.pop(gb, None)
+            if hb is not None:    # loaded and evicted in one step: nothing moved yet
+                del self._pending_free[hb]
+            else:
+                hb = self._take_block()
+                if hb is None:    # every host block waits for a load: drop the entry
+                    continue
+                self._offloads[hb] = gb
+            other = self.index.block_of_hash.get(entry[0])
+            if other is not None:   # the newer copy of this hash wins
+                self._discard(other)
+            self.index.put(hb, entry)
+            parked.append(hb)
+        self._lru.park(parked)
+        self._gpu.notify_host([e[0] for e in entries])
+
+    def discard_hashes(self, hashes: list[int]) -> None:
+        """Drop host entries under these hashes (the GPU just committed them)."""
+        by_hash = self.index.block_of_hash
+        for h in hashes:
+            hb = by_hash.get(h)
+            if hb is not None:
+                self._discard(hb)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies since the last call: (GPU block, host block) offloads, then
+        (host block, GPU block) loads. Host blocks loaded from become free again."""
+        offloads = [(gb, hb) for hb, gb in self._offloads.items()]
+        loads = [(hb, gb) for gb, hb in self._loads.items()]
+        self._offloads.clear()
+        self._loads.clear()
+        if self._pending_free:
+            self._free += self._pending_free
+            self._pending_free.clear()
+        self.offloaded += len(offloads)
+        self.loaded += len(loads)
+        return offloads, loads
+
+    def _take_block(self) -> int | None:
+        """A host block for an offload: a free one, else the least recently used (its
+        entry is forgotten; a pending offload into it is dropped); None when every host
+        block waits for a load to read it."""
+        if self._free:
+            return self._free.pop()
+        if not self._lru:
+            return None
+        hb, = self._lru.pop_oldest(1)
+        self.index.drop([hb])
+        self._offloads.pop(hb, None)
+        return hb
+
+    def _discard(self, hb: int) -> None:
+        self._lru.remove(hb)
+        self.index.drop([hb])
+        self._offloads.pop(hb, None)
+        self._free.append(hb)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, gpu_hash_of) -> None:
+        """Raise AssertionError unless host blocks are conserved (free + holding an
+        entry + waiting to be free = all, disjoint), the LRU holds exactly the blocks
+        with entries, pending copies name blocks in the right state, and no content is
+        cached in both tiers (`gpu_hash_of(h)`: the GPU block under hash h, or None)."""
+        cached = self.index.check()
+        self._lru.check(cached)
+        free, pending = set(self._free), set(self._pending_free)
+        if len(free) != len(self._free):
+            raise AssertionError("host free list holds a block twice")
+        if free & set(cached) or pending & set(cached) or free & pending:
+            raise AssertionError("a host block is both free (or waiting to be) and holding an entry")
+        if len(free) + len(pending) + len(cached) != self.num_blocks:
+            raise AssertionError(f"host blocks: {len(free)} free + {len(pending)} pending + "
+                                 f"{len(cached)} cached != {self.num_blocks}")
+        if not set(self._offloads) <= set(cached) | pending:   # pending: loaded after it
+            raise AssertionError("a pending offload targets a host block without an entry")
+        if set(self._loads.values()) != pending:
+            raise AssertionError("pending loads and host blocks waiting to be free disagree")
+        for h in self.index.block_of_hash:
+            if gpu_hash_of(h) is not None:
+                raise AssertionError(f"hash {h} is cached on the GPU and on the host")
