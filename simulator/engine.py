@@ -230,7 +230,7 @@ class Cluster:
         self.router = router
         n = len(schedulers)
         upfront = None if n == 1 else router.assign_upfront(requests)
-        feeds = [ArrivalFeed() for _ in range(n)] if n == 1 or upfront is not None else [ArrivalFeed()] * n
+        feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
         self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward)
                          for i, s in enumerate(schedulers)]
         if n == 1:
