@@ -67,7 +67,7 @@ class Scheduler:
         self._preemption = make_preemption(config.preemption)
         self.block_size = block_manager.block_size
         self._chunk = config.chunked_prefill or (1 << 62)
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}    # added, not yet finished or rejected
         self._running: dict[int, Request] = {}     # insertion order = admission order
         self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
         self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
@@ -100,7 +100,6 @@ class Scheduler:
             raise SchedulerError(f"request {req.request_id} was already added")
         if req.status is not RequestStatus.WAITING:
             raise SchedulerError(f"request {req.request_id} is {req.status.value}, not new")
-        self._requests[req.request_id] = req
         reason = self._kv.never_fits(req)
         if reason is None and self.config.waiting_queue_limit is not None \
                 and len(self.policy) >= self.config.waiting_queue_limit:
@@ -108,12 +107,14 @@ class Scheduler:
         if reason is not None:
             self._reject(req, reason, now)
             return False
+        self._requests[req.request_id] = req
         self.policy.add(req, now)
         return True
 
     def _reject(self, req: Request, reason: str, now: float,
                 out: SchedulerOutput | None = None) -> None:
         """Reject for good; reported in `out` (or in the next output) and the records."""
+        self._requests.pop(req.request_id, None)
         req.status = RequestStatus.REJECTED
         req.reject_reason = reason
         req.finish_s = now
@@ -130,7 +131,8 @@ class Scheduler:
 
     @property
     def requests(self) -> dict[int, Request]:
-        """Every request added, by id, their sequences current (see `running`)."""
+        """Every request added and not yet finished or rejected, by id, their sequences
+        current (see `running`). A request is let go once its record is out."""
         self._batch.sync()
         return self._requests
 
@@ -592,6 +594,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED
                 req.finish_s = t_end
                 self._stop_running(req.request_id)
+                del self._requests[req.request_id]
                 self._finished_records.append(RequestRecord.from_request(req))
         for req in joining:
             del self._listed[req.request_id]

@@ -30,8 +30,9 @@ float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 from simpy import Environment
 from simpy.events import NORMAL, URGENT, Event
 
@@ -44,6 +45,7 @@ from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.executor import SimulatedExecutor
 from servelab.simulator.router import Router
+from servelab.traces.requests import TraceRequests
 
 MAX_RUN_STEPS = 1 << 31
 """Upper bound passed to `decode_run_bound`: runs are limited by the requests, not by us."""
@@ -74,7 +76,7 @@ class ArrivalFeed:
         self.next_s = math.inf
 
 
-def arrival_process(env: Environment, requests: Sequence[Request],
+def arrival_process(env: Environment, requests: Iterable[Request],
                     deliver: Callable[[Request], None], feed: ArrivalFeed) -> Iterator[Event]:
     """Release `requests` (in arrival order) at their trace times to `deliver`."""
     last = -math.inf
@@ -201,8 +203,11 @@ class Cluster:
     With one replica, or a router that assigns requests up front, each replica gets its
     own arrival process (its fast-forward runs reach its own next arrival); otherwise one
     arrival process routes each request when it arrives, and every replica's runs end by
-    the cluster's next arrival. The requests are consumed: their serving state is the
-    schedulers' (replay a trace again from `Request.fresh_copy()` or `Trace.to_requests`).
+    the cluster's next arrival. `requests` is a list, or a trace's `TraceRequests`, which
+    makes each request as it is released: the cluster then holds only the requests in
+    flight (a scheduler lets a request go once its record is out). The requests are
+    consumed: their serving state is the schedulers' (replay a list from
+    `Request.fresh_copy()`; a `TraceRequests` makes fresh ones each time).
     """
 
     def __init__(self, schedulers: Sequence[Scheduler], cost_model: CostModel, router: Router,
@@ -211,24 +216,31 @@ class Cluster:
             raise ValueError("a cluster needs at least one replica")
         if len(schedulers) != router.num_replicas:
             raise ValueError(f"router is for {router.num_replicas} replicas, got {len(schedulers)}")
-        for i in range(1, len(requests)):
-            if requests[i].arrival_s < requests[i - 1].arrival_s:
-                raise ValueError(f"requests must be in arrival order: request {requests[i].request_id} "
-                                 f"arrives before request {requests[i - 1].request_id}")
+        arrivals = requests.arrival_s if isinstance(requests, TraceRequests) else \
+            np.array([r.arrival_s for r in requests], dtype=np.float64)
+        early = np.flatnonzero(arrivals[1:] < arrivals[:-1])
+        if len(early):
+            i = int(early[0]) + 1
+            raise ValueError(f"requests must be in arrival order: request {requests[i].request_id} "
+                             f"arrives before request {requests[i - 1].request_id}")
         self.env = env = Environment()
-        self.requests = list(requests)
+        self.requests = requests
+        self.num_requests = len(requests)
+        self.last_arrival_s = float(arrivals[-1]) if len(arrivals) else 0.0
         self.router = router
         n = len(schedulers)
-        upfront = [0] * len(requests) if n == 1 else router.assign_upfront(self.requests)
+        upfront = None if n == 1 else router.assign_upfront(requests)
         feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
         self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward)
                          for i, s in enumerate(schedulers)]
-        if upfront is not None:
+        if n == 1:
+            env.process(arrival_process(env, requests, self.replicas[0].submit, feeds[0]))
+        elif upfront is not None:
             for i, replica in enumerate(self.replicas):
-                own = [req for req, r in zip(self.requests, upfront) if r == i]
-                env.process(arrival_process(env, own, replica.submit, feeds[i]))
+                own = [j for j, r in enumerate(upfront) if r == i]
+                env.process(arrival_process(env, map(requests.__getitem__, own), replica.submit, feeds[i]))
         else:
-            env.process(arrival_process(env, self.requests, self._route, feeds[0]))
+            env.process(arrival_process(env, requests, self._route, feeds[0]))
         for replica in self.replicas:
             env.process(replica.run())
 
@@ -246,12 +258,11 @@ class Cluster:
         `progress` is called about `num_reports` times over the trace span and at the
         end; reporting adds no events, so it cannot change the simulation."""
         env = self.env
-        total = len(self.requests)
+        total = self.num_requests
         if progress is None:
             env.run()
         else:
-            span = self.requests[-1].arrival_s if self.requests else 0.0
-            every = max(span, 1.0) / num_reports
+            every = max(self.last_arrival_s, 1.0) / num_reports
             next_report = every
             step, peek = env.step, env.peek
             while peek() < math.inf:

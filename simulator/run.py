@@ -287,9 +287,10 @@ class Simulation:
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
                       for _ in range(c.replicas)]
         with _gc_paused():
-            requests = trace.to_requests(c.seed)
-        # The trace's records are not kept: the requests carry what the run needs, and a
-        # million records would hold a few hundred MB through the run.
+            requests = trace.requests(c.seed)
+        # The trace's records are not kept: its requests, as columns, carry what the run
+        # needs; each is made as it arrives (a million records, or requests made up front,
+        # would hold a few hundred MB through the run).
         self.num_requests = len(trace)
         self.trace_provenance = {
             "source": trace.source, "format": trace.format, "requests": len(trace),

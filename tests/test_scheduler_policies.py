@@ -147,13 +147,14 @@ def test_fair_share_service_gap_stays_within_vtc_bound():
 
 def test_fair_share_weights_split_service():
     rows = [(0.0, 8, 8, {"tenant": t}) for _ in range(40) for t in ("a", "b")]
-    run = simulate(make_requests(rows), SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32,
-                                                        chunked_prefill=None, max_model_len=64),
+    reqs = make_requests(rows)
+    run = simulate(reqs, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32,
+                                         chunked_prefill=None, max_model_len=64),
                    CacheConfig(block_size=4, num_gpu_blocks=64, watermark=0), "fair",
                    {"weights": {"a": 3.0, "b": 1.0}}, executor=FakeExecutor(step_s=1.0))
     # Halfway through, tenant a (weight 3) has had about 3× b's requests admitted.
     first = run.admitted[:40]
-    a = sum(1 for i in first if run.scheduler.requests[i].tenant == "a")
+    a = sum(1 for i in first if reqs[i].tenant == "a")
     assert 27 <= a <= 33
 
 

@@ -168,6 +168,19 @@ def test_compact_decodes_price_as_their_listed_entries():
     assert compact.prefill_continues() and not ScheduledWork(listed[1:], rows, 7).prefill_continues()
 
 
+def test_a_trace_replays_from_columns_and_served_requests_are_let_go():
+    from servelab.traces.record import Trace, TraceRecord
+    trace = Trace([TraceRecord(0.01 * i, 40 + i % 7, 3 + i % 5) for i in range(300)])
+    for replicas in (1, 2):
+        made, listed = cluster(trace.requests(), replicas=replicas), \
+            cluster(trace.to_requests(), replicas=replicas)
+        made.run()
+        listed.run()
+        assert list(made.request_records()) == list(listed.request_records())
+        assert list(made.step_records()) == list(listed.step_records())
+        assert all(not r.scheduler.requests for r in made.replicas)  # nothing kept once done
+
+
 def test_requests_must_come_in_arrival_order():
     with pytest.raises(ValueError, match="arrival order"):
         cluster([Request(0, 2.0, 10, 3), Request(1, 1.0, 10, 3)])

@@ -78,6 +78,26 @@ def test_to_requests_maps_fields_ids_and_derives_distinct_deterministic_seeds():
     assert reqs[1].tenant == "default" and reqs[1].prefix_hashes is None
 
 
+def test_trace_requests_make_each_request_on_demand_as_to_requests_does():
+    recs = [TraceRecord(0.5, 100, 7, (3, 4), 64, "alice", 2, 500.0, 50),
+            TraceRecord(1, 9, 1, priority=2**70)]
+    trace = Trace(recs + [TraceRecord(2.0 + i, 5, 5, tenant="bob") for i in range(9000)])
+    lazy = trace.requests(seed=3)
+    assert len(lazy) == len(trace) and lazy.arrival_s.dtype.kind == "f"
+    fields = [f.name for f in dataclasses.fields(Request) if f.name != "seqs"]
+    listed = trace.to_requests(seed=3)
+    for i in (0, 1, 2, 4096, len(trace) - 1, -1):
+        assert [getattr(lazy[i], f) for f in fields] == [getattr(listed[i], f) for f in fields]
+    assert [(r.request_id, r.seed, r.tenant) for r in lazy] == \
+        [(r.request_id, r.seed, r.tenant) for r in listed]
+    assert lazy[0] is not lazy[0]                       # fresh every time: replays
+    assert type(lazy[1].arrival_s) is float and lazy[1].priority == 2**70
+    assert (lazy[0].slo_tpot_ms, lazy[1].slo_ttft_ms, lazy[1].prefix_hashes) == (50.0, None, None)
+    assert [r.request_id for r in lazy[2:8:3]] == [2, 5]
+    with pytest.raises(IndexError):
+        lazy[len(trace)]
+
+
 def test_canonical_csv_writes_only_the_column_groups_in_use():
     plain = Trace((TraceRecord(0.0, 5, 6), TraceRecord(0.1, 7, 8)))
     assert columns_for(plain) == ("arrival_s", "prompt_tokens", "output_tokens")

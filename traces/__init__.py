@@ -14,6 +14,7 @@ import importlib
 
 _EXPORTS = {
     "record": ("TraceRecord", "Trace", "RowIssue", "TraceError", "TraceFormatError"),
+    "requests": ("TraceRequests",),
     "loaders": ("load_trace", "detect_format", "FORMATS"),
     "canonical": ("write_csv", "to_csv_text"),
     "datasets": ("DATASETS", "Dataset", "DatasetUnavailableError", "dataset_path", "resolve_trace",

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from servelab.request import Request
+
+if TYPE_CHECKING:
+    from servelab.traces.requests import TraceRequests
 
 
 MAX_HASH = 2**63 - 1
@@ -176,13 +179,13 @@ class Trace:
                        clipped=merge_issues(self.clipped, clipped) if clipped else self.clipped,
                        notes=self.notes + ((note,) if note else ()))
 
-    def to_requests(self, seed: int = 0) -> list[Request]:
-        """Fresh `Request`s, request_id = index; each gets a sampling seed derived from
+    def requests(self, seed: int = 0) -> "TraceRequests":
+        """The requests of this trace as columns, each `Request` made when asked for
+        (`traces/requests.py`): request_id = index, and a sampling seed derived from
         (seed, index), so a replay is reproducible and requests do not share random streams."""
-        out = []
-        for i, r in enumerate(self.records):
-            out.append(Request(i, float(r.arrival_s), r.prompt_tokens, r.output_tokens,
-                               priority=r.priority, tenant=r.tenant, slo_ttft_ms=r.slo_ttft_ms,
-                               slo_tpot_ms=r.slo_tpot_ms, prefix_hashes=r.prefix_hashes,
-                               prefix_block_size=r.prefix_block_size, seed=_request_seed(seed, i)))
-        return out
+        from servelab.traces.requests import TraceRequests
+        return TraceRequests(self, seed)
+
+    def to_requests(self, seed: int = 0) -> list[Request]:
+        """Fresh `Request`s, all made now: `list(self.requests(seed))`."""
+        return list(self.requests(seed))
