@@ -81,7 +81,9 @@ class HostTier:
     def store(self, gpu_blocks: list[int], entries: list[Entry]) -> None:
         """Entries evicted from the GPU (LRU first) with the blocks they leave. A block
         whose own load is still pending hands its entry back to its host block; the
-        others are offloaded, newest in the host LRU order."""
+        others are offloaded, newest in the host LRU order. When one eviction is larger
+        than the tier, its newest entries are the ones kept (a sequence's head, released
+        after its tail), as an LRU keeps them."""
         parked = []
         for gb, entry in zip(gpu_blocks, entries):
             hb = self._loads.pop(gb, None)
@@ -89,6 +91,10 @@ class HostTier:
                 del self._pending_free[hb]
             else:
                 hb = self._take_block()
+                if hb is None and parked:   # full of this call's own entries: LRU among them
+                    self._lru.park(parked)
+                    parked = []
+                    hb = self._take_block()
                 if hb is None:    # every host block waits for a load: drop the entry
                     continue
                 self._offloads[hb] = gb
@@ -124,8 +130,9 @@ class HostTier:
 
     def _take_block(self) -> int | None:
         """A host block for an offload: a free one, else the least recently used (its
-        entry is forgotten; a pending offload into it is dropped); None when every host
-        block waits for a load to read it."""
+        entry is forgotten; a pending offload into it is dropped); None when no host
+        block is free or parked in the LRU (the rest wait for a load to read them, or
+        were just filled and are not parked yet)."""
         if self._free:
             return self._free.pop()
         if not self._lru:
