@@ -17,8 +17,15 @@ GIB = 1 << 30
 
 
 def host_tier_blocks(kv_offload_gb: float, replica_block_bytes: int) -> int:
-    """Blocks of a CPU tier of `kv_offload_gb` GiB, each `replica_block_bytes` bytes."""
-    return int(kv_offload_gb * GIB // replica_block_bytes)
+    """Blocks of a CPU tier of `kv_offload_gb` GiB, each `replica_block_bytes` bytes;
+    ValueError when a tier was asked for but cannot hold one block (a run would go on
+    without one, silently)."""
+    blocks = int(kv_offload_gb * GIB // replica_block_bytes)
+    if kv_offload_gb > 0 and blocks == 0:
+        raise ValueError(f"--kv-offload-gb {kv_offload_gb:g} holds no KV block: one takes "
+                         f"{replica_block_bytes / GIB:.6g} GiB (the whole replica's KV for "
+                         f"one block of tokens); give at least that, or 0 for no CPU tier")
+    return blocks
 
 
 def check_host_memory(gpu, tp: int, kv_offload_gb: float, swap_bytes: int) -> None:

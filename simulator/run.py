@@ -344,10 +344,10 @@ def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
 
 
 def check_host_tier(config: SimulationConfig) -> None:
-    """ValueError if the config's CPU tier and swap pool need more host memory than its
-    machine has: the host-memory check of `build_simulation`, without the trace (what a
+    """ValueError if the config's CPU tier holds no block, or it and the swap pool need
+    more host memory than its machine has: the host-memory checks of `build_simulation`, without the trace (what a
     sweep checks once per machine before it starts)."""
-    from servelab.host_memory import check_host_memory
+    from servelab.host_memory import check_host_memory, host_tier_blocks
     from servelab.models import load_model_spec
     from servelab.simulator.cost_model import CostModel
     from servelab.simulator.gpus import get_gpu
@@ -357,6 +357,7 @@ def check_host_tier(config: SimulationConfig) -> None:
         return
     cost = CostModel(load_model_spec(c.model), get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
                      kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
+    host_tier_blocks(c.kv_offload_gb, cost.block_bytes * c.tp)
     check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * cost.block_bytes * c.tp)
 
 

@@ -101,6 +101,7 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--prefix-caching", "--kv-offload-gb", "300"], "more than its 1 x h100-sxm can have: 256 GiB"),
     (["--prefix-caching", "--kv-offload-gb", "200", "--cpu-kv-blocks", "40000"],
      "+ 78.1 GiB swap pool needs 278.1 GiB"),
+    (["--prefix-caching", "--kv-offload-gb", "0.0001"], "--kv-offload-gb 0.0001 holds no KV block"),
     (["--prefix-caching", "--block-size", "48"], "prefix hashes name 128-token blocks, which the "
      "KV block size 48 does not divide"),
 ])
