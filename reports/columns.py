@@ -15,7 +15,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from servelab.record_table import RecordTable, describe_record
+from servelab.record_table import RecordTable, describe_record, stored_fields
 
 REQUEST_STATUSES = ("finished", "rejected")
 
@@ -91,6 +91,8 @@ def column(records: Sequence, name: str) -> list:
         if name not in records.columns:
             return [None] * len(records)
         values = records.column(name).tolist()
+        if stored_fields(records.record_type)[name] == "int | None":   # held as float64
+            return [None if v != v else int(v) for v in values]
         return [None if v != v else v for v in values] if any(v != v for v in values) else values
     return list(map(attrgetter(name), records))
 

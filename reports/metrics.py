@@ -158,7 +158,7 @@ def summarize(
     values["jain_fairness_index"] = _jain_index(per_tenant, tenant_weights or {})
     values["per_tenant"] = per_tenant
     summary = {key: values[key] for key in SUMMARY_KEYS}
-    if any(rec.cached_tokens is not None for rec in requests):
+    if not np.isnan(floats(requests, "cached_tokens")).all():
         summary.update(prefix_cache_rates(requests, fin, r.prompt_tokens))
     return summary
 
@@ -167,11 +167,11 @@ def prefix_cache_rates(requests: Sequence[RequestRecord], finished: np.ndarray |
                        prompt_tokens: np.ndarray | None = None) -> dict[str, float | None]:
     """PREFIX_CACHE_KEYS over the finished requests (a record without a count as 0)."""
     if finished is None:
-        finished = np.array([rec.status == "finished" for rec in requests], dtype=bool)
+        finished = np.array(column(requests, "status"), dtype=object) == "finished"
     if prompt_tokens is None:
         prompt_tokens = ints(requests, "prompt_tokens")
-    cached = np.array([rec.cached_tokens or 0 for rec in requests], dtype=np.int64)
-    cpu = np.array([rec.cpu_cached_tokens or 0 for rec in requests], dtype=np.int64)
+    cached = np.nan_to_num(floats(requests, "cached_tokens")).astype(np.int64)
+    cpu = np.nan_to_num(floats(requests, "cpu_cached_tokens")).astype(np.int64)
     if len(requests) and ((cached < 0) | (cpu < 0) | (cpu > cached) | (cached > prompt_tokens)).any():
         bad = int(np.argmax((cached < 0) | (cpu < 0) | (cpu > cached) | (cached > prompt_tokens)))
         raise ValueError(f"request {requests[bad].request_id}: cached tokens must satisfy "

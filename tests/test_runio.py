@@ -56,6 +56,26 @@ def test_requests_round_trip_with_none_cells(tmp_path, fmt):
     assert list(read_requests(path)) == REQUESTS
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefix_cache_counts_round_trip_as_ints_and_give_the_same_summary(tmp_path, fmt):
+    from servelab.reports.columns import column
+    from servelab.reports.metrics import summarize
+
+    records = [RequestRecord(i, 1.0 * i, prompt, 3, "finished", scheduled_s=i + 1.0,
+                             first_token_s=i + 2.0, finish_s=i + 3.0, cached_tokens=c,
+                             cpu_cached_tokens=g)
+               for i, (prompt, c, g) in enumerate([(8, 4, 2), (2**40, 2**40 - 16, 16), (5, 0, 0)])]
+    records.append(RequestRecord(3, 3.0, 1, 0, "rejected"))
+    path = tmp_path / f"requests.{fmt}"
+    write_requests(path, records)
+    table = read_requests(path)
+    assert list(table) == records
+    assert column(table, "cached_tokens") == [4, 2**40 - 16, 0, None]
+    assert all(type(v) is int for v in column(table, "cpu_cached_tokens")[:3])
+    mine, back = summarize(records, []), summarize(table, [])
+    assert mine["prefix_cache_hit_rate"] == back["prefix_cache_hit_rate"] > 0
+
+
 def test_csv_layout_header_none_cells_and_unquoted_text(tmp_path):
     path = tmp_path / "requests.csv"
     write_requests(path, [REQUESTS[1], REQUESTS[3]])   # no text cell needs quotes: none has them
