@@ -73,8 +73,11 @@ class LeastOutstandingRouter(Router):
 class PrefixAffinityRouter(Router):
     """Routes to the replica that last served the longest known prefix of the prompt, so
     its prefix cache hits (SGLang's cache-aware routing, on an approximate prefix tree of
-    chain keys: `affinity_keys`). Memory O(distinct prefix units); O(replicas + units of
-    the prompt) per request."""
+    chain keys: `affinity_keys`). `affinity_tokens` is the unit of that tree for prompts
+    given as token ids; a trace with prefix hashes uses its hash blocks instead. Memory
+    grows with the distinct prefix units seen, unbounded (a dict entry, ~100 bytes, per
+    unit: tens of MB for the Mooncake traces); O(replicas + units of the prompt) per
+    request."""
 
     name = "prefix-affinity"
 
