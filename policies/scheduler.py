@@ -366,9 +366,7 @@ class Scheduler:
         key, adm = policy.victim_key, self._admit_seq
         victims = sorted((r for r in running.values() if policy.may_preempt_for(head, r)),
                          key=lambda r: key(r, adm[r.request_id]), reverse=True)
-        table = self.bm.block_table
-        freeable = sum(len(table(s.seq_id)) for r in victims for s in r.seqs if not s.finished)
-        if not victims or not self._fits(head, extra_free=freeable):
+        if not victims or not self._fits(head, extra_free=self._freeable(victims, running)):
             return False
         self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
         preempted = False
@@ -379,6 +377,18 @@ class Scheduler:
             self._preempt(victim, now, out)
             preempted = True
         return preempted
+
+    def _freeable(self, victims: list[Request], running: dict[int, Request]) -> int:
+        """GPU blocks that preempting every one of `victims` would free: those no other
+        running request holds, each counted once (samples of one request share their
+        prompt's blocks, and prefix caching shares blocks across requests)."""
+        table = self.bm.block_table
+
+        def blocks(reqs) -> set[int]:
+            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
+
+        chosen = {r.request_id for r in victims}
+        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))
 
     def _fits(self, req: Request, extra_free: int = 0) -> bool:
         """Would the request's live sequences get their blocks with `extra_free` more

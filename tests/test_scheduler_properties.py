@@ -314,9 +314,25 @@ LIVELOCK = (  # found by CI's hypothesis run: a preemptive head and a swapped re
     "priority", {"preemptive": True, "aging_rate": 0.0})
 
 
+SHARED_SAMPLES = (  # found by hypothesis: freeing a multi-sample request was counted once
+    # per sample, so a preemptive head evicted it for room it did not make, and the request
+    # was swapped back in, step after step
+    [Request(0, 0.0, 12, 23, n=3, priority=2, tenant="a"), Request(1, 0.0, 7, 9, n=2, priority=2, tenant="b"),
+     Request(2, 0.005, 13, 23, priority=0, tenant="c"),
+     Request(3, 0.005, 3, 29, priority=3, tenant="a", prompt_token_ids=_IDS[:3]),
+     Request(4, 0.005, 19, 27, n=2, priority=2, tenant="b"),
+     Request(5, 0.005, 2, 22, n=3, priority=0, tenant="b"),
+     Request(6, 0.005, 25, 26, n=3, priority=0, tenant="b", prompt_token_ids=_IDS[:25]),
+     Request(7, 0.105, 30, 22, priority=2, tenant="a")],
+    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=84, preemption="swap", max_model_len=256),
+    CacheConfig(block_size=2, num_gpu_blocks=35, num_cpu_blocks=64, enable_prefix_caching=True),
+    "priority", {"preemptive": True, "aging_rate": 1.0})
+
+
 @SETTINGS
 @given(workloads())
 @example(LIVELOCK)
+@example(SHARED_SAMPLES)
 def test_determinism_same_inputs_same_outputs(w):
     reqs, sched, cache, policy, options = w
     a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options)
