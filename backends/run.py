@@ -41,12 +41,13 @@ from servelab.atomic import atomic_path
 from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
+from servelab.backends.host_pools import check_host_memory, host_tier_blocks
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
 from servelab.backends.sampling import SamplingParams
 from servelab.backends.weights import resolve_device, resolve_dtype
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import Replay, engine_loop, run_to_end
-from servelab.host_memory import GIB, check_prefix_block_sizes, host_tier_blocks
+from servelab.host_memory import check_prefix_block_sizes
 from servelab.memory.base import BlockUsage
 from servelab.models import ModelSpec, load_model_spec
 from servelab.options import OUTPUT_FORMATS
@@ -199,60 +200,6 @@ def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dt
                               hint="pass --kv-blocks or use a smaller model")
 
 
-def _host_tier_blocks(kv_offload_gb: float, spec: ModelSpec, dtype: torch.dtype,
-                      block_size: int) -> int:
-    """Blocks of a CPU tier of `kv_offload_gb` GiB; RunSetupError when not one fits."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    block_bytes = spec.kv_bytes_per_token(elem) * block_size
-    blocks = host_tier_blocks(kv_offload_gb, block_bytes)
-    if not blocks:
-        raise RunSetupError(f"--kv-offload-gb {kv_offload_gb:g} holds no KV block: one block of "
-                            f"{spec.name} in {str(dtype).removeprefix('torch.')} takes "
-                            f"{block_bytes / 2**20:.3g} MiB ({block_size} tokens)")
-    return blocks
-
-
-def _available_host_bytes() -> int | None:
-    """Host memory available now (Linux's MemAvailable: free plus reclaimable page cache),
-    or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _check_host_memory(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                       cache: CacheConfig, kv_offload_gb: float) -> None:
-    """Refuse a run whose host allocations cannot fit in the memory available now (the
-    kernel would kill the process mid-allocation, or pinning would fail): on a CPU the
-    weights and every KV pool, on CUDA the swap pool and the CPU tier of the prefix cache.
-    A no-op where the available memory cannot be read."""
-    available = _available_host_bytes()
-    if available is None:
-        return
-    elem = torch.empty((), dtype=dtype).element_size()
-    block_bytes = spec.kv_bytes_per_token(elem) * cache.block_size
-    parts = {"weights": spec.num_params * elem, "KV pool": cache.num_gpu_blocks * block_bytes} \
-        if device.type == "cpu" else {}
-    parts["swap pool"] = cache.num_cpu_blocks * block_bytes
-    parts["CPU tier"] = cache.num_host_blocks * block_bytes
-    needed = sum(parts.values())
-    if needed <= available:
-        return
-    what = " + ".join(f"{name} {size / GIB:.1f}" for name, size in parts.items() if size)
-    lead = f"--kv-offload-gb {kv_offload_gb:g}: " if kv_offload_gb else ""
-    raise RunSetupError(f"{lead}{spec.name} in {str(dtype).removeprefix('torch.')} on {device} "
-                        f"needs {needed / GIB:.1f} GiB of host memory ({what} GiB), "
-                        f"{available / GIB:.1f} GiB is available")
-
-
 def _warm_up(runner: ModelRunner) -> None:
     """Throw-away steps over free blocks, so Triton compiles before anything is timed."""
     from servelab.backends.attention import SeqWork
@@ -307,10 +254,10 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
             num_blocks = derive_num_gpu_blocks(spec, device, dtype, block_size, sched_cfg,
                                                config.gpu_memory_utilization)
         if config.kv_offload_gb:
-            cache_kwargs["num_host_blocks"] = _host_tier_blocks(config.kv_offload_gb, spec, dtype,
-                                                                block_size)
+            cache_kwargs["num_host_blocks"] = host_tier_blocks(config.kv_offload_gb, spec, dtype,
+                                                               block_size)
         cache_cfg = CacheConfig(**{**cache_kwargs, "num_gpu_blocks": num_blocks})
-        _check_host_memory(spec, device, dtype, cache_cfg, config.kv_offload_gb)
+        check_host_memory(spec, device, dtype, cache_cfg, config.kv_offload_gb)
         if cache_cfg.enable_prefix_caching and requests is None and config.trace is not None:
             check_prefix_block_sizes(config.trace, block_size)
         scheduler = build_scheduler(sched_cfg, cache_cfg, config.policy,
