@@ -146,7 +146,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, trace=trace,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
             save_outputs=args.save_outputs, cli_args=_recorded(args),
-            output_format=args.output_format)
+            output_format=args.output_format, kv_offload_gb=opts.kv_offload_gb)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -154,8 +154,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RunSetupError as exc:
         raise CLIError(str(exc)) from None
     s = result.summary
+    hits = ""
+    if s.get("prefix_cache_hit_rate") is not None:
+        hits = f", prefix cache hit rate {s['prefix_cache_hit_rate']:.1%}"
+        if opts.kv_offload_gb:
+            hits += f" ({s['prefix_cache_cpu_hit_rate']:.1%} from the CPU tier)"
     print(f"{s['completed']} requests finished, {s['rejected']} rejected in {s['duration']:.3f} s "
           f"({args.clock} clock): {s['output_throughput']:.1f} output tok/s, "
           f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
-          f"{s['num_preemptions']} preemptions -> {out}")
+          f"{s['num_preemptions']} preemptions{hits} -> {out}")
     return 0

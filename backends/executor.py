@@ -1,8 +1,11 @@
 """The real executor: one scheduler step on the model runner, timed.
 
 `RealExecutor.execute(output)` does what the scheduler decided, in the order the block
-manager assumes: swap-outs (GPU -> CPU), swap-ins (CPU -> GPU), copy-on-write block copies,
-then one forward pass over the flattened batch, then sampling. It answers with the tokens
+manager assumes: offloads of evicted prefix blocks to the CPU tier (first of all: the
+step's other moves may write the GPU blocks they read, a load into a block evicted in the
+same step included), swap-outs (GPU -> CPU), swap-ins (CPU -> GPU), loads of CPU-tier
+prefix hits (into blocks the swap-outs may have freed), copy-on-write block copies, then
+one forward pass over the flattened batch, then sampling. It answers with the tokens
 drawn per sequence, the samples that drew EOS, and how long the step took — the same
 `StepResult` the simulator's cost model produces, so `engine_step` drives both alike.
 
@@ -146,8 +149,10 @@ class RealExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         runner = self.runner
         self.timer.start()
+        runner.offload(out.offload)
         runner.swap_out(out.swap_out)
         runner.swap_in(out.swap_in)
+        runner.load(out.load)
         runner.copy_blocks(out.copies)
         sampled: dict[SeqId, list[int]] = {}
         stopped: set[SeqId] = set()

@@ -1,13 +1,17 @@
-"""The paged KV cache as tensors: a device pool, a CPU swap pool, and block moves between them.
+"""The paged KV cache as tensors: a device pool, two host pools, and block moves between them.
 
-Both pools hold all layers in one tensor per K and V, shaped
+The host pools are the CPU swap pool (preempted sequences' KV, `swap_out` / `swap_in`) and
+the CPU tier of the prefix cache (prefix blocks evicted from the device, `offload` /
+`load`). The block manager numbers their blocks separately, so they are separate tensors.
+
+Every pool holds all layers in one tensor per K and V, shaped
 `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, so `layer(i)` is a view and
 a block move touches every layer with one gather and one scatter per pool (no Python loop
 over layers x blocks). The block ids are the ones the block manager hands out; this class
 only executes the moves the scheduler asked for.
 
 Memory: 2 x num_layers x num_blocks x block_size x num_kv_heads x head_dim x dtype bytes per
-pool. The CPU pool is pinned when the device is CUDA, so swaps run at full PCIe speed.
+pool. The host pools are pinned when the device is CUDA, so moves run at full PCIe speed.
 """
 from __future__ import annotations
 
@@ -17,19 +21,22 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
-    """Per-layer K/V cache tensors on `device` plus an optional CPU swap pool.
+    """Per-layer K/V cache tensors on `device` plus an optional CPU swap pool
+    (`num_cpu_blocks`) and an optional CPU tier of the prefix cache (`num_host_blocks`).
 
-    With `poison=True` every slot (device and CPU) starts as NaN: a kernel or model that
+    With `poison=True` every slot (device and host) starts as NaN: a kernel or model that
     reads a slot nobody wrote then produces NaN, which tests can see. Poisoning needs a
     floating dtype and costs one fill per pool at creation.
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 num_cpu_blocks: int = 0, poison: bool = False) -> None:
+                 num_cpu_blocks: int = 0, num_host_blocks: int = 0,
+                 poison: bool = False) -> None:
         for name, value, low in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 1),
                                  ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
-                                 ("head_dim", head_dim, 1), ("num_cpu_blocks", num_cpu_blocks, 0)):
+                                 ("head_dim", head_dim, 1), ("num_cpu_blocks", num_cpu_blocks, 0),
+                                 ("num_host_blocks", num_host_blocks, 0)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"KVCache.{name} must be an int >= {low}, got {value!r}")
         if not dtype.is_floating_point:
@@ -38,14 +45,20 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        cpu_shape = (num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.num_host_blocks = num_host_blocks
+        block = (block_size, num_kv_heads, head_dim)
         pin = self.device.type == "cuda"
         fill = float("nan") if poison else 0.0
-        self.k = torch.full(shape, fill, dtype=dtype, device=self.device)
-        self.v = torch.full(shape, fill, dtype=dtype, device=self.device)
-        self.cpu_k = torch.full(cpu_shape, fill, dtype=dtype, pin_memory=pin)
-        self.cpu_v = torch.full(cpu_shape, fill, dtype=dtype, pin_memory=pin)
+        self.k = torch.full((num_layers, num_blocks, *block), fill, dtype=dtype, device=self.device)
+        self.v = torch.full((num_layers, num_blocks, *block), fill, dtype=dtype, device=self.device)
+        self.cpu_k = torch.full((num_layers, num_cpu_blocks, *block), fill, dtype=dtype,
+                                pin_memory=pin)
+        self.cpu_v = torch.full((num_layers, num_cpu_blocks, *block), fill, dtype=dtype,
+                                pin_memory=pin)
+        self.host_k = torch.full((num_layers, num_host_blocks, *block), fill, dtype=dtype,
+                                 pin_memory=pin)
+        self.host_v = torch.full((num_layers, num_host_blocks, *block), fill, dtype=dtype,
+                                 pin_memory=pin)
 
     @property
     def num_layers(self) -> int:
@@ -79,26 +92,43 @@ class KVCache:
         return torch.empty(shape, dtype=self.k.dtype, pin_memory=self.device.type == "cuda")
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies device blocks to CPU blocks, given (gpu_block, cpu_block) pairs."""
+        """Copies device blocks to swap-pool blocks, given (gpu_block, cpu_block) pairs."""
+        self._to_host(pairs, "swap_out", self.cpu_k, self.cpu_v)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies swap-pool blocks back to device blocks, given (cpu_block, gpu_block) pairs."""
+        self._from_host(pairs, "swap_in", self.cpu_k, self.cpu_v)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies evicted prefix blocks to the CPU tier, given (gpu_block, host_block) pairs."""
+        self._to_host(pairs, "offload", self.host_k, self.host_v)
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies CPU-tier prefix hits back to device blocks, given (host_block, gpu_block)
+        pairs."""
+        self._from_host(pairs, "load", self.host_k, self.host_v)
+
+    def _to_host(self, pairs: list[tuple[int, int]], what: str, host_k: torch.Tensor,
+                 host_v: torch.Tensor) -> None:
         if not pairs:
             return
-        src, dst = self._indices(pairs, "swap_out", self.num_blocks, self.num_cpu_blocks)
+        src, dst = self._indices(pairs, what, self.num_blocks, host_k.shape[1])
         src = src.to(self.device)
-        for pool, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
+        for pool, host in ((self.k, host_k), (self.v, host_v)):
             gathered = pool.index_select(1, src)
             staged = self._host_buffer(gathered.shape)
             staged.copy_(gathered)
-            cpu.index_copy_(1, dst, staged)
+            host.index_copy_(1, dst, staged)
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies CPU blocks back to device blocks, given (cpu_block, gpu_block) pairs."""
+    def _from_host(self, pairs: list[tuple[int, int]], what: str, host_k: torch.Tensor,
+                   host_v: torch.Tensor) -> None:
         if not pairs:
             return
-        src, dst = self._indices(pairs, "swap_in", self.num_cpu_blocks, self.num_blocks)
+        src, dst = self._indices(pairs, what, host_k.shape[1], self.num_blocks)
         dst = dst.to(self.device)
-        for pool, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
-            staged = self._host_buffer((cpu.shape[0], len(pairs), *cpu.shape[2:]))
-            torch.index_select(cpu, 1, src, out=staged)
+        for pool, host in ((self.k, host_k), (self.v, host_v)):
+            staged = self._host_buffer((host.shape[0], len(pairs), *host.shape[2:]))
+            torch.index_select(host, 1, src, out=staged)
             pool.index_copy_(1, dst, staged.to(self.device))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -255,14 +255,14 @@ class ModelRunner:
     fails before the (slow) load. Without a checkpoint the weights are seeded random
     (`seed`), so any catalog model can be timed without downloads.
 
-    Per engine step the executor calls `swap_out`, `swap_in`, `copy_blocks` (the
-    scheduler's block moves, in that order), then `run`, then `sampling.sample` on the
-    logits of the sequences that draw a token.
+    Per engine step the executor calls `offload`, `swap_out`, `swap_in`, `load`,
+    `copy_blocks` (the scheduler's block moves, in that order), then `run`, then
+    `sampling.sample` on the logits of the sequences that draw a token.
     """
 
     def __init__(self, spec: ModelSpec, *, device: str | torch.device,
                  dtype: str | torch.dtype, num_gpu_blocks: int, num_cpu_blocks: int = 0,
-                 block_size: int = 16, use_triton: bool, checkpoint: str | Path | None = None,
+                 num_host_blocks: int = 0, block_size: int = 16, use_triton: bool, checkpoint: str | Path | None = None,
                  seed: int = 0, poison_kv: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -275,7 +275,8 @@ class ModelRunner:
         self.kv_cache = KVCache(num_layers=spec.num_layers, num_blocks=num_gpu_blocks,
                                 block_size=block_size, num_kv_heads=spec.num_kv_heads,
                                 head_dim=spec.head_dim, dtype=self.dtype, device=self.device,
-                                num_cpu_blocks=num_cpu_blocks, poison=poison_kv)
+                                num_cpu_blocks=num_cpu_blocks,
+                                num_host_blocks=num_host_blocks, poison=poison_kv)
         self.model = CausalLM(spec, device=self.device, dtype=self.dtype)
         if plan is not None:
             load_checkpoint(self.model, plan, spec)
@@ -336,3 +337,9 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(pairs)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        self.kv_cache.offload(pairs)
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        self.kv_cache.load(pairs)

@@ -17,12 +17,15 @@ Clocks:
   sleeps when idle; the gaps between steps include the scheduler's own CPU time.
 
 The run directory holds the files `servelab simulate` writes: config.json, summary.json,
-requests.csv, steps.csv, plus outputs.jsonl (each request's token ids per sample).
+requests.csv, steps.csv, plus outputs.jsonl (each request's token ids per sample). With
+prefix caching, requests.csv says how many prompt tokens each request found cached and how
+many of those came from the CPU tier (`kv_offload_gb`), and summary.json the hit rates.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -38,11 +41,13 @@ from servelab.atomic import atomic_path
 from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
+from servelab.backends.host_pools import check_host_memory, host_tier_blocks
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
 from servelab.backends.sampling import SamplingParams
 from servelab.backends.weights import resolve_device, resolve_dtype
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import Replay, engine_loop, run_to_end
+from servelab.host_memory import check_prefix_block_sizes
 from servelab.memory.base import BlockUsage
 from servelab.models import ModelSpec, load_model_spec
 from servelab.options import OUTPUT_FORMATS
@@ -84,6 +89,10 @@ class RealRunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: Mapping = field(default_factory=dict)
     """CacheConfig keyword arguments; a missing or None num_gpu_blocks is derived."""
+    kv_offload_gb: float = 0.0
+    """GiB of host memory for the CPU tier of the prefix cache (`--kv-offload-gb`; 0: none):
+    prefix blocks evicted from the device are copied there and loaded back on a hit. Sets
+    the cache's num_host_blocks; needs enable_prefix_caching. Pinned when the device is CUDA."""
     policy: str = "fcfs"
     policy_options: Mapping = field(default_factory=dict)
     sampling: SamplingParams = SamplingParams()
@@ -116,6 +125,14 @@ class RealRunConfig:
             raise ValueError(f"RealRunConfig.seed must be an int >= 0, got {self.seed!r}")
         if self.model is None and self.checkpoint is None:
             raise ValueError("RealRunConfig needs a model or a checkpoint")
+        gb = self.kv_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 <= gb < math.inf:
+            raise ValueError(f"RealRunConfig.kv_offload_gb must be a finite number >= 0, got {gb!r}")
+        if self.kv_offload_gb and not self.cache.get("enable_prefix_caching"):
+            raise ValueError("RealRunConfig.kv_offload_gb: a CPU tier holds prefix-cache blocks "
+                             "and needs enable_prefix_caching (--prefix-caching)")
+        if self.kv_offload_gb and self.cache.get("num_host_blocks"):
+            raise ValueError("RealRunConfig: give kv_offload_gb or cache num_host_blocks, not both")
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"RealRunConfig.output_format must be one of {OUTPUT_FORMATS}, "
                              f"got {self.output_format!r}")
@@ -134,6 +151,10 @@ class RealRunResult:
     num_recompute_preemptions: int
     num_swapped_blocks: int
     num_copied_blocks: int
+    num_offloaded_blocks: int
+    """Prefix blocks copied from the device to the CPU tier (evicted there)."""
+    num_loaded_blocks: int
+    """CPU-tier prefix hits copied back to the device."""
     block_usage: BlockUsage
     """The block manager's statistics at the end (prefix queries and hits are cumulative)."""
     config: dict
@@ -177,24 +198,6 @@ def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dt
                               reserve_bytes=reserve, block_bytes=block_bytes,
                               where=f"{spec.name} on {device}",
                               hint="pass --kv-blocks or use a smaller model")
-
-
-def _check_host_memory(spec: ModelSpec, dtype: torch.dtype, cache: CacheConfig) -> None:
-    """Refuse a CPU run whose weights and KV pools cannot fit in the memory available now
-    (the kernel would kill the process mid-allocation). Linux only; elsewhere a no-op."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return
-    elem = torch.empty((), dtype=dtype).element_size()
-    kv = spec.kv_bytes_per_token(elem) * cache.block_size * (cache.num_gpu_blocks
-                                                             + cache.num_cpu_blocks)
-    needed = spec.num_params * elem + kv
-    if needed > available:
-        gib = 2**30
-        raise RunSetupError(f"{spec.name} in {str(dtype).removeprefix('torch.')} needs "
-                            f"{needed / gib:.1f} GiB of host memory (weights + KV pools), "
-                            f"{available / gib:.1f} GiB is available")
 
 
 def _warm_up(runner: ModelRunner) -> None:
@@ -250,7 +253,13 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         if not num_blocks:
             num_blocks = derive_num_gpu_blocks(spec, device, dtype, block_size, sched_cfg,
                                                config.gpu_memory_utilization)
+        if config.kv_offload_gb:
+            cache_kwargs["num_host_blocks"] = host_tier_blocks(config.kv_offload_gb, spec, dtype,
+                                                               block_size)
         cache_cfg = CacheConfig(**{**cache_kwargs, "num_gpu_blocks": num_blocks})
+        check_host_memory(spec, device, dtype, cache_cfg, config.kv_offload_gb)
+        if cache_cfg.enable_prefix_caching and requests is None and config.trace is not None:
+            check_prefix_block_sizes(config.trace, block_size)
         scheduler = build_scheduler(sched_cfg, cache_cfg, config.policy,
                                     dict(config.policy_options), emit_block_tables=True,
                                     keep_token_times=True)
@@ -265,13 +274,12 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
             raise RunSetupError(f"max_model_len {sched_cfg.max_model_len} exceeds {spec.name}'s "
                                 f"sliding window of {window} tokens; only full attention is "
                                 f"implemented: use max_model_len <= {window}")
-        if device.type == "cpu":
-            _check_host_memory(spec, dtype, cache_cfg)
         live = {r.request_id: with_prompt_tokens(r, spec.vocab_size, config.seed) for r in requests}
         if len(live) != len(requests):
             raise RunSetupError("request ids must be unique")
         runner = ModelRunner(spec, device=device, dtype=dtype, num_gpu_blocks=num_blocks,
-                             num_cpu_blocks=cache_cfg.num_cpu_blocks, block_size=block_size,
+                             num_cpu_blocks=cache_cfg.num_cpu_blocks,
+                             num_host_blocks=cache_cfg.num_host_blocks, block_size=block_size,
                              use_triton=use_triton, checkpoint=config.checkpoint, seed=config.seed)
     eos = spec.hf_config.get("eos_token_id")
     executor = RealExecutor(runner, live, config.sampling, replay=config.replay,
@@ -307,6 +315,8 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         num_recompute_preemptions=preempted[PreemptionMode.RECOMPUTE],
         num_swapped_blocks=sum(s.num_swap_blocks for s in steps),
         num_copied_blocks=sum(s.num_copy_blocks for s in steps),
+        num_offloaded_blocks=sum(s.num_offload_blocks for s in steps),
+        num_loaded_blocks=sum(s.num_load_blocks for s in steps),
         block_usage=scheduler.bm.usage(), config=described, out_dir=out)
 
 
@@ -365,6 +375,8 @@ def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton,
         "slo_ttft_ms": config.slo_ttft_ms, "slo_tpot_ms": config.slo_tpot_ms,
         "cli_args": dict(config.cli_args) if config.cli_args is not None else None,
     }
+    if config.kv_offload_gb:   # so that configs without a CPU tier read as before
+        given["kv_offload_gb"] = config.kv_offload_gb
     derived = {
         "model": {k: v for k, v in asdict(spec).items() if k != "hf_config"},
         "hf_config": spec.hf_config,
