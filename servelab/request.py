@@ -161,8 +161,9 @@ class Request:
             if trace_bs % block_size == 0:  # every block lies inside one hashed region
                 per = trace_bs // block_size
                 first, stop = start // per, -(-n_full // per)
-                keys = [h * trace_bs + j for h in hashes[first:stop]
-                        for j in range(0, trace_bs, block_size)]
+                keys = []
+                for h in hashes[first:stop]:   # a region's keys in one C-level extend
+                    keys += range(h * trace_bs, (h + 1) * trace_bs, block_size)
                 return keys[start - first * per:n_full - first * per]
             out = []
             for i in range(start, n_full):
