@@ -7,11 +7,12 @@ one block at a time through the interpreter; on a long-prompt trace that was a t
 a run. Here a park appends one *segment* (a list of blocks sharing a segment number), a
 removal only clears the block's segment number (the stale entry is skipped later), and
 `pop_oldest` slices the oldest segments, keeping the blocks whose number still matches:
-list slices and comprehensions, run in C.
+list slices and one tight loop per segment.
 
-Cost: `park` O(blocks) in one comprehension; `remove` O(1); `pop_oldest(n)` O(n + stale
-entries skipped); memory O(live + stale entries), with stale entries dropped whenever
-they outnumber the live ones and the blocks (amortised O(1) per entry).
+Cost: `park` O(blocks) in one loop; `remove` O(1); `pop_oldest(n)` O(n + stale entries
+skipped), in slices between runs of stale entries; memory O(live + stale entries), with
+stale entries dropped whenever they outnumber the live ones and the blocks (amortised
+O(1) per entry).
 """
 from __future__ import annotations
 
@@ -71,20 +72,21 @@ class BlockLRU:
         while len(out) < n:
             seg, blocks = segments[0]
             pos = self._head
-            want = n - len(out)
-            chunk = blocks[pos:pos + want]
-            live = [b for b in chunk if seg_of[b] == seg]
-            if len(live) == len(chunk):
-                pos += len(chunk)
-            else:   # stale entries in the chunk: take blocks one by one up to `want`
-                live = []
-                while pos < len(blocks) and len(live) < want:
-                    b = blocks[pos]
-                    pos += 1
-                    if seg_of[b] == seg:
-                        live.append(b)
-            for b in live:
+            live = blocks[pos:pos + n - len(out)]
+            for b in live:   # taken out as they are checked, up to the first stale entry
+                if seg_of[b] != seg:
+                    break
                 seg_of[b] = 0
+            else:
+                b = None
+            if b is None:
+                pos += len(live)
+            else:   # a stale entry: keep the blocks before it, skip the stale run, slice again
+                i = live.index(b)   # a segment lists a block once
+                del live[i:]
+                pos += i + 1
+                while pos < len(blocks) and seg_of[blocks[pos]] != seg:
+                    pos += 1
             out += live
             if pos >= len(blocks):
                 segments.popleft()

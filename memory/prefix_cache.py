@@ -254,15 +254,14 @@ class PrefixCache(CacheIndex):
         chain_hashes = keys.hashes[start:end]
         if self._watches:
             self._notify(chain_hashes)
-        if by_hash.keys().isdisjoint(chain_hashes):
+        if chain_hashes[0] not in by_hash:   # a run meeting an entry mostly starts on one
             size = len(by_hash)
             by_hash.update(zip(chain_hashes, blocks[start:end]))
-            if len(by_hash) - size == end - start:
+            if len(by_hash) - size == end - start:   # every hash was free, none repeats
                 if self.host is not None:
                     self.host.discard_hashes(chain_hashes)
                 return self._commit_new(blocks, keys, start, end, parent_id, chain_hashes)
-            for h in chain_hashes:   # a hash repeats inside the run (a collision): undo
-                by_hash.pop(h, None)
+            self._undo_update(chain_hashes)
         hashes, entry_ids = self.hash, self.entry_id
         parent_ids, stored = self.parent_id, self.content
         contents = keys.keys
@@ -311,6 +310,22 @@ class PrefixCache(CacheIndex):
             entry_id += 1
         self._next_entry_id = entry_id
         return ChainLink(end, parent_id, False)
+
+    def _undo_update(self, chain_hashes: list[int]) -> None:
+        """Put the hash map back as it was before `commit` entered `chain_hashes` in
+        bulk: a hash that some block held maps to that block again (the per-block hashes
+        still say which), the others go. O(num_blocks), on the rare run that meets a
+        taken or repeated hash past its first (the common run pays one look-up before its
+        bulk update, not one per block)."""
+        wanted = set(chain_hashes)
+        held = {h: b for b, h in enumerate(self.hash) if h in wanted}
+        by_hash = self.block_of_hash
+        for h in chain_hashes:
+            b = held.get(h)
+            if b is None:
+                by_hash.pop(h, None)
+            else:
+                by_hash[h] = b
 
     def adopt(self, block: int, entry: Entry) -> None:
         """Enter an entry that moves in from the host tier for a (referenced) block."""

@@ -139,12 +139,16 @@ class Request:
         what they already have, `start` = the number of keys they hold).
 
         With token ids a block's content is its tokens. With only trace prefix hashes
-        (e.g. Mooncake's 512-token `hash_ids`) a block inside hashed region k starting j
-        tokens into it is the integer hash_k * region_size + j (0 <= j < region_size, so
-        equal keys mean equal hash and offset: equal content as the trace intends; an int
-        is the cheapest key to build, hash and free, which long prompts need); a block
-        spanning several regions is (their hashes, j). Without either, nothing is
-        cacheable and the list is empty. O(blocks returned).
+        (e.g. Mooncake's 512-token `hash_ids`) the first block of hashed region k is the
+        integer hash_k * region_size and the i-th after it just i (1 <= i < region_size /
+        block_size). A key is only ever compared with the key at the same position under
+        an equal chain before it (a prefix cache's parent check), where the region and
+        the offset are the same, so the region's hash, checked at its first block, need
+        not repeat: equal chains of keys still mean equal content as the trace intends.
+        Small ints are shared objects, so a long prompt's keys are built, hashed and
+        freed without allocating one per block. A block spanning several regions is
+        (their hashes, j), j tokens into the first. Without either, nothing is cacheable
+        and the list is empty. O(blocks returned).
         """
         n_full = seq.num_tokens // block_size
         if self.prompt_token_ids is not None:
@@ -161,8 +165,11 @@ class Request:
             if trace_bs % block_size == 0:  # every block lies inside one hashed region
                 per = trace_bs // block_size
                 first, stop = start // per, -(-n_full // per)
-                keys = [h * trace_bs + j for h in hashes[first:stop]
-                        for j in range(0, trace_bs, block_size)]
+                later = range(1, per)
+                keys = []
+                for h in hashes[first:stop]:
+                    keys.append(h * trace_bs)
+                    keys += later
                 return keys[start - first * per:n_full - first * per]
             out = []
             for i in range(start, n_full):

@@ -8,6 +8,7 @@ from servelab.config import CacheConfig
 from servelab.memory import (AllocStatus, BlockManagerError, ContiguousBlockManager,
                              PagedBlockManager, make_block_manager)
 from servelab.memory import prefix_cache
+from servelab.request import Request
 
 OK, LATER, NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
 
@@ -170,6 +171,23 @@ def test_hash_that_ignores_the_prefix_cannot_cause_a_wrong_hit(monkeypatch):
     cached_seq(m, "b", [9, 9, 7, 7, 0])
     assert m.allocate("c", 5, [(9, 9), (3, 4)]) == 2          # (9, 9) hits, (3, 4) must not
     assert m.block_table("c")[0] == m.block_table("b")[0]
+    m.check_invariants()
+
+
+def test_trace_hash_keys_hit_only_under_an_equal_chain():
+    # Past a region's first block a trace-hash key is just its index in the region, so
+    # equal keys at one position are common; only an equal chain before them may hit.
+    bs = 4
+    reqs = [Request(i, 0.0, 48, 1, prefix_hashes=h, prefix_block_size=16)
+            for i, h in enumerate([(5, 7, 9), (5, 8, 9), (5, 7, 10)])]
+    keys = [r.block_contents(r.seqs[0], bs) for r in reqs]
+    assert keys[0] == [80, 1, 2, 3, 112, 1, 2, 3, 144, 1, 2, 3]
+    assert keys[0][:6] + reqs[0].block_contents(reqs[0].seqs[0], bs, 6) == keys[0]
+    m = PagedBlockManager(bs, 40, enable_prefix_caching=True)
+    m.allocate("a", 48, keys[0])
+    m.mark_computed("a", 48)
+    assert m.allocate("b", 48, keys[1]) == 16      # region 5; not region 9 after 8
+    assert m.allocate("c", 48, keys[2]) == 32      # regions 5 and 7
     m.check_invariants()
 
 
