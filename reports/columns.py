@@ -16,6 +16,7 @@ from operator import attrgetter
 import numpy as np
 
 from servelab.record_table import RecordTable, describe_record, stored_fields
+from servelab.records import RequestRecord
 
 REQUEST_STATUSES = ("finished", "rejected")
 

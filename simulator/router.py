@@ -17,7 +17,7 @@ Ties go to the lowest index, so routing is deterministic.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Hashable, Sequence
+from typing import ClassVar, Sequence
 
 from servelab.request import Request
 
