@@ -139,12 +139,14 @@ class Request:
         what they already have, `start` = the number of keys they hold).
 
         With token ids a block's content is its tokens. With only trace prefix hashes
-        (e.g. Mooncake's 512-token `hash_ids`) the first block of hashed region k is the
-        integer hash_k * region_size and the i-th after it just i (1 <= i < region_size /
+        (e.g. Mooncake's 512-token `hash_ids`) the first block of hashed region k is
+        (hash_k, region_size) and the i-th after it just i (1 <= i < region_size /
         block_size). A key is only ever compared with the key at the same position under
-        an equal chain before it (a prefix cache's parent check), where the region and
-        the offset are the same, so the region's hash, checked at its first block, need
-        not repeat: equal chains of keys still mean equal content as the trace intends.
+        an equal chain before it (a prefix cache's parent check), where the offset is
+        the same for one region size, and the size in the region's first key keeps
+        traces that mix sizes apart; so the region's hash, checked at its first block,
+        need not repeat: equal chains of keys still mean equal content as the trace
+        intends.
         Small ints are shared objects, so a long prompt's keys are built, hashed and
         freed without allocating one per block. A block spanning several regions is
         (their hashes, j), j tokens into the first. Without either, nothing is cacheable
@@ -168,7 +170,7 @@ class Request:
                 later = range(1, per)
                 keys = []
                 for h in hashes[first:stop]:
-                    keys.append(h * trace_bs)
+                    keys.append((h, trace_bs))   # the size too: traces may mix sizes
                     keys += later
                 return keys[start - first * per:n_full - first * per]
             out = []

@@ -181,13 +181,26 @@ def test_trace_hash_keys_hit_only_under_an_equal_chain():
     reqs = [Request(i, 0.0, 48, 1, prefix_hashes=h, prefix_block_size=16)
             for i, h in enumerate([(5, 7, 9), (5, 8, 9), (5, 7, 10)])]
     keys = [r.block_contents(r.seqs[0], bs) for r in reqs]
-    assert keys[0] == [80, 1, 2, 3, 112, 1, 2, 3, 144, 1, 2, 3]
+    assert keys[0] == [(5, 16), 1, 2, 3, (7, 16), 1, 2, 3, (9, 16), 1, 2, 3]
     assert keys[0][:6] + reqs[0].block_contents(reqs[0].seqs[0], bs, 6) == keys[0]
     m = PagedBlockManager(bs, 40, enable_prefix_caching=True)
     m.allocate("a", 48, keys[0])
     m.mark_computed("a", 48)
     assert m.allocate("b", 48, keys[1]) == 16      # region 5; not region 9 after 8
     assert m.allocate("c", 48, keys[2]) == 32      # regions 5 and 7
+    m.check_invariants()
+
+
+def test_trace_hash_keys_of_different_region_sizes_never_meet():
+    # hashes (2, 3) in 8-token regions and (1, 9) in 16-token regions: as integers
+    # (hash x size) their first keys were both 16 and their blocks shared a chain
+    bs = 4
+    a = Request(0, 0.0, 16, 1, prefix_hashes=(2, 3), prefix_block_size=8)
+    b = Request(1, 0.0, 16, 1, prefix_hashes=(1,), prefix_block_size=16)
+    m = PagedBlockManager(bs, 40, enable_prefix_caching=True)
+    m.allocate("a", 16, a.block_contents(a.seqs[0], bs))
+    m.mark_computed("a", 16)
+    assert m.allocate("b", 16, b.block_contents(b.seqs[0], bs)) == 0
     m.check_invariants()
 
 
