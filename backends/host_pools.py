@@ -48,12 +48,19 @@ def available_host_bytes() -> int | None:
         return None
 
 
+def _pinned(pool_bytes: int) -> int:
+    """Host memory a pinned pool takes: its K and V tensors, each rounded up to a power
+    of two by torch's caching host allocator (`pin_memory=True`)."""
+    half = pool_bytes // 2
+    return 2 * (1 << (half - 1).bit_length()) if half else 0
+
+
 def check_host_memory(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                       cache: CacheConfig, kv_offload_gb: float) -> None:
     """Refuse a run whose host allocations cannot fit in the memory available now (the
     kernel would kill the process mid-allocation, or pinning would fail): on a CPU the
-    weights and every KV pool, on CUDA the swap pool and the CPU tier of the prefix cache.
-    A no-op where the available memory cannot be read."""
+    weights and every KV pool, on CUDA the swap pool and the CPU tier of the prefix cache,
+    pinned (see `_pinned`). A no-op where the available memory cannot be read."""
     available = available_host_bytes()
     if available is None:
         return
@@ -61,8 +68,9 @@ def check_host_memory(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
     block_bytes = spec.kv_bytes_per_token(elem) * cache.block_size
     parts = {"weights": spec.num_params * elem, "KV pool": cache.num_gpu_blocks * block_bytes} \
         if device.type == "cpu" else {}
-    parts["swap pool"] = cache.num_cpu_blocks * block_bytes
-    parts["CPU tier"] = cache.num_host_blocks * block_bytes
+    pooled = _pinned if device.type == "cuda" else (lambda nbytes: nbytes)
+    parts["swap pool"] = pooled(cache.num_cpu_blocks * block_bytes)
+    parts["CPU tier"] = pooled(cache.num_host_blocks * block_bytes)
     needed = sum(parts.values())
     if needed <= available:
         return

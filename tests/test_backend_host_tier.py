@@ -220,3 +220,29 @@ def test_cli_bad_kv_offload_gb_exits_2_with_one_line(tmp_path, capsys, args, mes
     assert err.startswith("servelab run: error: ") and "\n" not in err, err
     assert re.search(message, err), err
     assert not out.exists()
+
+
+def test_host_memory_check_counts_pinned_pools_as_the_allocator_rounds_them(monkeypatch):
+    """On CUDA the weights and the KV pool live on the GPU; the swap pool and the CPU tier
+    are pinned host tensors (K and V), each rounded up to a power of two."""
+    from servelab.backends import host_pools
+    from servelab.config import CacheConfig
+
+    spec = load_model_spec("llama-3.1-8b")
+    block = spec.kv_bytes_per_token(2) * 4
+    cache = CacheConfig(block_size=4, num_gpu_blocks=10**6, num_cpu_blocks=3,
+                        enable_prefix_caching=True, num_host_blocks=5)
+    # 3 blocks: K and V of 1.5 blocks each -> 2 blocks each; 5 -> 2.5 -> 4 each
+    pinned = (2 * 2 + 2 * 4) * block          # block (128 KiB x 4) is a power of two
+
+    def check(available, device):
+        monkeypatch.setattr(host_pools, "available_host_bytes", lambda: available)
+        host_pools.check_host_memory(spec, torch.device(device), torch.bfloat16, cache, 1.0)
+
+    check(pinned, "cuda")                      # exactly enough: the GPU pool is not counted
+    with pytest.raises(ValueError, match="CPU tier"):
+        check(pinned - 1, "cuda")
+    unpinned = (3 + 5) * block + spec.num_params * 2 + 10**6 * block
+    check(unpinned, "cpu")                     # on a CPU: weights and every pool, unrounded
+    with pytest.raises(ValueError, match="weights"):
+        check(unpinned - 1, "cpu")
