@@ -12,12 +12,17 @@ only executes the moves the scheduler asked for.
 
 Memory: 2 x num_layers x num_blocks x block_size x num_kv_heads x head_dim x dtype bytes per
 pool. The host pools are pinned when the device is CUDA, so moves run at full PCIe speed.
+A move goes TRANSFER_BYTES at a time, so its temporaries stay small however many blocks
+a step moves.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "TRANSFER_BYTES"]
+
+TRANSFER_BYTES = 64 << 20
+"""Most bytes of K (and as many of V) one block move gathers and stages at once."""
 
 
 class KVCache:
@@ -108,28 +113,38 @@ class KVCache:
         pairs."""
         self._from_host(pairs, "load", self.host_k, self.host_v)
 
+    def _chunks(self, src: torch.Tensor, dst: torch.Tensor):
+        """(src, dst) index slices of at most TRANSFER_BYTES of K (or V) each: a long
+        prompt can move thousands of blocks in one step, and the device gather and the
+        pinned staging buffer hold one chunk, not all of them. (Source and destination
+        are in different pools, so the chunks cannot see each other's writes.)"""
+        per_block = self.k[:, :1].numel() * self.k.element_size()
+        n = max(1, TRANSFER_BYTES // per_block)
+        for start in range(0, len(src), n):
+            yield src[start:start + n], dst[start:start + n]
+
     def _to_host(self, pairs: list[tuple[int, int]], what: str, host_k: torch.Tensor,
                  host_v: torch.Tensor) -> None:
         if not pairs:
             return
         src, dst = self._indices(pairs, what, self.num_blocks, host_k.shape[1])
-        src = src.to(self.device)
-        for pool, host in ((self.k, host_k), (self.v, host_v)):
-            gathered = pool.index_select(1, src)
-            staged = self._host_buffer(gathered.shape)
-            staged.copy_(gathered)
-            host.index_copy_(1, dst, staged)
+        for src, dst in self._chunks(src.to(self.device), dst):
+            for pool, host in ((self.k, host_k), (self.v, host_v)):
+                gathered = pool.index_select(1, src)
+                staged = self._host_buffer(gathered.shape)
+                staged.copy_(gathered)
+                host.index_copy_(1, dst, staged)
 
     def _from_host(self, pairs: list[tuple[int, int]], what: str, host_k: torch.Tensor,
                    host_v: torch.Tensor) -> None:
         if not pairs:
             return
         src, dst = self._indices(pairs, what, host_k.shape[1], self.num_blocks)
-        dst = dst.to(self.device)
-        for pool, host in ((self.k, host_k), (self.v, host_v)):
-            staged = self._host_buffer((host.shape[0], len(pairs), *host.shape[2:]))
-            torch.index_select(host, 1, src, out=staged)
-            pool.index_copy_(1, dst, staged.to(self.device))
+        for src, dst in self._chunks(src, dst.to(self.device)):
+            for pool, host in ((self.k, host_k), (self.v, host_v)):
+                staged = self._host_buffer((host.shape[0], len(src), *host.shape[2:]))
+                torch.index_select(host, 1, src, out=staged)
+                pool.index_copy_(1, dst, staged.to(self.device))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copies device block src to device block dst, given (src, dst) pairs.

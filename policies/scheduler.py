@@ -381,7 +381,8 @@ class Scheduler:
     def _freeable(self, victims: list[Request], running: dict[int, Request]) -> int:
         """GPU blocks that preempting every one of `victims` would free: those no other
         running request holds, each counted once (samples of one request share their
-        prompt's blocks, and prefix caching shares blocks across requests)."""
+        prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
+        the running requests), paid only in a step whose waiting head does not fit."""
         table = self.bm.block_table
 
         def blocks(reqs) -> set[int]:

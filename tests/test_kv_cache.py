@@ -55,6 +55,28 @@ def test_swap_out_overwrite_swap_in_restores_exactly():
         assert torch.equal(cache.v[:, untouched], before_v[:, untouched])
 
 
+def test_moves_go_a_chunk_at_a_time_with_the_same_result(monkeypatch):
+    """With room for one block per chunk, every move takes several chunks; the blocks
+    land exactly where one gather and one scatter put them."""
+    from servelab.backends import kv_cache
+
+    pairs_out, pairs_in = [(6, 2), (1, 0), (3, 3)], [(0, 5), (2, 1), (3, 7)]
+    whole = filled_cache()
+    whole.swap_out(pairs_out)
+    whole.swap_in(pairs_in)
+    sizes = []
+    original = KVCache._host_buffer
+    monkeypatch.setattr(KVCache, "_host_buffer",
+                        lambda self, shape: sizes.append(shape[1]) or original(self, shape))
+    monkeypatch.setattr(kv_cache, "TRANSFER_BYTES", LAYERS * BLOCK_SIZE * HEADS * DIM * 4)
+    chunked = filled_cache()
+    chunked.swap_out(pairs_out)
+    chunked.swap_in(pairs_in)
+    assert sizes == [1] * 12                  # 3 blocks x K and V x out and in
+    for name in ("k", "v", "cpu_k", "cpu_v"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name))
+
+
 def test_copy_blocks_reads_all_sources_before_writing():
     cache = filled_cache()
     before_k, before_v = cache.k.clone(), cache.v.clone()
