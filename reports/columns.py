@@ -36,8 +36,7 @@ class RequestArrays:
             bad = np.array([s in unknown for s in statuses])
             got = statuses[int(bad.argmax())]
             self._fail(bad, f"status must be one of {REQUEST_STATUSES}, got {got!r}")
-        self.finished = np.fromiter(map("finished".__eq__, statuses), dtype=bool,
-                                    count=len(statuses))
+        self.finished = finished_mask(statuses)
         self.tenants = column(requests, "tenant")
         if not all(isinstance(t, str) for t in set(self.tenants)):
             bad = np.array([not isinstance(t, str) for t in self.tenants])
@@ -96,6 +95,14 @@ def column(records: Sequence, name: str) -> list:
             return [None if v != v else int(v) for v in values]
         return [None if v != v else v for v in values] if any(v != v for v in values) else values
     return list(map(attrgetter(name), records))
+
+
+def finished_mask(records_or_statuses: Sequence) -> np.ndarray:
+    """True where a request finished: of records, or of their `status` column."""
+    statuses = records_or_statuses
+    if len(statuses) and not isinstance(statuses[0], str):
+        statuses = column(records_or_statuses, "status")
+    return np.fromiter(map("finished".__eq__, statuses), dtype=bool, count=len(statuses))
 
 
 def floats(records: Sequence, name: str) -> np.ndarray:

@@ -63,7 +63,8 @@ from typing import Any
 import numpy as np
 
 from servelab.records import RequestRecord, StepRecord
-from servelab.reports.columns import RequestArrays, column, describe_record, floats, ints, is_number
+from servelab.reports.columns import (RequestArrays, column, describe_record, finished_mask, floats,
+                                      ints, is_number)
 
 PERCENTILES = (90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -167,7 +168,7 @@ def prefix_cache_rates(requests: Sequence[RequestRecord], finished: np.ndarray |
                        prompt_tokens: np.ndarray | None = None) -> dict[str, float | None]:
     """PREFIX_CACHE_KEYS over the finished requests (a record without a count as 0)."""
     if finished is None:
-        finished = np.array(column(requests, "status"), dtype=object) == "finished"
+        finished = finished_mask(requests)
     if prompt_tokens is None:
         prompt_tokens = ints(requests, "prompt_tokens")
     cached = np.nan_to_num(floats(requests, "cached_tokens")).astype(np.int64)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from servelab.reports.columns import column, floats, ints
+from servelab.reports.columns import finished_mask, floats, ints
 from servelab.reports.comparison import Comparison, ReportPoint, show_value
 from servelab.reports.document import Bullets, Table, Text
 
@@ -31,7 +31,7 @@ def hit_rate_windows(point: ReportPoint, windows: int = TIME_WINDOWS) -> list[fl
     run's arrivals (finished requests only; None for a window where none finished)."""
     reqs = point.requests
     cached = floats(reqs, "cached_tokens")
-    done = (np.array(column(reqs, "status"), dtype=object) == "finished") & ~np.isnan(cached)
+    done = finished_mask(reqs) & ~np.isnan(cached)
     arrival = floats(reqs, "arrival_s")[done]
     prompt = ints(reqs, "prompt_tokens")[done].astype(float)
     cached = cached[done]
