@@ -30,6 +30,7 @@ with one comprehension.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
@@ -81,18 +82,20 @@ class ChainLink:
 class CacheIndex:
     """Entries by block, and the block of each chain hash (one block per hash).
 
-    The entry of each block is kept as parallel per-block lists (entering a block costs
-    four list stores, not an object; `array`s would hold machine integers but store
-    three times slower): its hash (None while the block holds no entry), its id, its
-    parent's id (0 for a first block) and its content."""
+    The entry of each block is kept in parallel per-block sequences (entering a block
+    costs four stores, not an object): its hash (None while the block holds no entry),
+    its id, its parent's id (0 for a first block) and its content. The ids are machine
+    integers in `array`s: a store into a list frees the int object it replaces, one that
+    was made long ago and is no longer in the CPU's caches, and on a long-prompt trace
+    those misses cost more than the array's conversions (a sixth of committing)."""
 
     __slots__ = ("block_of_hash", "hash", "entry_id", "parent_id", "content")
 
     def __init__(self, num_blocks: int) -> None:
         self.block_of_hash: dict[int, int] = {}
         self.hash: list[int | None] = [None] * num_blocks
-        self.entry_id = [0] * num_blocks
-        self.parent_id = [0] * num_blocks
+        self.entry_id = array("q", bytes(8 * num_blocks))
+        self.parent_id = array("q", bytes(8 * num_blocks))
         self.content: list[Hashable] = [None] * num_blocks
 
     def find(self, h: int, parent_id: int, content: Hashable) -> int | None:
