@@ -34,6 +34,7 @@ from servelab.config import SchedulerConfig
 from servelab.memory.base import BlockManager
 from servelab.outputs import NO_WORK, ScheduledWork
 from servelab.policies.base import SchedulerError
+from servelab.policies.budget import StepBudget
 from servelab.request import Request, Sequence
 
 Admits = Callable[[int], bool]
@@ -73,7 +74,7 @@ class DecodeBatch:
         self._step_rows: tuple = ()                # the rows of the pending step
 
     # ------------------------------------------------------------------ within a step
-    def take_step(self, listed: dict[int, Request], step, prefill: bool | None,
+    def take_step(self, listed: dict[int, Request], step: StepBudget, prefill: bool | None,
                   copies: list) -> bool:
         """Called before the scheduler's pass over running requests (`prefill`: the pass
         takes prefilling requests only (True), decoding ones only (False), or both (None)).

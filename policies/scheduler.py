@@ -1,9 +1,10 @@
 """The scheduler core: iteration-level (continuous) batching under a token budget.
 
-Every step, `schedule(now)` decides which sequences compute how many tokens, which
-running requests are preempted, and which waiting requests are admitted; the executor
-runs that; `update(output, result)` advances the requests. The scheduler is pure: it
-never reads a clock or a random source, so the same calls give the same outputs.
+Every step, `schedule(now)` decides which sequences compute how many tokens (as much of
+each request's work as fits in what is left of the step: `StepBudget`, policies/budget.py),
+which running requests are preempted, and which waiting requests are admitted; the
+executor runs that; `update(output, result)` advances the requests. The scheduler is
+pure: it never reads a clock or a random source, so the same calls give the same outputs.
 
 Step composition (SchedulerConfig.step_composition):
 
@@ -35,6 +36,7 @@ from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
 from servelab.policies.admission import KVAdmission
 from servelab.policies.base import Policy, SchedulerError
+from servelab.policies.budget import StepBudget
 from servelab.policies.decode_batch import DecodeBatch
 from servelab.policies.preemption import make_preemption
 from servelab.records import RequestRecord
@@ -66,7 +68,6 @@ class Scheduler:
         self._charges_service = policy.charges_service
         self._preemption = make_preemption(config.preemption)
         self.block_size = block_manager.block_size
-        self._chunk = config.chunked_prefill or (1 << 62)
         self._requests: dict[int, Request] = {}    # added, not yet finished or rejected
         self._running: dict[int, Request] = {}     # insertion order = admission order
         self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
@@ -163,7 +164,7 @@ class Scheduler:
             out.rejected, self._pending_rejects = self._pending_rejects, []
         self._growth_preempted = False
         self._batch.pending = False  # a step that was never updated is forgotten
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = StepBudget(self.config)
         # memory freed for the waiting head is not handed to swapped requests first
         freed_for_head = self._preempt_for_waiting(now, out)
         if self.config.step_composition == "prefill_first":
@@ -204,7 +205,7 @@ class Scheduler:
         key = self.policy.victim_key
         return sorted(requests.values(), key=lambda r: key(r, adm[r.request_id]))
 
-    def _schedule_running(self, now, out, step: _Step, prefill) -> None:
+    def _schedule_running(self, now, out, step: StepBudget, prefill) -> None:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
         the scheduler preempt from the end of the order — possibly the request itself.
@@ -244,7 +245,7 @@ class Scheduler:
                 step.tokens -= 1
                 step.seqs -= 1
                 continue
-            entries = self._plan(req, step, allocated=True)
+            entries = step.plan(req, allocated=True)
             if entries is None:
                 continue
             end = self._grow(req, entries, order, i, end, now, out)
@@ -287,37 +288,6 @@ class Scheduler:
                 self._preempt(req, now, out, allow_swap=allow_swap)
                 return None
         return end
-
-    def _plan(self, req: Request, step: _Step, allocated: bool) -> list[ScheduledSeq] | None:
-        """The work for a request this step within what is left of the budget, or None
-        if none fits. The samples of a request may run partly (those that fit), each
-        sample's work being whole (one decode, or one prefill chunk). Before allocation
-        (`allocated=False`) every pending token counts as prefill."""
-        tokens_left, seqs_left = step.tokens, step.seqs
-        entries = []
-        fork = len(req.seqs) < req.n
-        rid = req.request_id
-        for s in req.seqs:
-            if s.finished:
-                continue
-            if tokens_left <= 0 or seqs_left <= 0:
-                break
-            if allocated and not s.is_prefilling:
-                entries.append(ScheduledSeq(rid, s.seq_id, 1, s.num_computed_tokens, 1, False))
-                tokens_left -= 1
-                seqs_left -= 1
-                continue
-            pending = s.num_tokens - s.num_computed_tokens
-            chunk = min(pending, self._chunk, tokens_left)
-            # With chunking off a fresh prompt runs whole; a recompute longer than the
-            # budget is still split, or it could never run again.
-            if chunk < pending and self.config.chunked_prefill is None and s.num_output_tokens == 0:
-                break
-            samples = (req.n if fork else 1) if chunk == pending else 0
-            entries.append(ScheduledSeq(rid, s.seq_id, chunk, s.num_computed_tokens, samples, True))
-            tokens_left -= chunk
-            seqs_left -= 1
-        return entries or None
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
@@ -399,7 +369,7 @@ class Scheduler:
         return self.bm.num_free_blocks + extra_free - need >= self.bm.watermark_blocks
 
     # ------------------------------------------------------------------ swap in
-    def _swap_in(self, now, out, step: _Step) -> None:
+    def _swap_in(self, now, out, step: StepBudget) -> None:
         """Bring swapped requests back, oldest swap first, unless running requests ran
         out of memory this step. Under a preemptive policy, while the waiting head fits in
         the free memory, a request it may preempt stays out (and so do those swapped after
@@ -424,7 +394,7 @@ class Scheduler:
             if self._running and bm.num_free_blocks < sum(
                     len(bm.block_table(sid)) + 1 for sid in seq_ids):
                 return  # it would come back unable to grow and be preempted again
-            entries = self._plan(req, step, allocated=True)
+            entries = step.plan(req, allocated=True)
             if entries is None:
                 return
             out.swap_in.extend(bm.swap_in(seq_ids))
@@ -458,7 +428,7 @@ class Scheduler:
         del self._admit_seq[rid]
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, now, out, step: _Step) -> None:
+    def _admit(self, now, out, step: StepBudget) -> None:
         """Admit waiting requests in policy order while they fit; stop at the first
         that does not (no skipping ahead: the policy's order is a guarantee). A step in
         which running requests ran out of memory admits nothing (vLLM's rule); memory
@@ -482,7 +452,7 @@ class Scheduler:
                 return
             if kv.later is not None and (self._running or self.swapped) and kv.known_later(req):
                 return  # still waiting for memory: allocating would say LATER again
-            if self._plan(req, step, allocated=False) is None:
+            if step.plan(req, allocated=False) is None:
                 return
             status = kv.allocate(req)
             if status is AllocStatus.LATER and (self._running or self.swapped):
@@ -498,7 +468,7 @@ class Scheduler:
             policy.remove(req)
             self._set_running(req)
             seats -= live
-            entries = self._plan(req, step, allocated=True)  # prefix hits cut the work
+            entries = step.plan(req, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
 
     def _admission_blocked(self, now: float, num_seqs: int) -> bool:
@@ -656,19 +626,3 @@ class Scheduler:
         if self._batch.pending:
             raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
                                  "step must be updated first")
-
-
-class _Step:
-    """What is left of one step's budget, and what has been scheduled so far."""
-
-    __slots__ = ("tokens", "seqs", "entries")
-
-    def __init__(self, tokens: int, seqs: int) -> None:
-        self.tokens = tokens
-        self.seqs = seqs
-        self.entries: dict[int, list[ScheduledSeq]] = {}
-
-    def commit(self, req: Request, entries: list[ScheduledSeq]) -> None:
-        self.entries[req.request_id] = entries
-        self.tokens -= sum(e.num_tokens for e in entries)
-        self.seqs -= len(entries)
