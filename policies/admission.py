@@ -8,7 +8,10 @@ The scheduler decides when to try (policy order, token budget, seats: `Scheduler
 - `known_later`: a memo of the last request refused for memory (LATER), so a waiting head
   is not re-checked step after step while free memory does not grow;
 - `none_fits`: no waiting candidate can be admitted while running sequences only decode
-  (what a fast-forward run must be sure of).
+  (what a fast-forward run must be sure of);
+- `would_fit`, `freeable_blocks`: for a preemptive policy's waiting head, whether it would
+  get its blocks, counted without cache hits, in the free memory or in what preempting
+  some running requests would free.
 
 With prefix caching, each waiting sequence's block keys and their chain hashes are built
 once (`BlockKeys`) and extended only when the sequence has grown, instead of at every
@@ -154,3 +157,24 @@ class KVAdmission:
                 if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
                     return False
         return True
+
+    def would_fit(self, req: Request, extra_free: int = 0) -> bool:
+        """Would the request's live sequences get their blocks with `extra_free` more
+        blocks free, the watermark kept (counting blocks, as admission of sequences
+        without cached contents does)?"""
+        bs, bm = self._bm.block_size, self._bm
+        need = sum(-(-s.num_tokens // bs) for s in req.seqs if not s.finished)
+        return bm.num_free_blocks + extra_free - need >= bm.watermark_blocks
+
+    def freeable_blocks(self, victims: list[Request], running: dict[int, Request]) -> int:
+        """GPU blocks that preempting every one of `victims` would free: those no other
+        running request holds, each counted once (samples of one request share their
+        prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
+        the running requests), paid only in a step whose waiting head does not fit."""
+        table = self._bm.block_table
+
+        def blocks(reqs) -> set[int]:
+            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
+
+        chosen = {r.request_id for r in victims}
+        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))

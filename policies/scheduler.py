@@ -330,43 +330,23 @@ class Scheduler:
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
-        if head is None or not self._running or self._fits(head):
+        if head is None or not self._running or self._kv.would_fit(head):
             return False
         running, policy = self.running, self.policy  # current sequences for the policy
-        key, adm = policy.victim_key, self._admit_seq
+        key, adm, kv = policy.victim_key, self._admit_seq, self._kv
         victims = sorted((r for r in running.values() if policy.may_preempt_for(head, r)),
                          key=lambda r: key(r, adm[r.request_id]), reverse=True)
-        if not victims or not self._fits(head, extra_free=self._freeable(victims, running)):
+        if not victims or not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
             return False
         self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
         preempted = False
-        while running and not self._fits(head):
+        while running and not kv.would_fit(head):
             victim = max(running.values(), key=lambda r: key(r, adm[r.request_id]))
             if not policy.may_preempt_for(head, victim):
                 break
             self._preempt(victim, now, out)
             preempted = True
         return preempted
-
-    def _freeable(self, victims: list[Request], running: dict[int, Request]) -> int:
-        """GPU blocks that preempting every one of `victims` would free: those no other
-        running request holds, each counted once (samples of one request share their
-        prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
-        the running requests), paid only in a step whose waiting head does not fit."""
-        table = self.bm.block_table
-
-        def blocks(reqs) -> set[int]:
-            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
-
-        chosen = {r.request_id for r in victims}
-        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))
-
-    def _fits(self, req: Request, extra_free: int = 0) -> bool:
-        """Would the request's live sequences get their blocks with `extra_free` more
-        blocks free, the watermark kept (counting blocks, as admission of sequences
-        without cached contents does)?"""
-        need = sum(-(-s.num_tokens // self.block_size) for s in req.seqs if not s.finished)
-        return self.bm.num_free_blocks + extra_free - need >= self.bm.watermark_blocks
 
     # ------------------------------------------------------------------ swap in
     def _swap_in(self, now, out, step: StepBudget) -> None:
@@ -379,7 +359,7 @@ class Scheduler:
             return
         bm = self.bm
         head = self.policy.peek(now) if self._may_preempt else None
-        if head is not None and not self._fits(head):
+        if head is not None and not self._kv.would_fit(head):
             head = None
         for rid in list(self.swapped):
             req = self.swapped[rid]
