@@ -239,13 +239,18 @@ class DecodeBatch:
             self._synced_tick = self._tick
 
     # ------------------------------------------------------------------ fast-forward
-    def run_bound(self, running: dict[int, Request], limit: int, admits: Admits) -> int:
+    def run_bound(self, running: dict[int, Request], listed: dict[int, Request], limit: int,
+                  admits: Admits) -> int:
         """How many of the next steps (at most `limit`) are certain to be plain decode
         steps for every running sequence — none finishes, none is short of memory or
         copies a block, all of them fit in one step, and nothing waiting can be admitted
-        (`admits`). Either every running request is a member (O(block_size)) or none is
-        (O(sequences)): the scheduler dissolves a batch that decodes beside listed
-        requests first."""
+        (`admits`). A run is taken with every running request a member (O(block_size))
+        or none (O(sequences)): members that decode beside listed requests are dissolved
+        into `listed` first (when no listed request is prefilling: no run then)."""
+        if self._members and listed:
+            if any(s.is_prefilling for r in listed.values() for s in r.seqs):
+                return 0
+            self.dissolve(listed)
         if self._members:  # O(block_size): the earliest finish off the heap, blocks by bucket
             finishes, members = self._finishes, self._members
             while finishes and (finishes[0][2] not in members

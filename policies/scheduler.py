@@ -451,17 +451,18 @@ class Scheduler:
             entries = step.plan(req, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
 
-    def _admission_blocked(self, now: float, num_seqs: int) -> bool:
-        """True if no waiting request can be admitted while `num_seqs` running sequences
-        only decode: the rules of `_preempt_for_waiting` and `_admit`, for a fast-forward
-        run."""
+    def _admits_while_decoding(self, now: float, num_seqs: int) -> bool:
+        """Could a waiting request be admitted while `num_seqs` running sequences only
+        decode? The rules of `_preempt_for_waiting` and `_admit`, for a fast-forward run."""
+        if not len(self.policy):
+            return False
         candidates = self.policy.candidates(now)
         if self._may_preempt and candidates:
             running, policy = self.running, self.policy  # current sequences for the policy
             # a preemptive policy may evict for a candidate once memory runs short
             if any(policy.may_preempt_for(head, r) for head in candidates for r in running.values()):
-                return False
-        return self._kv.none_fits(candidates, num_seqs)
+                return True
+        return not self._kv.none_fits(candidates, num_seqs)
 
     def _stalled(self, now: float) -> None:
         """A step with nothing to run while requests remain would spin forever: with
@@ -581,14 +582,8 @@ class Scheduler:
         self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self._running or limit <= 0:
             return 0
-        batch = self._batch
-        if batch.num_members and self._listed:  # batched decodes beside listed requests
-            if any(s.is_prefilling for r in self._listed.values() for s in r.seqs):
-                return 0
-            batch.dissolve(self._listed)
-        policy = self.policy
-        return batch.run_bound(self._running, limit, lambda num_seqs: bool(len(policy))
-                               and not self._admission_blocked(now, num_seqs))
+        return self._batch.run_bound(self._running, self._listed, limit,
+                                     lambda num_seqs: self._admits_while_decoding(now, num_seqs))
 
     def advance_decodes(self, num_steps: int) -> None:
         """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
