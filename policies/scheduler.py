@@ -357,31 +357,20 @@ class Scheduler:
         preempted again for the head, step after step."""
         if self._growth_preempted or not self.swapped:
             return
-        bm = self.bm
+        bm, kv = self.bm, self._kv
         head = self.policy.peek(now) if self._may_preempt else None
-        if head is not None and not self._kv.would_fit(head):
+        if head is not None and not kv.would_fit(head):
             head = None
         for rid in list(self.swapped):
             req = self.swapped[rid]
             if head is not None and self.policy.may_preempt_for(head, req):
                 return
-            seq_ids = [s.seq_id for s in req.seqs if not s.finished]
-            status = bm.can_swap_in(seq_ids)
-            if status is AllocStatus.NEVER:
-                raise SchedulerError(f"swapped request {rid} can never return to the GPU")
-            if status is not AllocStatus.OK:
+            if not kv.can_swap_in(req, beside_running=bool(self._running)):
                 return
-            if self._running and bm.num_free_blocks < sum(
-                    len(bm.block_table(sid)) + 1 for sid in seq_ids):
-                return  # it would come back unable to grow and be preempted again
             entries = step.plan(req, allocated=True)
             if entries is None:
                 return
-            out.swap_in.extend(bm.swap_in(seq_ids))
-            if self.prefix_caching:  # swapped-out blocks left the cache: offer them again
-                for s in req.seqs:
-                    if not s.finished:
-                        bm.mark_computed(s.seq_id, s.num_computed_tokens)
+            out.swap_in.extend(kv.swap_in(req))
             del self.swapped[rid]
             self._set_running(req)
             ran = []
