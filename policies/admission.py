@@ -8,7 +8,12 @@ The scheduler decides when to try (policy order, token budget, seats: `Scheduler
 - `known_later`: a memo of the last request refused for memory (LATER), so a waiting head
   is not re-checked step after step while free memory does not grow;
 - `none_fits`: no waiting candidate can be admitted while running sequences only decode
-  (what a fast-forward run must be sure of).
+  (what a fast-forward run must be sure of);
+- `would_fit`, `freeable_blocks`: for a preemptive policy's waiting head, whether it would
+  get its blocks, counted without cache hits, in the free memory or in what preempting
+  some running requests would free;
+- `can_swap_in`, `swap_in`: a swapped request's return to the GPU, its blocks offered to
+  the prefix cache again.
 
 With prefix caching, each waiting sequence's block keys and their chain hashes are built
 once (`BlockKeys`) and extended only when the sequence has grown, instead of at every
@@ -27,6 +32,7 @@ from typing import Iterable
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
 from servelab.memory.block_keys import BlockKeys
+from servelab.policies.base import SchedulerError
 from servelab.request import Request, SeqId, Sequence
 
 
@@ -131,6 +137,32 @@ class KVAdmission:
         seq = req.seqs[0]
         return seq.num_tokens == tokens and not seq.finished and self._bm.num_free_blocks <= free
 
+    def can_swap_in(self, req: Request, beside_running: bool) -> bool:
+        """Can swapped `req` come back to the GPU now? Beside running requests it also
+        needs a free block per sequence to grow into, or it would come back unable to
+        grow and be preempted again. Raises SchedulerError if it never can."""
+        bm = self._bm
+        seq_ids = [s.seq_id for s in req.seqs if not s.finished]
+        status = bm.can_swap_in(seq_ids)
+        if status is AllocStatus.NEVER:
+            raise SchedulerError(f"swapped request {req.request_id} can never return to the GPU")
+        if status is not AllocStatus.OK:
+            return False
+        return not beside_running or bm.num_free_blocks >= sum(
+            len(bm.block_table(sid)) + 1 for sid in seq_ids)
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Move swapped `req`'s blocks back to the GPU (`can_swap_in` said it can);
+        returns the (cpu, gpu) block copies. With prefix caching, its blocks are offered
+        to the cache again: they left it when they were swapped out."""
+        bm = self._bm
+        copies = bm.swap_in([s.seq_id for s in req.seqs if not s.finished])
+        if self._prefix_caching:
+            for s in req.seqs:
+                if not s.finished:
+                    bm.mark_computed(s.seq_id, s.num_computed_tokens)
+        return copies
+
     def none_fits(self, candidates: Iterable[Request], num_seqs: int) -> bool:
         """True if none of the waiting `candidates` can be admitted while `num_seqs`
         running sequences only decode (free memory only shrinks, the step budget stays
@@ -154,3 +186,24 @@ class KVAdmission:
                 if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
                     return False
         return True
+
+    def would_fit(self, req: Request, extra_free: int = 0) -> bool:
+        """Would the request's live sequences get their blocks with `extra_free` more
+        blocks free, the watermark kept (counting blocks, as admission of sequences
+        without cached contents does)?"""
+        bs, bm = self._bm.block_size, self._bm
+        need = sum(-(-s.num_tokens // bs) for s in req.seqs if not s.finished)
+        return bm.num_free_blocks + extra_free - need >= bm.watermark_blocks
+
+    def freeable_blocks(self, victims: list[Request], running: dict[int, Request]) -> int:
+        """GPU blocks that preempting every one of `victims` would free: those no other
+        running request holds, each counted once (samples of one request share their
+        prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
+        the running requests), paid only in a step whose waiting head does not fit."""
+        table = self._bm.block_table
+
+        def blocks(reqs) -> set[int]:
+            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
+
+        chosen = {r.request_id for r in victims}
+        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))

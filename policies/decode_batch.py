@@ -34,6 +34,7 @@ from servelab.config import SchedulerConfig
 from servelab.memory.base import BlockManager
 from servelab.outputs import NO_WORK, ScheduledWork
 from servelab.policies.base import SchedulerError
+from servelab.policies.budget import StepBudget
 from servelab.request import Request, Sequence
 
 Admits = Callable[[int], bool]
@@ -73,7 +74,7 @@ class DecodeBatch:
         self._step_rows: tuple = ()                # the rows of the pending step
 
     # ------------------------------------------------------------------ within a step
-    def take_step(self, listed: dict[int, Request], step, prefill: bool | None,
+    def take_step(self, listed: dict[int, Request], step: StepBudget, prefill: bool | None,
                   copies: list) -> bool:
         """Called before the scheduler's pass over running requests (`prefill`: the pass
         takes prefilling requests only (True), decoding ones only (False), or both (None)).
@@ -238,13 +239,18 @@ class DecodeBatch:
             self._synced_tick = self._tick
 
     # ------------------------------------------------------------------ fast-forward
-    def run_bound(self, running: dict[int, Request], limit: int, admits: Admits) -> int:
+    def run_bound(self, running: dict[int, Request], listed: dict[int, Request], limit: int,
+                  admits: Admits) -> int:
         """How many of the next steps (at most `limit`) are certain to be plain decode
         steps for every running sequence — none finishes, none is short of memory or
         copies a block, all of them fit in one step, and nothing waiting can be admitted
-        (`admits`). Either every running request is a member (O(block_size)) or none is
-        (O(sequences)): the scheduler dissolves a batch that decodes beside listed
-        requests first."""
+        (`admits`). A run is taken with every running request a member (O(block_size))
+        or none (O(sequences)): members that decode beside listed requests are dissolved
+        into `listed` first (when no listed request is prefilling: no run then)."""
+        if self._members and listed:
+            if any(s.is_prefilling for r in listed.values() for s in r.seqs):
+                return 0
+            self.dissolve(listed)
         if self._members:  # O(block_size): the earliest finish off the heap, blocks by bucket
             finishes, members = self._finishes, self._members
             while finishes and (finishes[0][2] not in members

@@ -1,9 +1,10 @@
 """The scheduler core: iteration-level (continuous) batching under a token budget.
 
-Every step, `schedule(now)` decides which sequences compute how many tokens, which
-running requests are preempted, and which waiting requests are admitted; the executor
-runs that; `update(output, result)` advances the requests. The scheduler is pure: it
-never reads a clock or a random source, so the same calls give the same outputs.
+Every step, `schedule(now)` decides which sequences compute how many tokens (as much of
+each request's work as fits in what is left of the step: `StepBudget`, policies/budget.py),
+which running requests are preempted, and which waiting requests are admitted; the
+executor runs that; `update(output, result)` advances the requests. The scheduler is
+pure: it never reads a clock or a random source, so the same calls give the same outputs.
 
 Step composition (SchedulerConfig.step_composition):
 
@@ -35,6 +36,7 @@ from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
 from servelab.policies.admission import KVAdmission
 from servelab.policies.base import Policy, SchedulerError
+from servelab.policies.budget import StepBudget
 from servelab.policies.decode_batch import DecodeBatch
 from servelab.policies.preemption import make_preemption
 from servelab.records import RequestRecord
@@ -66,7 +68,6 @@ class Scheduler:
         self._charges_service = policy.charges_service
         self._preemption = make_preemption(config.preemption)
         self.block_size = block_manager.block_size
-        self._chunk = config.chunked_prefill or (1 << 62)
         self._requests: dict[int, Request] = {}    # added, not yet finished or rejected
         self._running: dict[int, Request] = {}     # insertion order = admission order
         self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
@@ -163,7 +164,7 @@ class Scheduler:
             out.rejected, self._pending_rejects = self._pending_rejects, []
         self._growth_preempted = False
         self._batch.pending = False  # a step that was never updated is forgotten
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = StepBudget(self.config)
         # memory freed for the waiting head is not handed to swapped requests first
         freed_for_head = self._preempt_for_waiting(now, out)
         if self.config.step_composition == "prefill_first":
@@ -204,7 +205,7 @@ class Scheduler:
         key = self.policy.victim_key
         return sorted(requests.values(), key=lambda r: key(r, adm[r.request_id]))
 
-    def _schedule_running(self, now, out, step: _Step, prefill) -> None:
+    def _schedule_running(self, now, out, step: StepBudget, prefill) -> None:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
         the scheduler preempt from the end of the order — possibly the request itself.
@@ -244,7 +245,7 @@ class Scheduler:
                 step.tokens -= 1
                 step.seqs -= 1
                 continue
-            entries = self._plan(req, step, allocated=True)
+            entries = step.plan(req, allocated=True)
             if entries is None:
                 continue
             end = self._grow(req, entries, order, i, end, now, out)
@@ -288,37 +289,6 @@ class Scheduler:
                 return None
         return end
 
-    def _plan(self, req: Request, step: _Step, allocated: bool) -> list[ScheduledSeq] | None:
-        """The work for a request this step within what is left of the budget, or None
-        if none fits. The samples of a request may run partly (those that fit), each
-        sample's work being whole (one decode, or one prefill chunk). Before allocation
-        (`allocated=False`) every pending token counts as prefill."""
-        tokens_left, seqs_left = step.tokens, step.seqs
-        entries = []
-        fork = len(req.seqs) < req.n
-        rid = req.request_id
-        for s in req.seqs:
-            if s.finished:
-                continue
-            if tokens_left <= 0 or seqs_left <= 0:
-                break
-            if allocated and not s.is_prefilling:
-                entries.append(ScheduledSeq(rid, s.seq_id, 1, s.num_computed_tokens, 1, False))
-                tokens_left -= 1
-                seqs_left -= 1
-                continue
-            pending = s.num_tokens - s.num_computed_tokens
-            chunk = min(pending, self._chunk, tokens_left)
-            # With chunking off a fresh prompt runs whole; a recompute longer than the
-            # budget is still split, or it could never run again.
-            if chunk < pending and self.config.chunked_prefill is None and s.num_output_tokens == 0:
-                break
-            samples = (req.n if fork else 1) if chunk == pending else 0
-            entries.append(ScheduledSeq(rid, s.seq_id, chunk, s.num_computed_tokens, samples, True))
-            tokens_left -= chunk
-            seqs_left -= 1
-        return entries or None
-
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request, now, out: SchedulerOutput, allow_swap: bool = True) -> None:
         """Preempt a running request not scheduled in this step, as the preemption
@@ -360,17 +330,17 @@ class Scheduler:
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
-        if head is None or not self._running or self._fits(head):
+        if head is None or not self._running or self._kv.would_fit(head):
             return False
         running, policy = self.running, self.policy  # current sequences for the policy
-        key, adm = policy.victim_key, self._admit_seq
+        key, adm, kv = policy.victim_key, self._admit_seq, self._kv
         victims = sorted((r for r in running.values() if policy.may_preempt_for(head, r)),
                          key=lambda r: key(r, adm[r.request_id]), reverse=True)
-        if not victims or not self._fits(head, extra_free=self._freeable(victims, running)):
+        if not victims or not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
             return False
         self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
         preempted = False
-        while running and not self._fits(head):
+        while running and not kv.would_fit(head):
             victim = max(running.values(), key=lambda r: key(r, adm[r.request_id]))
             if not policy.may_preempt_for(head, victim):
                 break
@@ -378,28 +348,8 @@ class Scheduler:
             preempted = True
         return preempted
 
-    def _freeable(self, victims: list[Request], running: dict[int, Request]) -> int:
-        """GPU blocks that preempting every one of `victims` would free: those no other
-        running request holds, each counted once (samples of one request share their
-        prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
-        the running requests), paid only in a step whose waiting head does not fit."""
-        table = self.bm.block_table
-
-        def blocks(reqs) -> set[int]:
-            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
-
-        chosen = {r.request_id for r in victims}
-        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))
-
-    def _fits(self, req: Request, extra_free: int = 0) -> bool:
-        """Would the request's live sequences get their blocks with `extra_free` more
-        blocks free, the watermark kept (counting blocks, as admission of sequences
-        without cached contents does)?"""
-        need = sum(-(-s.num_tokens // self.block_size) for s in req.seqs if not s.finished)
-        return self.bm.num_free_blocks + extra_free - need >= self.bm.watermark_blocks
-
     # ------------------------------------------------------------------ swap in
-    def _swap_in(self, now, out, step: _Step) -> None:
+    def _swap_in(self, now, out, step: StepBudget) -> None:
         """Bring swapped requests back, oldest swap first, unless running requests ran
         out of memory this step. Under a preemptive policy, while the waiting head fits in
         the free memory, a request it may preempt stays out (and so do those swapped after
@@ -407,31 +357,20 @@ class Scheduler:
         preempted again for the head, step after step."""
         if self._growth_preempted or not self.swapped:
             return
-        bm = self.bm
+        bm, kv = self.bm, self._kv
         head = self.policy.peek(now) if self._may_preempt else None
-        if head is not None and not self._fits(head):
+        if head is not None and not kv.would_fit(head):
             head = None
         for rid in list(self.swapped):
             req = self.swapped[rid]
             if head is not None and self.policy.may_preempt_for(head, req):
                 return
-            seq_ids = [s.seq_id for s in req.seqs if not s.finished]
-            status = bm.can_swap_in(seq_ids)
-            if status is AllocStatus.NEVER:
-                raise SchedulerError(f"swapped request {rid} can never return to the GPU")
-            if status is not AllocStatus.OK:
+            if not kv.can_swap_in(req, beside_running=bool(self._running)):
                 return
-            if self._running and bm.num_free_blocks < sum(
-                    len(bm.block_table(sid)) + 1 for sid in seq_ids):
-                return  # it would come back unable to grow and be preempted again
-            entries = self._plan(req, step, allocated=True)
+            entries = step.plan(req, allocated=True)
             if entries is None:
                 return
-            out.swap_in.extend(bm.swap_in(seq_ids))
-            if self.prefix_caching:  # swapped-out blocks left the cache: offer them again
-                for s in req.seqs:
-                    if not s.finished:
-                        bm.mark_computed(s.seq_id, s.num_computed_tokens)
+            out.swap_in.extend(kv.swap_in(req))
             del self.swapped[rid]
             self._set_running(req)
             ran = []
@@ -458,7 +397,7 @@ class Scheduler:
         del self._admit_seq[rid]
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, now, out, step: _Step) -> None:
+    def _admit(self, now, out, step: StepBudget) -> None:
         """Admit waiting requests in policy order while they fit; stop at the first
         that does not (no skipping ahead: the policy's order is a guarantee). A step in
         which running requests ran out of memory admits nothing (vLLM's rule); memory
@@ -482,7 +421,7 @@ class Scheduler:
                 return
             if kv.later is not None and (self._running or self.swapped) and kv.known_later(req):
                 return  # still waiting for memory: allocating would say LATER again
-            if self._plan(req, step, allocated=False) is None:
+            if step.plan(req, allocated=False) is None:
                 return
             status = kv.allocate(req)
             if status is AllocStatus.LATER and (self._running or self.swapped):
@@ -498,20 +437,21 @@ class Scheduler:
             policy.remove(req)
             self._set_running(req)
             seats -= live
-            entries = self._plan(req, step, allocated=True)  # prefix hits cut the work
+            entries = step.plan(req, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
 
-    def _admission_blocked(self, now: float, num_seqs: int) -> bool:
-        """True if no waiting request can be admitted while `num_seqs` running sequences
-        only decode: the rules of `_preempt_for_waiting` and `_admit`, for a fast-forward
-        run."""
+    def _admits_while_decoding(self, now: float, num_seqs: int) -> bool:
+        """Could a waiting request be admitted while `num_seqs` running sequences only
+        decode? The rules of `_preempt_for_waiting` and `_admit`, for a fast-forward run."""
+        if not len(self.policy):
+            return False
         candidates = self.policy.candidates(now)
         if self._may_preempt and candidates:
             running, policy = self.running, self.policy  # current sequences for the policy
             # a preemptive policy may evict for a candidate once memory runs short
             if any(policy.may_preempt_for(head, r) for head in candidates for r in running.values()):
-                return False
-        return self._kv.none_fits(candidates, num_seqs)
+                return True
+        return not self._kv.none_fits(candidates, num_seqs)
 
     def _stalled(self, now: float) -> None:
         """A step with nothing to run while requests remain would spin forever: with
@@ -631,14 +571,8 @@ class Scheduler:
         self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self._running or limit <= 0:
             return 0
-        batch = self._batch
-        if batch.num_members and self._listed:  # batched decodes beside listed requests
-            if any(s.is_prefilling for r in self._listed.values() for s in r.seqs):
-                return 0
-            batch.dissolve(self._listed)
-        policy = self.policy
-        return batch.run_bound(self._running, limit, lambda num_seqs: bool(len(policy))
-                               and not self._admission_blocked(now, num_seqs))
+        return self._batch.run_bound(self._running, self._listed, limit,
+                                     lambda num_seqs: self._admits_while_decoding(now, num_seqs))
 
     def advance_decodes(self, num_steps: int) -> None:
         """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
@@ -656,19 +590,3 @@ class Scheduler:
         if self._batch.pending:
             raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
                                  "step must be updated first")
-
-
-class _Step:
-    """What is left of one step's budget, and what has been scheduled so far."""
-
-    __slots__ = ("tokens", "seqs", "entries")
-
-    def __init__(self, tokens: int, seqs: int) -> None:
-        self.tokens = tokens
-        self.seqs = seqs
-        self.entries: dict[int, list[ScheduledSeq]] = {}
-
-    def commit(self, req: Request, entries: list[ScheduledSeq]) -> None:
-        self.entries[req.request_id] = entries
-        self.tokens -= sum(e.num_tokens for e in entries)
-        self.seqs -= len(entries)
