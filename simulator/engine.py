@@ -25,10 +25,7 @@ run's closed-form duration, writing one steps.csv row with `num_steps` = k. The
 scheduler's state and every request record come out as if the k steps had run
 one by one (`fast_forward=False` does that; a property test compares the two), up to
 float rounding of the summed step times — and so, in principle, up to which side of a
-float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls. When
-nothing can happen to the replica before a step ends (no arrival due, no record to
-publish), the run is decided at the step's start and one event sleeps through both,
-waking at the very float time the two sleeps would (`Replica.ran`).
+float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
 """
 from __future__ import annotations
 
@@ -66,19 +63,6 @@ class _Timeout(Event):
         self._value = None
         self._ok = True
         env.schedule(self, priority, delay)
-
-
-def _delay_to(now: float, t: float) -> float | None:
-    """A delay d with now + d == t exactly in floats (what SimPy computes when it
-    schedules), or None if the search finds none. Sleeping d then wakes at t, bit for bit,
-    as two sleeps whose times summed to t would."""
-    d = t - now
-    for _ in range(4):
-        got = now + d
-        if got == t:
-            return d
-        d = math.nextafter(d, math.inf if got < t else -math.inf)
-    return None
 
 
 class ArrivalFeed:
@@ -128,9 +112,6 @@ class Replica:
         self.records = RecordLog(RequestRecord)   # kept as columns: a long run's records
         self.steps = RecordLog(StepRecord)        # would otherwise dominate its memory
         self._wake: Event | None = None
-        self._followed = False
-        """`ran` applied what follows the step already (see `ran`)."""
-        self._pending_run: float | None = None
 
     def submit(self, req: Request) -> None:
         """A request arrives now (it may be rejected at once; its record then comes out
@@ -155,40 +136,19 @@ class Replica:
         return self.env.now
 
     def ran(self, step: EngineStep) -> Event:
-        """Sleep the step's duration. When the step finished no request (nothing to
-        publish at its end) and no request can reach this replica before it ends, the
-        decode run that follows it is applied now, as of the step's end, and one event
-        sleeps through the step and the run: nothing could tell the two apart, and each
-        run saves a SimPy event."""
+        """Sleep the step's duration."""
         self.steps.append(step.step)
-        env = self.env
-        end = env.now + step.result.duration_s   # the very sum SimPy schedules at
-        if not step.records and self.feed.next_s > end:
-            self._followed = True
-            run = self._run_after(step, end)
-            delay = None if run is None else _delay_to(env.now, end + run)
-            if delay is not None:
-                return _Timeout(env, delay, NORMAL)
-            self._pending_run = run   # (none found: the run sleeps after the step)
-        return _Timeout(env, step.result.duration_s, NORMAL)
+        return _Timeout(self.env, step.result.duration_s, NORMAL)
 
     def finished(self, step: EngineStep) -> Event | None:
         """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
-        if self._followed:   # `ran` did this already
-            self._followed = False
-            run, self._pending_run = self._pending_run, None
-        else:
-            if step.records:
-                self._publish(step.records)
-            run = self._run_after(step, self.env.now)
-        return None if run is None else _Timeout(self.env, run, NORMAL)
-
-    def _run_after(self, step: EngineStep, now: float) -> float | None:
-        """The decode run that follows a step ending `now`, if any: applied, its duration
-        returned."""
+        if step.records:
+            self._publish(step.records)
         # a prompt still prefilling runs again next step: no decode run can start
         if self.fast_forward and not step.output.scheduled.prefill_continues():
-            return self._decode_run(now)
+            duration = self._decode_run(self.env.now)
+            if duration is not None:
+                return _Timeout(self.env, duration, NORMAL)
         return None
 
     def ran_nothing(self, step: EngineStep) -> None:

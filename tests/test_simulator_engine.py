@@ -240,27 +240,3 @@ def test_step_record_field_order_is_what_the_positional_builders_assume():
         "num_preempted", "num_steps", "prefill_context_sum", "prefill_q_context_sum",
         "prefill_q_sq_sum", "decode_context_sum", "num_swap_blocks", "num_copy_blocks",
         "num_offload_blocks", "num_load_blocks"]
-
-
-def test_a_step_and_the_decode_run_after_it_sleep_as_one_event():
-    """A prefill step that finishes nothing, with no arrival due before it ends, is slept
-    together with the decode run that follows it: one SimPy event, not two, and the
-    same timeline as stepping one by one (the run wakes at the very float sum)."""
-    events = {}
-    rows = {}
-    for fast_forward in (True, False):
-        c = cluster([Request(0, 0.0, 64, 100)], fast_forward=fast_forward)
-        n = 0
-        while c.env.peek() < math.inf:
-            c.env.step()
-            n += 1
-        events[fast_forward] = n
-        rows[fast_forward] = [(s.start_s, s.num_steps) for s in c.step_records()]
-    fast = rows[True]
-    assert [k for _, k in fast] == [1, 98, 1]   # prefill, the run, the step that finishes
-    assert fast[1][0] == prefill(64)
-    assert fast[2][0] == pytest.approx(rows[False][99][0], rel=1e-12)
-    # two processes start, the idle engine is woken, then (prefill + run) and the last
-    # step; one by one, one event per step
-    assert events[True] == 5
-    assert events[False] == 3 + 100
