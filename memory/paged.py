@@ -308,48 +308,69 @@ class PagedBlockManager(BlockManager):
         """`append_slots` for several sequences (each at most once) in one pass, all or
         nothing: the same blocks, in the same order, as calling it for each in turn.
         O(sequences + new blocks): what growing many decodes at once costs."""
+        # One pass that grows as it goes, undone (rarely) when a sequence needs a copy,
+        # more blocks than are free, or is bad or listed twice: what a decode step pays.
         seqs = self._seqs
         bs = self.block_size
         refcount = self._refcount
-        plan = []
-        total = 0
+        free = self._free
+        parked = self._parked
+        slots = done = 0
         for seq_id, n in growth:
             seq = seqs.get(seq_id)
             if seq is None or not seq.on_gpu or type(n) is not int or n < 0:
-                self._reject_append("append_slots_many", seq_id, n)
+                self._undo_growth(growth, done)
+                self._reject_append("append_slots_many", seq_id, n)   # raises if bad
+                return self._append_slots_each(growth)   # an int of another type
             t = seq.num_tokens
             blocks = seq.blocks
             if n and t % bs and refcount[blocks[-1]] > 1:
                 break  # a copy-on-write: take the general path
             need = (t + n + bs - 1) // bs - len(blocks)
-            total += need
-            plan.append((seq, n, need))
+            if need == 1 and free:
+                b = free.pop()
+                if not parked:
+                    refcount[b] = 1
+                blocks.append(b)
+            elif need:
+                if need > len(free):
+                    break  # evictions: take the general path
+                new = free[:-need - 1:-1]  # top of the stack first, as _take
+                del free[-need:]
+                if not parked:
+                    for b in new:
+                        refcount[b] = 1
+                blocks += new
+            seq.num_tokens = t + n
+            slots += n
+            done += 1
         else:
-            if len({seq_id for seq_id, _ in growth}) != len(plan):
-                raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
-                                        f"{[seq_id for seq_id, _ in growth]!r}")
-            free = self._free
-            if total <= len(free):  # no eviction: blocks come straight off the free stack
-                slots = 0
-                parked = self._parked
-                for seq, n, need in plan:
-                    if need == 1:
-                        b = free.pop()
-                        if not parked:
-                            refcount[b] = 1
-                        seq.blocks.append(b)
-                    elif need:
-                        new = free[:-need - 1:-1]  # top of the stack first, as _take
-                        del free[-need:]
-                        if not parked:
-                            for b in new:
-                                refcount[b] = 1
-                        seq.blocks += new
-                    seq.num_tokens += n
-                    slots += n
+            if len(dict(growth)) == done:
                 self._slots_used += slots
                 return []
+            self._undo_growth(growth, done)
+            raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
+                                    f"{[seq_id for seq_id, _ in growth]!r}")
+        self._undo_growth(growth, done)
         return self._append_slots_each(growth)
+
+    def _undo_growth(self, growth: Sequence[tuple[Hashable, int]], done: int) -> None:
+        """Take back the growth of the first `done` entries of an `append_slots_many`
+        pass, last first: their blocks go back on top of the free stack as they came."""
+        bs = self.block_size
+        free = self._free
+        refcount = self._refcount
+        for seq_id, n in reversed(growth[:done]):
+            seq = self._seqs[seq_id]
+            seq.num_tokens -= n
+            extra = len(seq.blocks) - -(-seq.num_tokens // bs)
+            if extra:
+                back = seq.blocks[-extra:]
+                del seq.blocks[-extra:]
+                if not self._parked:
+                    for b in back:
+                        refcount[b] = self._parked
+                free += reversed(back)
 
     def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
         """append_slots_many's general path (copies, eviction), checked as a whole first.

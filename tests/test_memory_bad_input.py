@@ -207,3 +207,43 @@ def test_constructor_rejects_bad_options():
         ContiguousBlockManager(4, 8, mode="lazy", max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, got 0"):
         ContiguousBlockManager(4, 8, max_model_len=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_paged_append_many_undoes_a_refused_batch_exactly(prefix_caching):
+    """The batch grows as it goes and is taken back when a later entry is refused: the
+    free stack is as it was (the next growth takes the very blocks it would have), and
+    so are the reference counts (with a prefix cache a free block counts 0, else 1)."""
+    def manager():
+        m = PagedBlockManager(4, 16, enable_prefix_caching=prefix_caching)
+        alloc(m, "x", 4)
+        alloc(m, "y", 4)
+        return m
+
+    fresh, m = manager(), manager()
+    for bad in ([("x", 9), ("y", 1), ("nobody", 1)], [("x", 9), ("y", 5), ("x", 1)],
+                [("y", 4), ("x", 100)]):
+        with pytest.raises(BlockManagerError):
+            m.append_slots_many(bad)
+        m.check_invariants()
+    m.append_slots_many([("x", 9), ("y", 5)])
+    fresh.append_slots_many([("x", 9), ("y", 5)])
+    assert (m.block_table("x"), m.block_table("y")) == (fresh.block_table("x"), fresh.block_table("y"))
+    assert m.usage() == fresh.usage()
+
+
+def test_paged_append_many_takes_an_int_of_another_type():
+    """A count that is an int subclass (not bool) grows as an int does."""
+    class Count(int):
+        pass
+
+    m, ref = PagedBlockManager(4, 8), PagedBlockManager(4, 8)
+    for mgr in (m, ref):
+        alloc(mgr, "x", 4)
+        alloc(mgr, "y", 3)
+    m.append_slots_many([("x", 2), ("y", Count(5))])
+    ref.append_slots_many([("x", 2), ("y", 5)])
+    assert (m.block_table("y"), m.num_tokens("y")) == (ref.block_table("y"), ref.num_tokens("y"))
+    assert m.usage() == ref.usage()
+    with pytest.raises(BlockManagerError, match="must be an integer"):
+        m.append_slots_many([("x", True)])
