@@ -303,16 +303,7 @@ class CostModel:
     @staticmethod
     def _run_total(fixed: float, a: float, b: float, c: float, d: float, k: int) -> float:
         """Σ_{j<k} fixed + max(a + b·j, c + d·j), in closed form."""
-        if k <= 0:
-            return 0.0
-        split, (lo_a, lo_b), (hi_a, hi_b) = _split_lines(a, b, c, d)
-        split = min(split, k)
-        total = k * fixed
-        if split > 0:
-            total += _line_sum(lo_a, lo_b, 0, split)
-        if split < k:
-            total += _line_sum(hi_a, hi_b, split, k)
-        return total
+        return _split_total(fixed, _split_lines(a, b, c, d), k)
 
     def decode_run_duration(self, shape: BatchShape, num_steps: int,
                             end_times: bool = False) -> tuple[float, np.ndarray | None]:
@@ -354,15 +345,18 @@ class CostModel:
         if not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
         lines = self._run_lines(shape)
-        k = self._steps_within(lines, budget_s, max_steps)
-        total = self._run_total(*lines, k)
+        pieces = _split_lines(*lines[1:])
+        k = self._steps_within(lines, budget_s, max_steps, pieces)
+        total = _split_total(lines[0], pieces, k)
         if k < max_steps and total < budget_s:
             k += 1
-            total = self._run_total(*lines, k)
+            total = _split_total(lines[0], pieces, k)
         return k, total
 
     def _steps_within(self, lines: tuple[float, float, float, float, float], budget_s: float,
-                      max_steps: int | None) -> int:
+                      max_steps: int | None, split_lines: tuple | None = None) -> int:
+        """`decode_run_steps_within` on the run's lines (and their `_split_lines`, if the
+        caller has them)."""
         fixed, a, b, c, d = lines
         first = fixed + max(a, c)
         if first <= 0 or budget_s == math.inf:
@@ -375,17 +369,17 @@ class CostModel:
         cap = math.floor(budget_s / first) + 1
         if max_steps is not None:
             cap = min(cap, max_steps)
-        split, (lo_a, lo_b), (hi_a, hi_b) = _split_lines(a, b, c, d)
-        total = self._run_total
-        if split >= cap or total(fixed, a, b, c, d, split) > budget_s:
+        pieces = _split_lines(a, b, c, d) if split_lines is None else split_lines
+        split, (lo_a, lo_b), (hi_a, hi_b) = pieces
+        if split >= cap or _split_total(fixed, pieces, split) > budget_s:
             k = _steps_in_budget(fixed + lo_a, lo_b, budget_s)
         else:    # the first piece fits whole: solve the rest on the second line
-            rest = budget_s - total(fixed, a, b, c, d, split)
+            rest = budget_s - _split_total(fixed, pieces, split)
             k = split + _steps_in_budget(fixed + hi_a + hi_b * split, hi_b, rest)
         k = min(cap, max(0, k))
-        while k < cap and total(fixed, a, b, c, d, k + 1) <= budget_s:   # float rounding
+        while k < cap and _split_total(fixed, pieces, k + 1) <= budget_s:   # float rounding
             k += 1
-        while k > 0 and total(fixed, a, b, c, d, k) > budget_s:
+        while k > 0 and _split_total(fixed, pieces, k) > budget_s:
             k -= 1
         return k
 
@@ -501,6 +495,20 @@ def _split_lines(a: float, b: float, c: float, d: float
         split = 0 if cross <= 0 else (math.inf if cross == math.inf else math.ceil(cross))
         return split, (a, b), (c, d)
     return math.inf, ((a, b) if a > c else (c, d)), (0.0, 0.0)
+
+
+def _split_total(fixed: float, split_lines: tuple, k: int) -> float:
+    """Σ_{j<k} fixed + (the winning line at j), the lines as `_split_lines` gives them."""
+    if k <= 0:
+        return 0.0
+    split, (lo_a, lo_b), (hi_a, hi_b) = split_lines
+    split = min(split, k)
+    total = k * fixed
+    if split > 0:
+        total += _line_sum(lo_a, lo_b, 0, split)
+    if split < k:
+        total += _line_sum(hi_a, hi_b, split, k)
+    return total
 
 
 def _line_sum(p: float, q: float, j0: int, j1: int) -> float:
