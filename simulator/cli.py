@@ -135,7 +135,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     with user_errors():
         sim = build_simulation(config)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
-    result = sim.run(lambda sim_s, done, total: bar.update(done, sim_s))
+    # without a bar (output not a terminal), SimPy runs its own loop: no check per event
+    result = sim.run((lambda sim_s, done, total: bar.update(done, sim_s)) if bar.enabled else None)
     bar.close()
     out = Path(args.out)
     try:

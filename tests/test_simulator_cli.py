@@ -244,3 +244,24 @@ def test_config_json_reruns_from_another_directory(tmp_path, trace_file, traces_
         assert config.trace_dir is None or config.trace_dir == str(traces_dir.resolve())
         run_simulation(config, elsewhere / run)
         assert (elsewhere / run / "requests.csv").read_bytes() == (here / run / "requests.csv").read_bytes()
+
+
+def test_a_progress_bar_on_a_terminal_changes_no_output(tmp_path, trace_file, monkeypatch):
+    """On a terminal the run reports progress as it goes (stepping SimPy itself);
+    elsewhere SimPy runs its own loop. The run directories are the same bytes."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    args = ["--trace", str(trace_file), "--model", "llama-2-7b", "--gpu", "a100-80gb",
+            "--policy", "fcfs", "--kv-blocks", "300"]
+    assert simulate(*args, "--out", str(tmp_path / "plain")) == 0
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert simulate(*args, "--out", str(tmp_path / "bar")) == 0
+    assert "requests" in terminal.getvalue() and "simulated" in terminal.getvalue()
+    for name in FILES:
+        assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "bar" / name).read_bytes()
