@@ -332,7 +332,8 @@ class CostModel:
             raise ValueError(f"budget_s must be >= 0, got {budget_s!r}")
         if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 0):
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
-        return self._steps_within(self._run_lines(shape), budget_s, max_steps)
+        lines = self._run_lines(shape)
+        return self._steps_within(lines, budget_s, max_steps, _split_lines(*lines[1:]))
 
     def decode_run_until(self, shape: BatchShape, max_steps: int, budget_s: float,
                          ) -> tuple[int, float]:
@@ -354,9 +355,8 @@ class CostModel:
         return k, total
 
     def _steps_within(self, lines: tuple[float, float, float, float, float], budget_s: float,
-                      max_steps: int | None, split_lines: tuple | None = None) -> int:
-        """`decode_run_steps_within` on the run's lines (and their `_split_lines`, if the
-        caller has them)."""
+                      max_steps: int | None, pieces: tuple) -> int:
+        """`decode_run_steps_within` on the run's lines and their `_split_lines`."""
         fixed, a, b, c, d = lines
         first = fixed + max(a, c)
         if first <= 0 or budget_s == math.inf:
@@ -369,7 +369,6 @@ class CostModel:
         cap = math.floor(budget_s / first) + 1
         if max_steps is not None:
             cap = min(cap, max_steps)
-        pieces = _split_lines(a, b, c, d) if split_lines is None else split_lines
         split, (lo_a, lo_b), (hi_a, hi_b) = pieces
         if split >= cap or _split_total(fixed, pieces, split) > budget_s:
             k = _steps_in_budget(fixed + lo_a, lo_b, budget_s)
