@@ -414,3 +414,27 @@ def test_pyarrow_reads_a_decimal_as_python_does(text):
         assert struct.pack("<d", got) == struct.pack("<d", expected)
     else:   # beyond the float range: either way the bulk path leaves it to the row parser
         assert got is None or math.isinf(got)
+
+
+@pytest.mark.parametrize("first", ["null", " null, 1", 'null, "input_length": 3600}'])
+def test_mooncake_file_opening_with_a_non_object_is_a_bad_line_not_a_crash(tmp_path, first):
+    """pyarrow's JSON reader crashes the process on a file whose first value is null; such
+    a file never reaches it: the row parser names the line."""
+    ok = [json.dumps({"timestamp": t, "input_length": 600, "output_length": 3, "hash_ids": [0, t + 1]})
+          for t in (1000, 2000)]
+    path = _write(tmp_path, "\n".join([first, *ok]) + "\n", "m.jsonl")
+    with pytest.raises(TraceFormatError, match=r"m.jsonl, line 1: invalid JSON"):
+        load_trace(path, "mooncake")
+    trace = load_trace(path, "mooncake", on_bad_row="drop")
+    assert [r.arrival_s for r in trace.records] == [0.0, 1.0] and trace.source_rows == 3
+
+
+def test_mooncake_null_prefix_hash_is_a_bad_line(tmp_path):
+    """A null among a line's hash_ids is an invalid prefix hash, on the bulk path too."""
+    lines = [json.dumps({"timestamp": t, "input_length": 600, "output_length": 3, "hash_ids": h})
+             for t, h in ((1000, [0, 1]), (2000, [0, None, 2]), (3000, [0, 3]))]
+    path = _write(tmp_path, "\n".join(lines) + "\n", "m.jsonl")
+    with pytest.raises(TraceFormatError, match=r"m.jsonl, line 2: invalid prefix hashes"):
+        load_trace(path)
+    trace = load_trace(path, on_bad_row="drop")
+    assert [r.arrival_s for r in trace.records] == [0.0, 2.0]

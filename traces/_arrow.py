@@ -17,6 +17,7 @@ million rows, most of it turning columns into Python objects for the records.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,10 @@ _SERVELAB_KINDS = {"arrival_s": "decimal", "prompt_tokens": "length", "output_to
                    "tenant": "text", "priority": "priority", "slo_ttft_ms": "optional decimal",
                    "slo_tpot_ms": "optional decimal",
                    "prefix_block_size": "empty", "prefix_hashes": "empty"}  # hashes: row by row
+_NOT_AN_OBJECT = re.compile(rb"^[ \t]*[^{\s]", re.MULTILINE)
+"""A non-blank line that does not open a JSON object. Such a file goes to the row parser
+(which names the line): pyarrow 26.0.1's JSON reader crashes the process (SIGSEGV) on a
+file whose first value is `null`, found by tests/test_traces_corruption.py."""
 _MOONCAKE_SCHEMA = pa.schema([("timestamp", pa.int64()), ("input_length", pa.int64()),
                               ("output_length", pa.int64()), ("hash_ids", pa.list_(pa.int64()))])
 
@@ -90,7 +95,7 @@ def csv_columns(data: bytes, names: list[str], roles: dict[str, str], fmt: str):
 def json_columns(data: bytes, num_rows: int):
     """(times in ms, prompts, outputs, prefix hash tuples) of a clean Mooncake JSONL file
     of `num_rows` non-blank lines, or None."""
-    if data.count(b"\r") != data.count(b"\r\n"):
+    if data.count(b"\r") != data.count(b"\r\n") or _NOT_AN_OBJECT.search(data):
         return None
     try:
         table = pajson.read_json(pa.py_buffer(data), parse_options=pajson.ParseOptions(
@@ -104,8 +109,9 @@ def json_columns(data: bytes, num_rows: int):
     hashes = table["hash_ids"]
     if prompts is None or outputs is None or not _sorted(times) or (
             num_rows and (pc.min(pc.list_value_length(hashes)).as_py() < 1
+                          or pc.list_flatten(hashes).null_count
                           or pc.min(pc.list_flatten(hashes)).as_py() < 0)):
-        return None   # (int64 parsing already keeps hashes <= MAX_HASH)
+        return None   # (int64 parsing already keeps hashes <= MAX_HASH; a null hash is bad)
     return times.tolist(), prompts, outputs, list(map(tuple, hashes.to_pylist()))
 
 
