@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from .lru import BlockLRU
-from .prefix_cache import CacheIndex, Entry, PrefixCache
+from .prefix_cache import CacheIndex, Entries, Entry, PrefixCache
 
 
 class HostTier:
@@ -78,15 +78,59 @@ class HostTier:
     def loading(self, gpu_block: int, host_block: int) -> None:
         self._loads[gpu_block] = host_block
 
-    def store(self, gpu_blocks: list[int], entries: list[Entry]) -> None:
+    def store(self, gpu_blocks: list[int], entries: Entries) -> None:
         """Entries evicted from the GPU (LRU first) with the blocks they leave. A block
         whose own load is still pending hands its entry back to its host block; the
         others are offloaded, newest in the host LRU order. When one eviction is larger
         than the tier, its newest entries are the ones kept (a sequence's head, released
-        after its tail), as an LRU keeps them."""
+        after its tail), as an LRU keeps them.
+
+        In bulk when the free and parked host blocks suffice (the common case): host
+        blocks are taken as `_take_block` would take them one by one (free ones from
+        the top of the stack, then the least recently used), entered with one
+        `put_many` and parked as one segment."""
+        loads = self._loads
+        back = [loads.pop(gb, None) for gb in gpu_blocks] if loads else None
+        need = len(gpu_blocks) if back is None else back.count(None)
+        if need > len(self._free) + len(self._lru) \
+                or not self.index.block_of_hash.keys().isdisjoint(entries.hashes):
+            self._store_each(gpu_blocks, entries, back)
+            return
+        free, offloads = self._free, self._offloads
+        k = min(need, len(free))
+        fresh = free[:-k - 1:-1]   # top of the stack first
+        del free[len(free) - k:]
+        if need > k:
+            old = self._lru.pop_oldest(need - k)
+            self.index.drop(old)
+            if offloads:
+                for hb in old:
+                    offloads.pop(hb, None)
+            fresh += old
+        if back is None:
+            host_blocks = fresh
+            offloads.update(zip(fresh, gpu_blocks))
+        else:
+            host_blocks = []
+            taken = iter(fresh)
+            for gb, hb in zip(gpu_blocks, back):
+                if hb is None:
+                    hb = next(taken)
+                    offloads[hb] = gb
+                else:   # loaded and evicted in one step: nothing moved yet
+                    del self._pending_free[hb]
+                host_blocks.append(hb)
+        self.index.put_many(host_blocks, entries)
+        self._lru.park(host_blocks)
+        self._gpu.notify_host(entries.hashes)
+
+    def _store_each(self, gpu_blocks: list[int], entries: Entries, back: list | None) -> None:
+        """`store` one entry at a time: an eviction larger than the free and parked host
+        blocks (it then evicts its own oldest entries), or one whose hashes the tier
+        already holds. `back`: each GPU block's host block when its load was pending."""
         parked = []
-        for gb, entry in zip(gpu_blocks, entries):
-            hb = self._loads.pop(gb, None)
+        for i, gb in enumerate(gpu_blocks):
+            hb = back[i] if back is not None else None
             if hb is not None:    # loaded and evicted in one step: nothing moved yet
                 del self._pending_free[hb]
             else:
@@ -98,17 +142,20 @@ class HostTier:
                 if hb is None:    # every host block waits for a load: drop the entry
                     continue
                 self._offloads[hb] = gb
-            other = self.index.block_of_hash.get(entry[0])
+            h = entries.hashes[i]
+            other = self.index.block_of_hash.get(h)
             if other is not None:   # the newer copy of this hash wins
                 self._discard(other)
-            self.index.put(hb, entry)
+            self.index.put(hb, (h, entries.ids[i], entries.parent_ids[i], entries.contents[i]))
             parked.append(hb)
         self._lru.park(parked)
-        self._gpu.notify_host([e[0] for e in entries])
+        self._gpu.notify_host(entries.hashes)
 
     def discard_hashes(self, hashes: list[int]) -> None:
         """Drop host entries under these hashes (the GPU just committed them)."""
         by_hash = self.index.block_of_hash
+        if by_hash.keys().isdisjoint(hashes):   # the common case, tested in C
+            return
         for h in hashes:
             hb = by_hash.get(h)
             if hb is not None:

@@ -674,8 +674,7 @@ class PagedBlockManager(BlockManager):
         if self._host is None:
             taken += self._cache.evict(n - len(taken))
             return taken
-        entries: list = []
-        evicted = self._cache.evict(n - len(taken), entries)
+        evicted, entries = self._cache.evict_entries(n - len(taken))
         self._host.store(evicted, entries)
         return taken + evicted
 

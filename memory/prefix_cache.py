@@ -54,6 +54,17 @@ Entry = tuple[int, int, int, Hashable]
 
 
 @dataclass(slots=True, frozen=True)
+class Entries:
+    """Several entries as parallel columns, in their blocks' order: what an eviction
+    moves to the host tier in bulk."""
+
+    hashes: list[int]
+    ids: list[int]
+    parent_ids: list[int]
+    contents: list[Hashable]
+
+
+@dataclass(slots=True, frozen=True)
 class PrefixMatch:
     """The longest cached run of leading blocks for some block contents."""
 
@@ -119,6 +130,32 @@ class CacheIndex:
         del self.block_of_hash[h]
         self.hash[block] = self.content[block] = None
         return entry
+
+    def take_many(self, blocks: list[int]) -> Entries:
+        """Remove and return the entries of `blocks` (each holds one), in their order.
+        O(blocks), the columns read in C."""
+        out = Entries(list(map(self.hash.__getitem__, blocks)),
+                      list(map(self.entry_id.__getitem__, blocks)),
+                      list(map(self.parent_id.__getitem__, blocks)),
+                      list(map(self.content.__getitem__, blocks)))
+        self.drop(blocks)
+        return out
+
+    def put_many(self, blocks: list[int], entries: Entries) -> None:
+        """Enter entries[i] for blocks[i]; their hashes must be distinct and free in this
+        index. O(blocks)."""
+        by_hash = self.block_of_hash
+        size = len(by_hash)
+        by_hash.update(zip(entries.hashes, blocks))
+        if len(by_hash) - size != len(blocks):
+            raise AssertionError("put_many: a hash is taken or repeated")
+        hashes, entry_ids, parent_ids, stored = self.hash, self.entry_id, self.parent_id, self.content
+        for b, h, eid, pid, content in zip(blocks, entries.hashes, entries.ids,
+                                           entries.parent_ids, entries.contents):
+            hashes[b] = h
+            entry_ids[b] = eid
+            parent_ids[b] = pid
+            stored[b] = content
 
     def drop(self, blocks: list[int]) -> None:
         """Remove the entries of `blocks` (each holds one). O(blocks)."""
@@ -349,16 +386,17 @@ class PrefixCache(CacheIndex):
         """An evictable block was hit: it is referenced again, so not evictable. O(1)."""
         self._lru.remove(block)
 
-    def evict(self, n: int, entries: list[Entry] | None = None) -> list[int]:
+    def evict(self, n: int) -> list[int]:
         """Forget the n least recently used evictable blocks and return them, LRU
-        first; with `entries`, append their entries to it (in the same order) first.
-        The caller has checked that there are n."""
+        first. The caller has checked that there are n."""
         out = self._lru.pop_oldest(n)
-        if entries is not None:
-            entries += map(self.take, out)
-        else:
-            self.drop(out)
+        self.drop(out)
         return out
+
+    def evict_entries(self, n: int) -> tuple[list[int], Entries]:
+        """`evict`, handing back the blocks' entries too (in the same order)."""
+        out = self._lru.pop_oldest(n)
+        return out, self.take_many(out)
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first (for tests and invariants)."""

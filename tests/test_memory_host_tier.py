@@ -14,12 +14,13 @@ from collections import Counter
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from servelab.memory import AllocStatus, BlockManagerError, PagedBlockManager
 from servelab.memory import prefix_cache
 from servelab.memory.block_keys import BlockKeys
+from servelab.memory.host_tier import HostTier
 
 BS = 2
 
@@ -428,3 +429,70 @@ def test_host_tier_with_a_weak_hash(monkeypatch):
     """Collisions everywhere: hits from either tier must still be exact."""
     monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: hash(content) % 3)
     run_state_machine_as_test(EpochMachine, settings=SETTINGS)
+
+
+# --------------------------------------------------------------------------- bulk offloads
+class OneAtATimeTier(HostTier):
+    """The host tier storing every eviction through its one-entry-at-a-time path."""
+
+    __slots__ = ()
+
+    def store(self, gpu_blocks, entries):
+        back = [self._loads.pop(gb, None) for gb in gpu_blocks] if self._loads else None
+        self._store_each(gpu_blocks, entries, back)
+
+
+def host_state(m):
+    host = m._host
+    return (host._free, host._lru.blocks(), dict(host.index.block_of_hash),
+            list(host._pending_free), list(host._loads.items()), list(host._offloads.items()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 5),
+                              st.sampled_from([0, 1, 2, 3, 4, 4, 4])),
+                    min_size=20, max_size=80),
+       host=st.integers(1, 12), weak_hash=st.booleans())
+def test_bulk_offloads_move_the_same_blocks_as_one_at_a_time(ops, host, weak_hash):
+    """`HostTier.store` in bulk and entry by entry must take the same host blocks in the
+    same order: same copies, same LRU order, same free stack, on random workloads whose
+    prompts share prefixes (families share their first blocks), with evictions larger
+    than the tier, loads evicted again within a step, and colliding hashes. Actions:
+    0 and 4 admit and compute a prompt (4 frees it at once), 1 admit it only (its loads
+    stay pending), 2 end the step (take the copies), 3 free the oldest live sequence."""
+    original = prefix_cache.chain_hash
+    if weak_hash:
+        prefix_cache.chain_hash = lambda parent, content: hash(content) % 5
+    try:
+        bulk, each = manager(gpu=9, host=host), manager(gpu=9, host=host)
+        each._host.__class__ = OneAtATimeTier
+        live: list[str] = []
+        for n, (family, nblocks, action) in enumerate(ops):
+            if action == 2:
+                assert bulk.take_transfers() == each.take_transfers()
+            elif action == 3:
+                if live:
+                    seq = live.pop(0)
+                    bulk.free(seq)
+                    each.free(seq)
+            else:
+                contents = keys(*[(family % 2, i) if i < 2 else (family, i) for i in range(nblocks)])
+                tokens, seq = nblocks * BS + 1, f"s{n}"
+                status = bulk.can_allocate(tokens, contents)
+                assert each.can_allocate(tokens, contents) is status
+                if status is AllocStatus.OK:
+                    assert bulk.allocate(seq, tokens, contents) == each.allocate(seq, tokens, contents)
+                    if action != 1:
+                        bulk.mark_computed(seq, tokens)
+                        each.mark_computed(seq, tokens)
+                    if action == 4:
+                        bulk.free(seq)
+                        each.free(seq)
+                    else:
+                        live.append(seq)
+            assert host_state(bulk) == host_state(each)
+            assert [bulk.block_table(s) for s in live] == [each.block_table(s) for s in live]
+        bulk.check_invariants()
+        each.check_invariants()
+    finally:
+        prefix_cache.chain_hash = original
