@@ -90,7 +90,9 @@ class HostTier:
         the top of the stack, then the least recently used), entered with one
         `put_many` and parked as one segment."""
         loads = self._loads
-        back = [loads.pop(gb, None) for gb in gpu_blocks] if loads else None
+        back = None   # tested in C first: a load is rarely evicted in its own step
+        if loads and not loads.keys().isdisjoint(gpu_blocks):
+            back = [loads.pop(gb, None) for gb in gpu_blocks]
         need = len(gpu_blocks) if back is None else back.count(None)
         if need > len(self._free) + len(self._lru) \
                 or not self.index.block_of_hash.keys().isdisjoint(entries.hashes):
@@ -103,7 +105,7 @@ class HostTier:
         if need > k:
             old = self._lru.pop_oldest(need - k)
             self.index.drop(old)
-            if offloads:
+            if offloads and not offloads.keys().isdisjoint(old):
                 for hb in old:
                     offloads.pop(hb, None)
             fresh += old
@@ -164,8 +166,8 @@ class HostTier:
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies since the last call: (GPU block, host block) offloads, then
         (host block, GPU block) loads. Host blocks loaded from become free again."""
-        offloads = [(gb, hb) for hb, gb in self._offloads.items()]
-        loads = [(hb, gb) for gb, hb in self._loads.items()]
+        offloads = list(zip(self._offloads.values(), self._offloads))
+        loads = list(zip(self._loads.values(), self._loads))
         self._offloads.clear()
         self._loads.clear()
         if self._pending_free:
