@@ -21,7 +21,11 @@ blocks about to be reused), then, after swaps, loads. Within one step's worth of
 - a GPU block whose pending load has not happened yet and is evicted again gives its
   entry back to the host block it came from (no copy either way).
 
-Costs: O(1) per block moved; `store` parks a whole eviction's blocks in one LRU segment.
+Costs: O(1) per block moved. An eviction is offloaded in bulk: its entries come as
+columns, the host blocks are taken with slices and one LRU pop, entered with one dict
+update and one loop of stores, and parked as one LRU segment; one entry at a time only
+when the eviction overflows the tier (or, against the invariants, the tier already holds
+one of its hashes).
 """
 from __future__ import annotations
 
