@@ -345,8 +345,8 @@ def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
 
 def check_host_tier(config: SimulationConfig) -> None:
     """ValueError if the config's CPU tier holds no block, or it and the swap pool need
-    more host memory than its machine has: the host-memory checks of `build_simulation`, without the trace (what a
-    sweep checks once per machine before it starts)."""
+    more host memory than its machine has: the host-memory checks of `build_simulation`,
+    without the trace (what a sweep checks once per machine before it starts)."""
     from servelab.host_memory import check_host_memory, host_tier_blocks
     from servelab.models import load_model_spec
     from servelab.simulator.cost_model import CostModel
