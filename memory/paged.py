@@ -308,8 +308,9 @@ class PagedBlockManager(BlockManager):
         """`append_slots` for several sequences (each at most once) in one pass, all or
         nothing: the same blocks, in the same order, as calling it for each in turn.
         O(sequences + new blocks): what growing many decodes at once costs."""
-        # One pass that grows as it goes, undone (rarely) when a sequence needs a copy,
-        # more blocks than are free, or is bad or listed twice: what a decode step pays.
+        # One pass that grows as it goes, undone (rarely) when a sequence needs a copy or
+        # is bad or listed twice: what a decode step pays. Once the free stack runs dry
+        # (a full prefix cache: every new block is an eviction) the rest goes in bulk.
         seqs = self._seqs
         bs = self.block_size
         refcount = self._refcount
@@ -333,8 +334,8 @@ class PagedBlockManager(BlockManager):
                     refcount[b] = 1
                 blocks.append(b)
             elif need:
-                if need > len(free):
-                    break  # evictions: take the general path
+                if need > len(free):   # evictions: the rest takes its blocks at once
+                    return self._grow_rest(growth, done, slots)
                 new = free[:-need - 1:-1]  # top of the stack first, as _take
                 del free[-need:]
                 if not parked:
@@ -351,6 +352,44 @@ class PagedBlockManager(BlockManager):
             self._undo_growth(growth, done)
             raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
                                     f"{[seq_id for seq_id, _ in growth]!r}")
+        self._undo_growth(growth, done)
+        return self._append_slots_each(growth)
+
+    def _grow_rest(self, growth: Sequence[tuple[Hashable, int]], done: int, slots: int) -> list[tuple[int, int]]:
+        """`append_slots_many` from entry `done` on, where the free stack runs dry: the
+        rest of the batch takes its blocks with one `_take` (free, then evicted) and hands
+        them out in order, the blocks one `append_slots` per sequence would take, since
+        growing neither frees nor evicts anything else. The general path when an entry
+        needs a copy or is bad, a sequence is listed twice, or the blocks do not exist.
+        O(rest + new blocks)."""
+        seqs = self._seqs
+        bs = self.block_size
+        refcount = self._refcount
+        rest = []
+        need = 0
+        for seq_id, n in growth[done:]:
+            seq = seqs.get(seq_id)
+            if seq is None or not seq.on_gpu or type(n) is not int or n < 0 \
+                    or n and seq.num_tokens % bs and refcount[seq.blocks[-1]] > 1:
+                break
+            k = (seq.num_tokens + n + bs - 1) // bs - len(seq.blocks)
+            rest.append((seq, n, k))
+            need += k
+        else:
+            if need <= self.num_free_blocks and len(dict(growth)) == len(growth):
+                taken = self._take(need)
+                if not self._parked:
+                    for b in taken:
+                        refcount[b] = 1
+                pos = 0
+                for seq, n, k in rest:
+                    if k:
+                        seq.blocks += taken[pos:pos + k]
+                        pos += k
+                    seq.num_tokens += n
+                    slots += n
+                self._slots_used += slots
+                return []
         self._undo_growth(growth, done)
         return self._append_slots_each(growth)
 

@@ -10,6 +10,7 @@ hit must have handed out the right content, whichever tier it came from.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -301,6 +302,42 @@ class EpochMachine(RuleBasedStateMachine):
         self.tokens[seq] += list(range(self.next_value, self.next_value + k))
         self.next_value += k
         self.writes.setdefault(seq, start)
+
+    @rule(mask=st.integers(1, (1 << 16) - 1), ks=st.lists(st.integers(0, 3), min_size=16, max_size=16))
+    def append_many(self, mask, ks):
+        """append_slots_many takes the very blocks, makes the very copies and leaves the
+        very host-tier transfers of append_slots called for each sequence in turn (the
+        batch that runs the GPU dry evicts, and offloads, in bulk), or fails changing
+        nothing."""
+        group = [(s, ks[i % 16]) for i, s in enumerate(self.gpu_seqs()) if mask >> (i % 16) & 1]
+        if not group:
+            return
+        one_by_one = copy.deepcopy(self.m)
+        try:
+            expected = [c for s, k in group for c in one_by_one.append_slots(s, k)]
+        except BlockManagerError:
+            expected = None
+        before = copy.deepcopy(self.m)
+        try:
+            copies = self.m.append_slots_many(group)
+        except BlockManagerError:
+            assert expected is None, "append_slots_many failed where one by one fits"
+            assert self.state(self.m) == self.state(before)
+            return
+        assert expected is not None, "append_slots_many grew what one by one cannot"
+        assert copies == expected
+        assert self.state(self.m) == self.state(one_by_one)
+        self.copies += copies
+        for s, k in group:
+            start = len(self.tokens[s])
+            self.tokens[s] += list(range(self.next_value, self.next_value + k))
+            self.next_value += k
+            self.writes.setdefault(s, start)
+
+    def state(self, m):
+        """What a call can change, pending host transfers included (read off a copy)."""
+        tables = {s: (m.block_table(s), m.num_tokens(s)) for s in self.tokens}
+        return tables, m.usage(), m.evictable_blocks(), copy.deepcopy(m).take_transfers()
 
     @rule(pick=st.integers(0, 1 << 16))
     def fork(self, pick):
