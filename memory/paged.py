@@ -27,6 +27,7 @@ Every mutating method checks its preconditions before it changes anything and ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Hashable, Iterable, Sequence
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
@@ -728,9 +729,20 @@ class PagedBlockManager(BlockManager):
         refcount = self._refcount
         bs = self.block_size
         last_released = refcount[blocks[-1]] == 1
-        counts = list(map(refcount.__getitem__, blocks))
-        if counts.count(1) == len(counts):   # nothing shared: every block goes (in C)
+        # The counts are read in C. Shared blocks, when any, are mostly leading ones
+        # (prefix hits, e.g. a system prompt every request shares): those keep a
+        # reference each and all the others go, two slices.
+        counts = itemgetter(*blocks)(refcount) if len(blocks) > 1 else (refcount[blocks[0]],)
+        ones = counts.count(1)
+        lead = len(blocks) - ones
+        if not lead:   # nothing shared: every block goes
             unreferenced = blocks[::-1]
+        elif counts[lead:].count(1) == ones:
+            for b in blocks[:lead]:
+                refcount[b] -= 1
+            self._extra_refs -= lead
+            unreferenced = blocks[lead:]
+            unreferenced.reverse()
         else:
             unreferenced = []
             extra = 0

@@ -231,6 +231,22 @@ def test_lru_eviction_order_exact():
     m.check_invariants()
 
 
+def test_release_behind_shared_leading_blocks_is_tail_first():
+    """A sequence whose leading blocks another one still holds (a prefix hit) parks the
+    rest of its blocks last first, and the shared ones keep their other reference."""
+    m = PagedBlockManager(2, 12, enable_prefix_caching=True)
+    cached_seq(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])              # blocks 0-3
+    assert m.allocate("b", 8, [(1, 2), (3, 4), (9, 9), (8, 8)]) == 4
+    m.mark_computed("b", 8)
+    assert m.block_table("b") == [0, 1, 4, 5]
+    m.free("b")                                               # 0, 1 still held by a
+    assert m.evictable_blocks() == [5, 4]
+    assert m.usage().num_used_blocks == 4
+    m.free("a")
+    assert m.evictable_blocks() == [5, 4, 3, 2, 1, 0]
+    m.check_invariants()
+
+
 def test_eviction_order_follows_last_use():
     m = PagedBlockManager(2, 4, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 0])                             # blocks 0 (cached), 1 (partial)
