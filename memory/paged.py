@@ -356,7 +356,8 @@ class PagedBlockManager(BlockManager):
         self._undo_growth(growth, done)
         return self._append_slots_each(growth)
 
-    def _grow_rest(self, growth: Sequence[tuple[Hashable, int]], done: int, slots: int) -> list[tuple[int, int]]:
+    def _grow_rest(self, growth: Sequence[tuple[Hashable, int]], done: int,
+                   slots: int) -> list[tuple[int, int]]:
         """`append_slots_many` from entry `done` on, where the free stack runs dry: the
         rest of the batch takes its blocks with one `_take` (free, then evicted) and hands
         them out in order, the blocks one `append_slots` per sequence would take, since

@@ -303,7 +303,8 @@ class EpochMachine(RuleBasedStateMachine):
         self.next_value += k
         self.writes.setdefault(seq, start)
 
-    @rule(mask=st.integers(1, (1 << 16) - 1), ks=st.lists(st.integers(0, 3), min_size=16, max_size=16))
+    @rule(mask=st.integers(1, (1 << 16) - 1),
+          ks=st.lists(st.integers(0, 3), min_size=16, max_size=16))
     def append_many(self, mask, ks):
         """append_slots_many takes the very blocks, makes the very copies and leaves the
         very host-tier transfers of append_slots called for each sequence in turn (the
