@@ -319,7 +319,11 @@ class PagedBlockManager(BlockManager):
         parked = self._parked
         slots = done = 0
         for seq_id, n in growth:
-            seq = seqs.get(seq_id)
+            try:
+                seq = seqs.get(seq_id)
+            except TypeError:   # an unhashable id: nothing stays grown
+                self._undo_growth(growth, done)
+                raise
             if seq is None or not seq.on_gpu or type(n) is not int or n < 0:
                 self._undo_growth(growth, done)
                 self._reject_append("append_slots_many", seq_id, n)   # raises if bad
@@ -335,7 +339,7 @@ class PagedBlockManager(BlockManager):
                     refcount[b] = 1
                 blocks.append(b)
             elif need:
-                if need > len(free):   # evictions: the rest takes its blocks at once
+                if need > len(free):   # evictions (in bulk), or no room: _grow_rest decides
                     return self._grow_rest(growth, done, slots)
                 new = free[:-need - 1:-1]  # top of the stack first, as _take
                 del free[-need:]
@@ -370,7 +374,11 @@ class PagedBlockManager(BlockManager):
         rest = []
         need = 0
         for seq_id, n in growth[done:]:
-            seq = seqs.get(seq_id)
+            try:
+                seq = seqs.get(seq_id)
+            except TypeError:   # an unhashable id: nothing stays grown
+                self._undo_growth(growth, done)
+                raise
             if seq is None or not seq.on_gpu or type(n) is not int or n < 0 \
                     or n and seq.num_tokens % bs and refcount[seq.blocks[-1]] > 1:
                 break
@@ -731,8 +739,8 @@ class PagedBlockManager(BlockManager):
         bs = self.block_size
         last_released = refcount[blocks[-1]] == 1
         # The counts are read in C. Shared blocks, when any, are mostly leading ones
-        # (prefix hits, e.g. a system prompt every request shares): those keep a
-        # reference each and all the others go, two slices.
+        # (prefix hits, e.g. a system prompt every request shares): only those are
+        # visited (each loses a reference) and the others go as one slice.
         counts = itemgetter(*blocks)(refcount) if len(blocks) > 1 else (refcount[blocks[0]],)
         ones = counts.count(1)
         lead = len(blocks) - ones

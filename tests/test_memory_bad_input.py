@@ -100,6 +100,26 @@ def test_append_many_is_all_or_nothing(m):
     assert_rejected(m, lambda: m.append_slots_many([("c", 1), ("c", 1)]), "listed twice")
 
 
+@pytest.mark.parametrize("dry", [False, True])
+def test_paged_append_many_with_an_unhashable_id_grows_nothing(dry):
+    """An unhashable id after sequences that grew raises TypeError, as append_slots
+    does, and takes their growth back: with free blocks at hand, and once the free stack
+    has run dry after 'a' took the last free block, so that 'c' would evict (cached
+    blocks of 'old')."""
+    m = PagedBlockManager(4, 7, enable_prefix_caching=True)
+    alloc(m, "a", 4)
+    alloc(m, "c", 4)
+    if dry:
+        alloc(m, "old", 16, [(1,), (2,), (3,), (4,)])
+        m.mark_computed("old", 16)
+        m.free("old")
+    before = (snapshot(m), m.evictable_blocks())
+    with pytest.raises(TypeError):
+        m.append_slots_many([("a", 1), ("c", 1), (["bad"], 1)])
+    m.check_invariants()
+    assert (snapshot(m), m.evictable_blocks()) == before
+
+
 def test_paged_append_many_checks_the_batch_as_a_whole():
     """Each growth fits alone, not both together: paging (which overrides the default)
     refuses the batch before touching either sequence."""
