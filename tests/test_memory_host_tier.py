@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from _batch_growth import append_many_as_one_by_one
+
 from servelab.memory import AllocStatus, BlockManagerError, PagedBlockManager
 from servelab.memory import prefix_cache
 from servelab.memory.block_keys import BlockKeys
@@ -313,21 +315,10 @@ class EpochMachine(RuleBasedStateMachine):
         group = [(s, ks[i % 16]) for i, s in enumerate(self.gpu_seqs()) if mask >> (i % 16) & 1]
         if not group:
             return
-        one_by_one = copy.deepcopy(self.m)
-        try:
-            expected = [c for s, k in group for c in one_by_one.append_slots(s, k)]
-        except BlockManagerError:
-            expected = None
-        before = copy.deepcopy(self.m)
-        try:
-            copies = self.m.append_slots_many(group)
-        except BlockManagerError:
-            assert expected is None, "append_slots_many failed where one by one fits"
+        copies, before = append_many_as_one_by_one(self.m, group, self.state)
+        if copies is None:
             assert self.state(self.m) == self.state(before)
             return
-        assert expected is not None, "append_slots_many grew what one by one cannot"
-        assert copies == expected
-        assert self.state(self.m) == self.state(one_by_one)
         self.copies += copies
         for s, k in group:
             start = len(self.tokens[s])

@@ -22,6 +22,8 @@ from hypothesis import settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
+from _batch_growth import append_many_as_one_by_one
+
 from servelab.memory import AllocStatus, BlockManagerError, ContiguousBlockManager, PagedBlockManager
 from servelab.memory import prefix_cache
 
@@ -137,24 +139,13 @@ class ShadowMachine(RuleBasedStateMachine):
         group = [(s, ks[i % 16]) for i, s in enumerate(self.gpu_seqs()) if mask >> (i % 16) & 1]
         if not group:
             return
-        one_by_one = copy.deepcopy(self.m)
-        try:
-            expected = [c for s, k in group for c in one_by_one.append_slots(s, k)]
-        except BlockManagerError:
-            expected = None
-        before = copy.deepcopy(self.m)
-        try:
-            copies = self.m.append_slots_many(group)
-        except BlockManagerError:
-            assert expected is None, "append_slots_many failed where one by one fits"
+        copies, before = append_many_as_one_by_one(self.m, group, self.state)
+        if copies is None:
             if isinstance(self.m, PagedBlockManager):   # all or nothing
                 assert self.state(self.m) == self.state(before)
             else:  # the default grows one by one: what it grew before failing stays
                 self.m = before
             return
-        assert expected is not None, "append_slots_many grew what one by one cannot"
-        assert copies == expected
-        assert self.state(self.m) == self.state(one_by_one)
         others = {b for s in self.gpu_seqs() if s not in dict(group) for b in self.m.block_table(s)}
         assert not {dst for _, dst in copies} & others, "copy-on-write into a shared block"
         self.copy(copies, "gpu", "gpu")
