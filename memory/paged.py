@@ -12,14 +12,16 @@ group to a CPU pool with its own capacity and back.
 
 Costs. Free blocks sit on a LIFO stack (a Python list): taking n blocks is one slice and
 giving one back is an append, O(1) per block, and the most recently freed block is reused
-first, which keeps the working set compact. Without a prefix cache a free block's
-reference count is *parked* at 1, the count a block gets when it is taken, and the
-manager keeps the total of references beyond the first (`_extra_refs`, from forks and
-swaps): while that is 0, taking blocks and freeing a sequence write no count at all, and
-a free is one `extend` of the free stack. Every operation works per block, never per
-token: appending k tokens costs O(1 + new blocks), `can_append_slots` is O(1).
-Allocation, free and swap are O(blocks of the sequences involved); a prefix-cache lookup
-adds one hash and one content comparison per looked-up block.
+first, which keeps the working set compact. The reference count of a block nobody
+references (a free one, or an evictable cached one) is *parked* at 1, the count a block
+gets when it is taken, and the manager keeps the total of references beyond the first
+(`_extra_refs`, from forks, swaps and prefix hits): while that is 0, taking blocks and
+freeing a sequence write no count at all, and without a prefix cache a free is one
+`extend` of the free stack. What tells an evictable block from a referenced one is the
+cache's LRU order, which holds exactly the evictable ones. Every operation works per
+block, never per token: appending k tokens costs O(1 + new blocks), `can_append_slots`
+is O(1). Allocation, free and swap are O(blocks of the sequences involved); a
+prefix-cache lookup adds one hash and one content comparison per looked-up block.
 
 Every mutating method checks its preconditions before it changes anything and raises
 `BlockManagerError` on a violation, leaving the manager exactly as it was.
@@ -90,7 +92,7 @@ class PagedBlockManager(BlockManager):
     grows_by_block = True
 
     __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
-                 "_seqs", "_refcount", "_parked", "_extra_refs", "_free", "_cache",
+                 "_seqs", "_refcount", "_extra_refs", "_free", "_cache",
                  "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits",
                  "_later", "num_host_blocks", "_host")
 
@@ -115,11 +117,9 @@ class PagedBlockManager(BlockManager):
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
         self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
-        self._parked = 0 if enable_prefix_caching else 1
-        """What a free block's count reads: 1 (see the module docstring), or 0 with a
-        prefix cache, where 0 is how an evictable cached block is told from a used one."""
-        self._refcount = [self._parked] * num_gpu_blocks
-        """GPU block-table references of each used block; free blocks read `_parked`."""
+        self._refcount = [1] * num_gpu_blocks
+        """GPU block-table references of each used block; a block nobody references reads
+        1 (parked: see the module docstring)."""
         self._extra_refs = 0
         """Sum over GPU blocks of (references - 1) where above 1: 0 means nothing is shared."""
         self._cpu_refcount = [0] * num_cpu_blocks
@@ -196,17 +196,14 @@ class PagedBlockManager(BlockManager):
             self._prefix_queries += min(len(contents), num_tokens // bs)
             self._prefix_hits += len(hits)
             for b in gpu_hits:
-                if not refcount[b]:
+                if cache.is_evictable(b):   # revived: its parked count becomes its one reference
                     cache.touch(b)
                     self._later.touches += 1
                     self._slots_used += bs
                 else:
+                    refcount[b] += 1
                     self._extra_refs += 1
-                refcount[b] += 1
         new = self._take(num_blocks - len(gpu_hits))
-        if not self._parked:
-            for b in new:
-                refcount[b] = 1
         self._slots_used += num_tokens - len(gpu_hits) * bs
         if loaded:   # the first new blocks receive the host hits
             hits = list(hits)
@@ -288,19 +285,14 @@ class PagedBlockManager(BlockManager):
             refcount = self._refcount
             if cow:
                 src = blocks[-1]
-                dst, = self._take(1)
+                dst, = self._take(1)   # its count reads 1 already (parked)
                 refcount[src] -= 1
                 self._extra_refs -= 1
-                refcount[dst] = 1
                 blocks[-1] = dst
                 copies.append((src, dst))
                 self._slots_used += filled
             if need:
-                new = self._take(need)
-                if not self._parked:
-                    for b in new:
-                        refcount[b] = 1
-                blocks += new
+                blocks += self._take(need)
         seq.num_tokens = t + num_new_tokens
         self._slots_used += num_new_tokens
         return copies
@@ -316,7 +308,6 @@ class PagedBlockManager(BlockManager):
         bs = self.block_size
         refcount = self._refcount
         free = self._free
-        parked = self._parked
         slots = done = 0
         for seq_id, n in growth:
             try:
@@ -334,19 +325,12 @@ class PagedBlockManager(BlockManager):
                 break  # a copy-on-write: take the general path
             need = (t + n + bs - 1) // bs - len(blocks)
             if need == 1 and free:
-                b = free.pop()
-                if not parked:
-                    refcount[b] = 1
-                blocks.append(b)
+                blocks.append(free.pop())
             elif need:
                 if need > len(free):   # evictions (in bulk), or no room: _grow_rest decides
                     return self._grow_rest(growth, done, slots)
-                new = free[:-need - 1:-1]  # top of the stack first, as _take
+                blocks += free[:-need - 1:-1]  # top of the stack first, as _take
                 del free[-need:]
-                if not parked:
-                    for b in new:
-                        refcount[b] = 1
-                blocks += new
             seq.num_tokens = t + n
             slots += n
             done += 1
@@ -388,9 +372,6 @@ class PagedBlockManager(BlockManager):
         else:
             if need <= self.num_free_blocks and len(dict(growth)) == len(growth):
                 taken = self._take(need)
-                if not self._parked:
-                    for b in taken:
-                        refcount[b] = 1
                 pos = 0
                 for seq, n, k in rest:
                     if k:
@@ -408,17 +389,13 @@ class PagedBlockManager(BlockManager):
         pass, last first: their blocks go back on top of the free stack as they came."""
         bs = self.block_size
         free = self._free
-        refcount = self._refcount
         for seq_id, n in reversed(growth[:done]):
             seq = self._seqs[seq_id]
             seq.num_tokens -= n
             extra = len(seq.blocks) - -(-seq.num_tokens // bs)
-            if extra:
+            if extra:   # their counts still read 1, as the free stack's do
                 back = seq.blocks[-extra:]
                 del seq.blocks[-extra:]
-                if not self._parked:
-                    for b in back:
-                        refcount[b] = self._parked
                 free += reversed(back)
 
     def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
@@ -536,7 +513,7 @@ class PagedBlockManager(BlockManager):
                 refcount[gpu_block] = left
                 self._extra_refs -= refs
             else:
-                refcount[gpu_block] = self._parked
+                refcount[gpu_block] = 1   # parked
                 self._extra_refs -= refs - 1
                 released.append(gpu_block)
                 self._slots_used -= filled
@@ -699,13 +676,12 @@ class PagedBlockManager(BlockManager):
             return _NEVER
         need = num_blocks - len(match.blocks)
         if match.blocks:  # reviving an evictable hit takes it out of the free count
-            refcount = self._refcount
             gpu_hits = match.blocks
             if match.on_host:   # a host hit needs a fresh GPU block, as a miss does
                 need += len(match.on_host)
                 on_host = set(match.on_host)
                 gpu_hits = [b for i, b in enumerate(gpu_hits) if i not in on_host]
-            need += sum(1 for b in gpu_hits if not refcount[b])
+            need += self._cache.num_evictable_of(gpu_hits)
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
@@ -728,11 +704,14 @@ class PagedBlockManager(BlockManager):
         return taken + evicted
 
     def _release(self, blocks: list[int], num_tokens: int) -> None:
-        """Drop one reference to each of a sequence's GPU blocks, last block first.
-        O(1) Python steps when nothing is shared and no prefix cache is kept: every
-        block goes back, its count parked at 1 already."""
-        if self._parked and not self._extra_refs:
-            self._free.extend(reversed(blocks))
+        """Drop one reference to each of a sequence's GPU blocks, last block first. A
+        block that loses its last one keeps its count, parked at 1. O(1) Python steps
+        when nothing is shared and no prefix cache is kept: every block goes back."""
+        if not self._extra_refs:   # nothing is shared: every block goes
+            if self._cache is None:
+                self._free.extend(reversed(blocks))
+            else:
+                self._cache.release(blocks[::-1], self._free)
             self._slots_used -= num_tokens
             return
         refcount = self._refcount
@@ -763,16 +742,13 @@ class PagedBlockManager(BlockManager):
                     extra += 1
             self._extra_refs -= extra
         released = len(unreferenced) * bs
-        if self._parked:
+        if self._cache is None:
             self._free += unreferenced
         else:
-            for b in unreferenced:
-                refcount[b] = 0
             self._cache.release(unreferenced, self._free)
         if last_released:  # the last block was only partly filled
             released -= len(blocks) * bs - num_tokens
         self._slots_used -= released
-
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -796,10 +772,8 @@ class PagedBlockManager(BlockManager):
             if seq.on_gpu and seq.num_tokens % bs and self._cache is not None:
                 _require(not self._cache.is_cached(blocks[-1]),
                          f"sequence {seq_id!r}: partial block {blocks[-1]} is cached")
-        parked = list(refs)
-        for b in self._free:
-            parked[b] = self._parked
-        _require(parked == self._refcount, "GPU reference counts differ from the block tables")
+        _require([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
+                 "GPU reference counts differ from the block tables")
         _require(self._extra_refs == sum(r - 1 for r in refs if r > 1),
                  f"extra reference total {self._extra_refs} differs from the block tables")
         _require(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")

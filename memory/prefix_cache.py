@@ -270,6 +270,10 @@ class PrefixCache(CacheIndex):
     def is_evictable(self, block: int) -> bool:
         return block in self._lru
 
+    def num_evictable_of(self, blocks: list[int]) -> int:
+        """How many of `blocks` are evictable. O(blocks)."""
+        return sum(map(self._lru.__contains__, blocks))
+
     def new_entry_id(self) -> int:
         eid = self._next_entry_id
         self._next_entry_id = eid + 1

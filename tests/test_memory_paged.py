@@ -277,6 +277,18 @@ def test_hit_on_evictable_block_counts_against_free_space():
     m.check_invariants()
 
 
+def test_only_hits_on_referenced_blocks_save_free_blocks():
+    m = PagedBlockManager(2, 5, enable_prefix_caching=True)
+    cached_seq(m, "a", [1, 2, 3, 4, 5])                       # 3 blocks, 2 committed
+    m.allocate("c", 1)                                        # 1 free block left
+    assert m.can_allocate(5, [(1, 2), (3, 4)]) is OK          # a holds both hits: 1 new block
+    m.free("a")                                               # the hits are evictable now
+    assert m.num_free_blocks == 4
+    assert m.can_allocate(7, [(1, 2), (3, 4)]) is OK          # 2 new + 2 revived = 4
+    assert m.can_allocate(9, [(1, 2), (3, 4)]) is LATER       # 3 new + 2 revived > 4
+    m.check_invariants()
+
+
 def test_duplicate_content_continues_the_chain():
     m = PagedBlockManager(2, 16, enable_prefix_caching=True)
     tokens = [1, 2, 3, 4, 5, 6, 0]
