@@ -21,6 +21,12 @@ blocks about to be reused), then, after swaps, loads. Within one step's worth of
 - a GPU block whose pending load has not happened yet and is evicted again gives its
   entry back to the host block it came from (no copy either way).
 
+Copy-on-write copies run last, after the loads, so a block freed during a step may still
+be the source (or target) of one of that step's copies: a step that frees a sequence
+after a copy-on-write must not then swap in or allocate blocks that a load writes. The
+scheduler keeps to this, since a step that preempted anything admits nothing and swaps
+nothing in; the host-tier state machine in the tests does the same.
+
 Costs: O(1) per block moved. An eviction is offloaded in bulk: its entries come as
 columns, the host blocks are taken with slices and one LRU pop, entered with one dict
 update and one loop of stores, and parked as one LRU segment; one entry at a time only

@@ -241,6 +241,10 @@ class EpochMachine(RuleBasedStateMachine):
         self.writes: dict[int, int] = {}                 # seq -> first token to compute
         self.hit_checks: list[tuple[int, int]] = []      # (seq, hit tokens)
         self.touched: set[int] = set()                   # seqs swapped in this step
+        self.frozen = False
+        """A sequence was freed while copies were pending: as a scheduler that preempted
+        admits nothing new and swaps nothing in, the step takes no new blocks to write
+        (a freed copy-on-write source must stay as it is until the copies run, last)."""
 
     def gpu_seqs(self):
         return [s for s in self.tokens if not self.m.is_swapped(s)]
@@ -277,8 +281,11 @@ class EpochMachine(RuleBasedStateMachine):
         """Allocate, freeing the oldest sequences first while memory is short (as
         finishing requests would): the churn that pushes blocks to the host and back."""
         n = len(tokens)
-        while self.m.can_allocate(n, contents) is AllocStatus.LATER and self.idle():
+        while not self.frozen and self.m.can_allocate(n, contents) is AllocStatus.LATER \
+                and self.idle():
             self.free(min(self.idle()))
+        if self.frozen:
+            return
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         if self.m.can_allocate(n, contents) is not AllocStatus.OK:
             with pytest.raises(BlockManagerError):
@@ -352,11 +359,11 @@ class EpochMachine(RuleBasedStateMachine):
             self.free(self.idle()[pick % len(self.idle())])
 
     def free(self, seq):
-        if True:
-            self.m.free(seq)
-            del self.tokens[seq]
-            self.writes.pop(seq, None)
-            self.hit_checks = [(s, h) for s, h in self.hit_checks if s != seq]
+        self.m.free(seq)
+        del self.tokens[seq]
+        self.writes.pop(seq, None)
+        self.hit_checks = [(s, h) for s, h in self.hit_checks if s != seq]
+        self.frozen = self.frozen or bool(self.copies)
 
     @rule()
     def free_all(self):
@@ -376,7 +383,7 @@ class EpochMachine(RuleBasedStateMachine):
     def swap_in(self, mask):
         seqs = [s for s in self.tokens if self.m.is_swapped(s)]
         group = [s for i, s in enumerate(seqs) if mask >> (i % 16) & 1]
-        if group and self.m.can_swap_in(group) is AllocStatus.OK:
+        if group and not self.frozen and self.m.can_swap_in(group) is AllocStatus.OK:
             self.swaps.append(("cpu", "gpu", self.m.swap_in(group)))
             self.touched.update(group)
 
