@@ -12,8 +12,8 @@ from __future__ import annotations
 from servelab.registry import import_submodules
 
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
+from .paged import PagedBlockManager   # first: the default leads the list of names
 from .contiguous import ContiguousBlockManager
-from .paged import PagedBlockManager
 from .registry import block_manager_names, make_block_manager, register_block_manager
 
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerError", "BlockUsage",

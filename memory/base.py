@@ -74,6 +74,19 @@ class BlockUsage:
         return 1.0 - self.token_slots_used / self.token_slots_allocated
 
 
+def check_size(owner: str, name: str, value: object, lo: int) -> int:
+    """Constructor argument check: an int >= lo, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{owner}: {name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def check_count(op: str, name: str, value: object, lo: int) -> None:
+    """Method argument check: an int >= lo, else BlockManagerError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise BlockManagerError(f"{op}: {name} must be an integer >= {lo}, got {value!r}")
+
+
 def unique_ids(op: str, seq_ids: Iterable[Hashable]) -> list[Hashable]:
     """The ids as a list, or BlockManagerError if one is listed twice."""
     ids = list(seq_ids)

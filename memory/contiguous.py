@@ -31,8 +31,8 @@ import functools
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
-from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
-from .paged import check_count, check_size, unique_ids
+from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
+                   check_size, unique_ids)
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Sequence
 
-from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, unique_ids
+from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_size
 from .block_keys import BlockKeys
 from .host_tier import HostTier
 from .later_memo import LaterMemos
+from .paged_growth import PagedGrowth
+from .paged_swap import PagedSwapping
 from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from .registry import register_block_manager
 
@@ -64,20 +66,7 @@ class _SeqBlocks:
     """Of its prefix hits at allocation, the blocks loaded from the host tier."""
 
 
-def check_size(owner: str, name: str, value: object, lo: int) -> int:
-    """Constructor argument check: an int >= lo, else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{owner}: {name} must be an integer >= {lo}, got {value!r}")
-    return value
-
-
-def check_count(op: str, name: str, value: object, lo: int) -> None:
-    """Method argument check: an int >= lo, else BlockManagerError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise BlockManagerError(f"{op}: {name} must be an integer >= {lo}, got {value!r}")
-
-
-class PagedBlockManager(BlockManager):
+class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
     """Paged KV-cache blocks with reference counts, prefix caching, copy-on-write and swap.
 
     `watermark_blocks` is kept free when admitting new sequences (`allocate`,
@@ -87,6 +76,9 @@ class PagedBlockManager(BlockManager):
     are the request's full blocks with known contents, hits the blocks reused. A
     block-aligned prompt that is fully cached still computes its last block, so the
     hit rate of a repeated prompt stays below 1, as the work done does.
+
+    Growth (`append_slots` and its batch form) lives in `PagedGrowth` (paged_growth.py)
+    and swapping in `PagedSwapping` (paged_swap.py); the state they share is this class's.
     """
 
     grows_by_block = True
@@ -246,212 +238,8 @@ class PagedBlockManager(BlockManager):
             seq.num_committed = link.num_committed
             seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
 
-    # ------------------------------------------------------------------ growth
-    # can_append_slots and append_slots run for every sequence on every step: their
-    # common case is inlined (no helper calls); the error paths are not.
-    def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
-        """O(1)."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or not seq.on_gpu or type(num_new_tokens) is not int or num_new_tokens < 0:
-            self._reject_append("can_append_slots", seq_id, num_new_tokens)
-        t = seq.num_tokens
-        bs = self.block_size
-        blocks = seq.blocks
-        need = (t + num_new_tokens + bs - 1) // bs - len(blocks)
-        if num_new_tokens and t % bs and self._refcount[blocks[-1]] > 1:
-            need += 1  # the copy of the shared partial last block
-        if need <= len(self._free):
-            return True
-        return self._cache is not None and need <= len(self._free) + self._cache.num_evictable
-
-    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
-        """O(1 + new blocks). Returns [(src, dst)] when a shared partial last block
-        was copied first (copy-on-write), else []."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or not seq.on_gpu or type(num_new_tokens) is not int or num_new_tokens < 0:
-            self._reject_append("append_slots", seq_id, num_new_tokens)
-        t = seq.num_tokens
-        bs = self.block_size
-        blocks = seq.blocks
-        need = (t + num_new_tokens + bs - 1) // bs - len(blocks)
-        filled = t % bs
-        cow = num_new_tokens and filled and self._refcount[blocks[-1]] > 1
-        copies: list[tuple[int, int]] = []
-        if need or cow:
-            if need + bool(cow) > self.num_free_blocks:
-                raise BlockManagerError(
-                    f"append_slots: no room for {num_new_tokens} more tokens of sequence "
-                    f"{seq_id!r}: needs {need + bool(cow)} blocks, {self.num_free_blocks} free")
-            refcount = self._refcount
-            if cow:
-                src = blocks[-1]
-                dst, = self._take(1)   # its count reads 1 already (parked)
-                refcount[src] -= 1
-                self._extra_refs -= 1
-                blocks[-1] = dst
-                copies.append((src, dst))
-                self._slots_used += filled
-            if need:
-                blocks += self._take(need)
-        seq.num_tokens = t + num_new_tokens
-        self._slots_used += num_new_tokens
-        return copies
-
-    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """`append_slots` for several sequences (each at most once) in one pass, all or
-        nothing: the same blocks, in the same order, as calling it for each in turn.
-        O(sequences + new blocks): what growing many decodes at once costs."""
-        # One pass that grows as it goes, undone (rarely) when a sequence needs a copy or
-        # is bad or listed twice: what a decode step pays. Once the free stack runs dry
-        # (a full prefix cache: every new block is an eviction) the rest goes in bulk.
-        seqs = self._seqs
-        bs = self.block_size
-        refcount = self._refcount
-        free = self._free
-        slots = done = 0
-        for seq_id, n in growth:
-            try:
-                seq = seqs.get(seq_id)
-            except TypeError:   # an unhashable id: nothing stays grown
-                self._undo_growth(growth, done)
-                raise
-            if seq is None or not seq.on_gpu or type(n) is not int or n < 0:
-                self._undo_growth(growth, done)
-                self._reject_append("append_slots_many", seq_id, n)   # raises if bad
-                return self._append_slots_each(growth)   # an int of another type
-            t = seq.num_tokens
-            blocks = seq.blocks
-            if n and t % bs and refcount[blocks[-1]] > 1:
-                break  # a copy-on-write: take the general path
-            need = (t + n + bs - 1) // bs - len(blocks)
-            if need == 1 and free:
-                blocks.append(free.pop())
-            elif need:
-                if need > len(free):   # evictions (in bulk), or no room: _grow_rest decides
-                    return self._grow_rest(growth, done, slots)
-                blocks += free[:-need - 1:-1]  # top of the stack first, as _take
-                del free[-need:]
-            seq.num_tokens = t + n
-            slots += n
-            done += 1
-        else:
-            if len(dict(growth)) == done:
-                self._slots_used += slots
-                return []
-            self._undo_growth(growth, done)
-            raise BlockManagerError(f"append_slots_many: a sequence is listed twice in "
-                                    f"{[seq_id for seq_id, _ in growth]!r}")
-        self._undo_growth(growth, done)
-        return self._append_slots_each(growth)
-
-    def _grow_rest(self, growth: Sequence[tuple[Hashable, int]], done: int,
-                   slots: int) -> list[tuple[int, int]]:
-        """`append_slots_many` from entry `done` on, where the free stack runs dry: the
-        rest of the batch takes its blocks with one `_take` (free, then evicted) and hands
-        them out in order, the blocks one `append_slots` per sequence would take, since
-        growing neither frees nor evicts anything else. The general path when an entry
-        needs a copy or is bad, a sequence is listed twice, or the blocks do not exist.
-        O(rest + new blocks)."""
-        seqs = self._seqs
-        bs = self.block_size
-        refcount = self._refcount
-        rest = []
-        need = 0
-        for seq_id, n in growth[done:]:
-            try:
-                seq = seqs.get(seq_id)
-            except TypeError:   # an unhashable id: nothing stays grown
-                self._undo_growth(growth, done)
-                raise
-            if seq is None or not seq.on_gpu or type(n) is not int or n < 0 \
-                    or n and seq.num_tokens % bs and refcount[seq.blocks[-1]] > 1:
-                break
-            k = (seq.num_tokens + n + bs - 1) // bs - len(seq.blocks)
-            rest.append((seq, n, k))
-            need += k
-        else:
-            if need <= self.num_free_blocks and len(dict(growth)) == len(growth):
-                taken = self._take(need)
-                pos = 0
-                for seq, n, k in rest:
-                    if k:
-                        seq.blocks += taken[pos:pos + k]
-                        pos += k
-                    seq.num_tokens += n
-                    slots += n
-                self._slots_used += slots
-                return []
-        self._undo_growth(growth, done)
-        return self._append_slots_each(growth)
-
-    def _undo_growth(self, growth: Sequence[tuple[Hashable, int]], done: int) -> None:
-        """Take back the growth of the first `done` entries of an `append_slots_many`
-        pass, last first: their blocks go back on top of the free stack as they came."""
-        bs = self.block_size
-        free = self._free
-        for seq_id, n in reversed(growth[:done]):
-            seq = self._seqs[seq_id]
-            seq.num_tokens -= n
-            extra = len(seq.blocks) - -(-seq.num_tokens // bs)
-            if extra:   # their counts still read 1, as the free stack's do
-                back = seq.blocks[-extra:]
-                del seq.blocks[-extra:]
-                free += reversed(back)
-
-    def _append_slots_each(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """append_slots_many's general path (copies, eviction), checked as a whole first.
-        The blocks needed are counted as the calls in turn will take them: a sequence
-        that copies a shared partial block drops a reference to it, so the last of its
-        holders in the batch may write in place."""
-        ids = unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
-        need = 0
-        refcount = self._refcount
-        copied: dict[int, int] = {}   # shared block -> holders that copied it so far
-        bs = self.block_size
-        for seq_id, n in growth:
-            seq = self._gpu_seq("append_slots_many", seq_id)
-            check_count("append_slots_many", "num_new_tokens", n, 0)
-            t = seq.num_tokens
-            need += (t + n + bs - 1) // bs - len(seq.blocks)
-            last = seq.blocks[-1]
-            if n and t % bs and refcount[last] - copied.get(last, 0) > 1:
-                copied[last] = copied.get(last, 0) + 1
-                need += 1
-        if need > self.num_free_blocks:
-            raise BlockManagerError(f"append_slots_many: no room to grow {ids!r}: needs "
-                                    f"{need} blocks, {self.num_free_blocks} free")
-        copies: list[tuple[int, int]] = []
-        for seq_id, n in growth:
-            copies += self.append_slots(seq_id, n)
-        return copies
-
-    def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
-        """Exact, in O(n log n) for n sequences: 0 if any has a shared partial last
-        block (its next token is copied first); otherwise, with `room` the free slots in
-        each last block, k = q * block_size + r tokens each take n * q blocks plus one
-        for every sequence whose room is below r, so the free blocks F allow
-        q = F // n and r up to the (F % n + 1)-th smallest room."""
-        check_count("max_uniform_growth", "limit", limit, 0)
-        seqs = [self._gpu_seq("max_uniform_growth", s)
-                for s in unique_ids("max_uniform_growth", seq_ids)]
-        if not seqs:
-            return limit
-        bs = self.block_size
-        refcount = self._refcount
-        rooms = []
-        for seq in seqs:
-            room = len(seq.blocks) * bs - seq.num_tokens
-            if room and refcount[seq.blocks[-1]] > 1:
-                return 0
-            rooms.append(room)
-        rooms.sort()
-        q, spare = divmod(self.num_free_blocks_without_offload, len(seqs))
-        return min(limit, q * bs + min(bs - 1, rooms[spare]))
-
-    def _reject_append(self, op: str, seq_id: Hashable, num_new_tokens: object) -> None:
-        self._gpu_seq(op, seq_id)
-        check_count(op, "num_new_tokens", num_new_tokens, 0)
-
+    # ------------------------------------------------------------------ sharing and release
+    # (growth: paged_growth.py; swapping: paged_swap.py)
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """O(blocks). The child keeps only the parent's contents of full blocks: what
         comes after the fork point is its own."""
@@ -484,118 +272,6 @@ class PagedBlockManager(BlockManager):
                 cpu_refcount[b] -= 1
                 if not cpu_refcount[b]:
                     cpu_free.append(b)
-
-    # ------------------------------------------------------------------ swapping
-    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        group = self._group("can_swap_out", seq_ids, on_gpu=True)
-        return len(self._group_blocks(group)) <= len(self._cpu_free)
-
-    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """O(blocks of the group). A block shared inside the group moves once and
-        stays shared on the CPU; one also held outside the group stays on the GPU for
-        the others and the group gets a copy."""
-        group = self._group("swap_out", seq_ids, on_gpu=True)
-        moving = self._group_blocks(group)
-        if len(moving) > len(self._cpu_free):
-            raise BlockManagerError(f"swap_out: needs {len(moving)} CPU blocks, "
-                                    f"{len(self._cpu_free)} free")
-        cpu_free = self._cpu_free
-        mapping = {}
-        for gpu_block, (refs, _) in moving.items():
-            cpu_block = cpu_free.pop()
-            self._cpu_refcount[cpu_block] = refs
-            mapping[gpu_block] = cpu_block
-        refcount = self._refcount
-        released = []
-        for gpu_block, (refs, filled) in moving.items():
-            left = refcount[gpu_block] - refs
-            if left:
-                refcount[gpu_block] = left
-                self._extra_refs -= refs
-            else:
-                refcount[gpu_block] = 1   # parked
-                self._extra_refs -= refs - 1
-                released.append(gpu_block)
-                self._slots_used -= filled
-        if self._cache is None:
-            self._free.extend(reversed(released))
-        else:
-            self._cache.release(released[::-1], self._free)
-        for seq in group:
-            seq.blocks = [mapping[b] for b in seq.blocks]
-            seq.on_gpu = False
-            # Its GPU copies may be reused by others: recommit after swap-in.
-            seq.num_committed, seq.last_entry_id = 0, 0
-            seq.chain_broken = False
-        return list(mapping.items())
-
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
-        group = self._group("can_swap_in", seq_ids, on_gpu=False)
-        return self._swap_in_status(len(self._group_blocks(group)))
-
-    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """O(blocks of the group); sharing inside the group is kept, as in swap_out."""
-        group = self._group("swap_in", seq_ids, on_gpu=False)
-        moving = self._group_blocks(group)
-        status = self._swap_in_status(len(moving))
-        if status is not _OK:
-            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
-                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
-                                    f"watermark {self.watermark_blocks}")
-        gpu_blocks = self._take(len(moving))
-        refcount = self._refcount
-        cpu_refcount = self._cpu_refcount
-        cpu_free = self._cpu_free
-        mapping = {}
-        for (cpu_block, (refs, filled)), gpu_block in zip(moving.items(), gpu_blocks):
-            refcount[gpu_block] = refs
-            self._extra_refs += refs - 1
-            self._slots_used += filled
-            mapping[cpu_block] = gpu_block
-            cpu_refcount[cpu_block] -= refs
-            if not cpu_refcount[cpu_block]:
-                cpu_free.append(cpu_block)
-        for seq in group:
-            seq.blocks = [mapping[b] for b in seq.blocks]
-            seq.on_gpu = True
-        return list(mapping.items())
-
-    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
-        """Like admission, the watermark stays free, unless nothing else holds GPU
-        blocks: then waiting could not help, so LATER would never turn into OK."""
-        if num_blocks > self.num_gpu_blocks:
-            return _NEVER
-        free = self.num_free_blocks
-        if free - num_blocks >= self.watermark_blocks:
-            return _OK
-        if num_blocks <= free and self.num_used_blocks == 0:
-            return _OK
-        return _LATER
-
-    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_SeqBlocks]:
-        group = []
-        for seq_id in unique_ids(op, seq_ids):
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-            if seq.on_gpu != on_gpu:
-                where = "swapped out" if on_gpu else "not swapped out"
-                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
-            group.append(seq)
-        return group
-
-    def _group_blocks(self, group: list[_SeqBlocks]) -> dict[int, tuple[int, int]]:
-        """Distinct blocks of the group in first-seen order -> (references inside the
-        group, token slots filled). Sharers of a block agree on its fill."""
-        bs = self.block_size
-        out: dict[int, tuple[int, int]] = {}
-        for seq in group:
-            blocks = seq.blocks
-            last = len(blocks) - 1
-            for i, b in enumerate(blocks):
-                refs = out[b][0] + 1 if b in out else 1
-                out[b] = (refs, bs if i < last else seq.num_tokens - last * bs)
-        return out
 
     # ------------------------------------------------------------------ queries
     def block_table(self, seq_id: Hashable) -> list[int]:

@@ -1,0 +1,134 @@
+"""Swapping a paged block manager's sequences to its CPU pool and back.
+
+Part of `PagedBlockManager` (see paged.py for its state and invariants). Sequences move
+as a group; a block several of them share moves once and stays shared, and the CPU pool
+has its own reference counts and free list (`_cpu_refcount`, `_cpu_free`), separate from
+the prefix cache's host tier.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, Iterable
+
+from .base import AllocStatus, BlockManagerError, unique_ids
+
+if TYPE_CHECKING:
+    from .paged import _SeqBlocks
+
+_OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
+
+
+class PagedSwapping:
+    """Group swap-out and swap-in of a paged manager."""
+
+    __slots__ = ()
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        group = self._group("can_swap_out", seq_ids, on_gpu=True)
+        return len(self._group_blocks(group)) <= len(self._cpu_free)
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """O(blocks of the group). A block shared inside the group moves once and
+        stays shared on the CPU; one also held outside the group stays on the GPU for
+        the others and the group gets a copy."""
+        group = self._group("swap_out", seq_ids, on_gpu=True)
+        moving = self._group_blocks(group)
+        if len(moving) > len(self._cpu_free):
+            raise BlockManagerError(f"swap_out: needs {len(moving)} CPU blocks, "
+                                    f"{len(self._cpu_free)} free")
+        cpu_free = self._cpu_free
+        mapping = {}
+        for gpu_block, (refs, _) in moving.items():
+            cpu_block = cpu_free.pop()
+            self._cpu_refcount[cpu_block] = refs
+            mapping[gpu_block] = cpu_block
+        refcount = self._refcount
+        released = []
+        for gpu_block, (refs, filled) in moving.items():
+            left = refcount[gpu_block] - refs
+            if left:
+                refcount[gpu_block] = left
+                self._extra_refs -= refs
+            else:
+                refcount[gpu_block] = 1   # parked
+                self._extra_refs -= refs - 1
+                released.append(gpu_block)
+                self._slots_used -= filled
+        if self._cache is None:
+            self._free.extend(reversed(released))
+        else:
+            self._cache.release(released[::-1], self._free)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = False
+            # Its GPU copies may be reused by others: recommit after swap-in.
+            seq.num_committed, seq.last_entry_id = 0, 0
+            seq.chain_broken = False
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
+        group = self._group("can_swap_in", seq_ids, on_gpu=False)
+        return self._swap_in_status(len(self._group_blocks(group)))
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """O(blocks of the group); sharing inside the group is kept, as in swap_out."""
+        group = self._group("swap_in", seq_ids, on_gpu=False)
+        moving = self._group_blocks(group)
+        status = self._swap_in_status(len(moving))
+        if status is not _OK:
+            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
+                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
+                                    f"watermark {self.watermark_blocks}")
+        gpu_blocks = self._take(len(moving))
+        refcount = self._refcount
+        cpu_refcount = self._cpu_refcount
+        cpu_free = self._cpu_free
+        mapping = {}
+        for (cpu_block, (refs, filled)), gpu_block in zip(moving.items(), gpu_blocks):
+            refcount[gpu_block] = refs
+            self._extra_refs += refs - 1
+            self._slots_used += filled
+            mapping[cpu_block] = gpu_block
+            cpu_refcount[cpu_block] -= refs
+            if not cpu_refcount[cpu_block]:
+                cpu_free.append(cpu_block)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = True
+        return list(mapping.items())
+
+    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
+        """Like admission, the watermark stays free, unless nothing else holds GPU
+        blocks: then waiting could not help, so LATER would never turn into OK."""
+        if num_blocks > self.num_gpu_blocks:
+            return _NEVER
+        free = self.num_free_blocks
+        if free - num_blocks >= self.watermark_blocks:
+            return _OK
+        if num_blocks <= free and self.num_used_blocks == 0:
+            return _OK
+        return _LATER
+
+    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_SeqBlocks]:
+        group = []
+        for seq_id in unique_ids(op, seq_ids):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
+            if seq.on_gpu != on_gpu:
+                where = "swapped out" if on_gpu else "not swapped out"
+                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
+            group.append(seq)
+        return group
+
+    def _group_blocks(self, group: list[_SeqBlocks]) -> dict[int, tuple[int, int]]:
+        """Distinct blocks of the group in first-seen order -> (references inside the
+        group, token slots filled). Sharers of a block agree on its fill."""
+        bs = self.block_size
+        out: dict[int, tuple[int, int]] = {}
+        for seq in group:
+            blocks = seq.blocks
+            last = len(blocks) - 1
+            for i, b in enumerate(blocks):
+                refs = out[b][0] + 1 if b in out else 1
+                out[b] = (refs, bs if i < last else seq.num_tokens - last * bs)
+        return out
