@@ -12,14 +12,46 @@ The plain path stays beside it: a block manager given a plain list of keys wraps
 fresh `BlockKeys`, which hashes the same chain in the same way (`chain_hash`, looked up in
 `prefix_cache` at every extension so that tests can replace it). Cost: O(new keys) per
 `extend`, one tuple hash each; `prefix` copies O(n) references.
+
+Region offsets. A trace that names content only per region of several blocks (Mooncake's
+512-token `hash_ids` over 16-token blocks: 32 blocks a region) gives each region's first
+block a key of its own and the others just their offset j in the region, as a
+`RegionOffset`. Such a block's chain hash is the region's first block's hash plus j: that
+hash already stands for everything up to the region, and j for the rest. A region's
+offsets are then hashed in C (`range`) instead of one tuple hash each: on issue #16's
+Mooncake case, 0.4 to 0.6 s of a 12 s prefix-caching run. The rule is part of the chain's definition, so
+every path that hashes the same keys agrees; a key list that breaks the layout (an
+offset that does not follow its region's first block) still hashes deterministically
+and, as any hash, only finds candidates that the cache then checks.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+from operator import is_
 from typing import Hashable, Iterable, Sequence
 
 from . import prefix_cache
 
 _DEFAULT_CHAIN_HASH = prefix_cache.chain_hash
+
+
+class RegionOffset(int):
+    """The key of the block `j` blocks after its region's first block (1 <= j < the
+    region's size in blocks, `size`). Equal to, and hashing as, the int j; build them with
+    `region_offsets` (shared objects, so long prompts allocate none)."""
+
+    size: int
+
+
+@lru_cache(maxsize=None)
+def region_offsets(size: int) -> tuple[RegionOffset, ...]:
+    """The offsets 1 .. size - 1 of a region of `size` blocks, as shared keys."""
+    out = []
+    for j in range(1, size):
+        o = RegionOffset(j)
+        o.size = size
+        out.append(o)
+    return tuple(out)
 
 
 class BlockKeys(Sequence):
@@ -41,9 +73,13 @@ class BlockKeys(Sequence):
         return contents if type(contents) is cls else cls(contents)
 
     def extend(self, keys: Iterable[Hashable]) -> None:
-        """Append keys of the blocks that follow, hashing them onto the chain."""
+        """Append keys of the blocks that follow, hashing them onto the chain (region
+        offsets by the rule in the module docstring)."""
         new = list(keys)
         if not new:
+            return
+        if RegionOffset in map(type, new):   # tested in C
+            self._extend_regions(new)
             return
         h = self.hashes[-1] if self.hashes else None
         out = self.hashes
@@ -57,6 +93,57 @@ class BlockKeys(Sequence):
                 h = chain(h, content)
                 out.append(h)
         self.keys += new
+
+    def _extend_regions(self, new: list[Hashable]) -> None:
+        """`extend` for keys holding region offsets, key by key by the rule, except that
+        a run of one region's offsets in order (checked by identity: they are shared
+        objects) is hashed as one range, in C."""
+        hashes = self.hashes
+        chain = prefix_cache.chain_hash
+        i, n = 0, len(new)
+        while i < n:
+            key = new[i]
+            pos = len(hashes)
+            if type(key) is RegionOffset and 0 < key <= pos:
+                offsets = region_offsets(key.size)
+                run = min(key.size - key, n - i)
+                if all(map(is_, new[i:i + run], offsets[key - 1:key - 1 + run])):
+                    anchor = hashes[pos - key]
+                    hashes += range(anchor + key, anchor + key + run)
+                    i += run
+                    continue
+                hashes.append(hashes[pos - key] + key)
+                i += 1
+                continue
+            hashes.append(chain(hashes[-1] if hashes else None, key))
+            i += 1
+        self.keys += new
+
+    def extend_regions(self, firsts: Sequence[Hashable], size: int, skip: int,
+                       count: int) -> None:
+        """Append `count` keys laid out in regions of `size` blocks: firsts[k] is region
+        k's first key, the others are its offsets (`region_offsets(size)`), and the
+        layout's first `skip` blocks (skip < size) are held already. The same keys and
+        hashes as `extend` of that list, without checking the layout: one Python step
+        per region, each region's offsets added and hashed in C."""
+        if count <= 0:
+            return
+        offsets = region_offsets(size)
+        keys, hashes = self.keys, self.hashes
+        chain = prefix_cache.chain_hash
+        end = skip + count
+        for k, first in enumerate(firsts):
+            lo, hi = max(skip - k * size, 0), min(end - k * size, size)
+            if lo >= hi:
+                break
+            if lo == 0:
+                hashes.append(chain(hashes[-1] if hashes else None, first))
+                keys.append(first)
+                lo = 1
+            if hi > lo:
+                anchor = hashes[len(hashes) - lo]
+                hashes += range(anchor + lo, anchor + hi)
+                keys += offsets[lo - 1:hi - 1]
 
     def prefix(self, n: int) -> "BlockKeys":
         """A new BlockKeys of the first n blocks (no hashing: the chain is the same)."""

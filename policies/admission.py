@@ -107,7 +107,7 @@ class KVAdmission:
             keys = self._keys[seq.seq_id] = BlockKeys()
         bs = self._bm.block_size
         if len(keys) < seq.num_tokens // bs:
-            keys.extend(req.block_contents(seq, bs, len(keys)))
+            req.extend_block_keys(keys, seq, bs)
         return keys
 
     def cached_tokens(self, req: Request) -> int:

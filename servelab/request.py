@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from servelab.memory.block_keys import BlockKeys, region_offsets
+
 SeqId = tuple[int, int]
 
 
@@ -140,17 +142,18 @@ class Request:
 
         With token ids a block's content is its tokens. With only trace prefix hashes
         (e.g. Mooncake's 512-token `hash_ids`) the first block of hashed region k is
-        (hash_k, region_size) and the i-th after it just i (1 <= i < region_size /
-        block_size). A key is only ever compared with the key at the same position under
-        an equal chain before it (a prefix cache's parent check), where the offset is
-        the same for one region size, and the size in the region's first key keeps
-        traces that mix sizes apart; so the region's hash, checked at its first block,
-        need not repeat: equal chains of keys still mean equal content as the trace
-        intends.
-        Small ints are shared objects, so a long prompt's keys are built, hashed and
-        freed without allocating one per block. A block spanning several regions is
-        (their hashes, j), j tokens into the first. Without either, nothing is cacheable
-        and the list is empty. O(blocks returned).
+        (hash_k, region_size) and the i-th after it just the offset i (1 <= i <
+        region_size / block_size), a `RegionOffset`. A key is only ever compared with
+        the key at the same position under an equal chain before it (a prefix cache's
+        parent check), where the offset is the same for one region size, and the size in
+        the region's first key keeps traces that mix sizes apart; so the region's hash,
+        checked at its first block, need not repeat: equal chains of keys still mean
+        equal content as the trace intends.
+        The offsets are shared objects, so a long prompt's keys are built and freed
+        without allocating one per block, and their chain hashes come in C (the region
+        rule of `BlockKeys`). A block spanning several regions is (their hashes, j), j
+        tokens into the first. Without either, nothing is cacheable and the list is
+        empty. O(blocks returned).
         """
         n_full = seq.num_tokens // block_size
         if self.prompt_token_ids is not None:
@@ -159,26 +162,55 @@ class Request:
                 tokens = tokens + tuple(seq.output_token_ids)
             n_full = min(n_full, len(tokens) // block_size)
             return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(start, n_full)]
+        layout = self._region_layout(seq, block_size, start)
+        if layout is not None:
+            firsts, per, skip, count = layout
+            later = region_offsets(per)
+            keys = []
+            for first_key in firsts:
+                keys.append(first_key)
+                keys += later
+            return keys[skip:skip + count]
         if self.prefix_hashes is not None:
             trace_bs = self.prefix_block_size
-            covered = min(self.prompt_len, len(self.prefix_hashes) * trace_bs)
-            n_full = min(n_full, covered // block_size)
             hashes = self.prefix_hashes
-            if trace_bs % block_size == 0:  # every block lies inside one hashed region
-                per = trace_bs // block_size
-                first, stop = start // per, -(-n_full // per)
-                later = range(1, per)
-                keys = []
-                for h in hashes[first:stop]:
-                    keys.append((h, trace_bs))   # the size too: traces may mix sizes
-                    keys += later
-                return keys[start - first * per:n_full - first * per]
+            n_full = min(n_full, min(self.prompt_len, len(hashes) * trace_bs) // block_size)
             out = []
             for i in range(start, n_full):
                 first, last = i * block_size // trace_bs, ((i + 1) * block_size - 1) // trace_bs
                 out.append((hashes[first:last + 1], i * block_size - first * trace_bs))
             return out
         return []
+
+    def extend_block_keys(self, keys: BlockKeys, seq: Sequence, block_size: int) -> None:
+        """Extend `keys` (this sequence's, `block_contents` from 0) to the sequence's
+        full blocks: the same keys and hashes as `keys.extend(block_contents(...))`, a
+        region of trace hashes laid out in bulk. O(new blocks), in C but for one step
+        per region."""
+        start = len(keys)
+        layout = self._region_layout(seq, block_size, start)
+        if layout is not None:
+            keys.extend_regions(*layout)
+        elif start < seq.num_tokens // block_size:
+            keys.extend(self.block_contents(seq, block_size, start))
+
+    def _region_layout(self, seq: Sequence, block_size: int, start: int
+                       ) -> tuple[list[tuple[int, int]], int, int, int] | None:
+        """With trace prefix hashes whose regions are whole blocks: the first keys of
+        the regions holding blocks start.., the blocks a region holds, how many of the
+        first region's blocks come before `start`, and the number of new blocks (see
+        `BlockKeys.extend_regions`). None otherwise."""
+        if self.prompt_token_ids is not None or self.prefix_hashes is None \
+                or self.prefix_block_size % block_size:
+            return None
+        trace_bs = self.prefix_block_size
+        per = trace_bs // block_size
+        covered = min(self.prompt_len, len(self.prefix_hashes) * trace_bs)
+        n_full = min(seq.num_tokens // block_size, covered // block_size)
+        first, stop = start // per, -(-n_full // per)
+        # the size in each first key too: traces may mix sizes
+        firsts = [(h, trace_bs) for h in self.prefix_hashes[first:stop]]
+        return firsts, per, start - first * per, max(n_full - start, 0)
 
     def fresh_copy(self) -> "Request":
         """The same client request with no serving state (for replaying a trace again)."""
