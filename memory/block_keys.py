@@ -37,21 +37,26 @@ _DEFAULT_CHAIN_HASH = prefix_cache.chain_hash
 
 class RegionOffset(int):
     """The key of the block `j` blocks after its region's first block (1 <= j < the
-    region's size in blocks, `size`). Equal to, and hashing as, the int j; build them with
+    region's size in blocks, `size`). Equal to, and hashing as, the int j; take them from
     `region_offsets` (shared objects, so long prompts allocate none)."""
 
     size: int
+
+    def __new__(cls, offset: int, size: int) -> "RegionOffset":
+        if not 0 < offset < size:
+            raise ValueError(f"a region offset lies in 1 .. size - 1, not {offset} (size {size})")
+        self = super().__new__(cls, offset)
+        self.size = size
+        return self
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return int(self), self.size
 
 
 @lru_cache(maxsize=None)
 def region_offsets(size: int) -> tuple[RegionOffset, ...]:
     """The offsets 1 .. size - 1 of a region of `size` blocks, as shared keys."""
-    out = []
-    for j in range(1, size):
-        o = RegionOffset(j)
-        o.size = size
-        out.append(o)
-    return tuple(out)
+    return tuple(RegionOffset(j, size) for j in range(1, size))
 
 
 class BlockKeys(Sequence):

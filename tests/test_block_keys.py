@@ -7,6 +7,7 @@ or equal prompts would miss each other in the prefix cache.
 """
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +73,17 @@ def test_region_rule_follows_a_replaced_chain_hash(monkeypatch):
     req = trace_request(128, (1, 2), 64)
     req.extend_block_keys(keys, req.seqs[0], 16)
     assert keys.hashes == [5, 6, 7, 8, 5, 6, 7, 8]
+
+
+def test_a_region_offset_checks_its_range_and_survives_pickling():
+    import pickle
+    for offset, size in ((0, 4), (4, 4), (-1, 4)):
+        with pytest.raises(ValueError, match="region offset"):
+            RegionOffset(offset, size)
+    o = pickle.loads(pickle.dumps(region_offsets(8)[2]))
+    assert type(o) is RegionOffset and o == 3 and o.size == 8
+    keys = [("r", 64), o, region_offsets(8)[3]]
+    assert BlockKeys(keys).hashes == BlockKeys([("r", 64), *region_offsets(8)[2:4]]).hashes
 
 
 offset_lists = st.lists(st.one_of(
