@@ -30,8 +30,8 @@ nothing in; the host-tier state machine in the tests does the same.
 Costs: O(1) per block moved. An eviction is offloaded in bulk: its entries come as
 columns, the host blocks are taken with slices and one LRU pop, entered with one dict
 update and one loop of stores, and parked as one LRU segment; one entry at a time only
-when the eviction overflows the tier (or, against the invariants, the tier already holds
-one of its hashes).
+when the eviction overflows the tier, or a hash collision repeats a hash in it or in the
+tier.
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ class HostTier:
             back = [loads.pop(gb, None) for gb in gpu_blocks]
         need = len(gpu_blocks) if back is None else back.count(None)
         if need > len(self._free) + len(self._lru) \
-                or not self.index.block_of_hash.keys().isdisjoint(entries.hashes):
+                or not self.index.block_of_hash.keys().isdisjoint(entries.hashes) \
+                or len(set(entries.hashes)) != len(entries.hashes):   # GPU hash collisions
             self._store_each(gpu_blocks, entries, back)
             return
         free, offloads = self._free, self._offloads
@@ -157,7 +158,13 @@ class HostTier:
             h = entries.hashes[i]
             other = self.index.block_of_hash.get(h)
             if other is not None:   # the newer copy of this hash wins
-                self._discard(other)
+                if other in parked:   # this call's own (a hash the GPU held twice)
+                    parked.remove(other)
+                    self.index.drop([other])
+                    self._offloads.pop(other, None)
+                    self._free.append(other)
+                else:
+                    self._discard(other)
             self.index.put(hb, (h, entries.ids[i], entries.parent_ids[i], entries.contents[i]))
             parked.append(hb)
         self._lru.park(parked)
@@ -208,11 +215,12 @@ class HostTier:
         self._free.append(hb)
 
     # ------------------------------------------------------------------ checks
-    def check_invariants(self, gpu_hash_of) -> None:
+    def check_invariants(self, gpu_entries: set) -> None:
         """Raise AssertionError unless host blocks are conserved (free + holding an
         entry + waiting to be free = all, disjoint), the LRU holds exactly the blocks
         with entries, pending copies name blocks in the right state, and no content is
-        cached in both tiers (`gpu_hash_of(h)`: the GPU block under hash h, or None)."""
+        cached in both tiers (`gpu_entries`: (hash, parent id, content) of every GPU
+        entry; under a hash collision, other content may share a hash across tiers)."""
         cached = self.index.check()
         self._lru.check(cached)
         free, pending = set(self._free), set(self._pending_free)
@@ -227,6 +235,6 @@ class HostTier:
             raise AssertionError("a pending offload targets a host block without an entry")
         if set(self._loads.values()) != pending:
             raise AssertionError("pending loads and host blocks waiting to be free disagree")
-        for h in self.index.block_of_hash:
-            if gpu_hash_of(h) is not None:
+        for h, hb in self.index.block_of_hash.items():
+            if (h, self.index.parent_id[hb], self.index.content[hb]) in gpu_entries:
                 raise AssertionError(f"hash {h} is cached on the GPU and on the host")

@@ -20,15 +20,17 @@ freeing a sequence write no count at all, and without a prefix cache a free is o
 `extend` of the free stack. What tells an evictable block from a referenced one is the
 cache's LRU order, which holds exactly the evictable ones. Every operation works per
 block, never per token: appending k tokens costs O(1 + new blocks), `can_append_slots`
-is O(1). Allocation, free and swap are O(blocks of the sequences involved); a
-prefix-cache lookup adds one hash and one content comparison per looked-up block.
+is O(1). Allocation, free and swap are O(blocks of the sequences involved), in C where
+they can be. With prefix caching, a look-up, a commit and a release cost O(1) Python
+steps per run of cache entries involved (see prefix_cache.py): a sequence keeps the runs
+it references (`_SeqBlocks.spans`), and their blocks are compared and moved as slices.
 
 Every mutating method checks its preconditions before it changes anything and raises
 `BlockManagerError` on a violation, leaving the manager exactly as it was.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Hashable, Sequence
 
@@ -64,6 +66,11 @@ class _SeqBlocks:
     """A collision stopped the chain: no later block of this sequence is committed."""
     num_loaded: int = 0
     """Of its prefix hits at allocation, the blocks loaded from the host tier."""
+    spans: list = field(default_factory=list)
+    """The cache entries it references, in block order: (run, a, b) for entries a..b-1
+    of a run (its blocks start + a .. start + b - 1). Its other blocks are uncached."""
+    loc: tuple | None = None
+    """(run, index) where the last entry of its chain was on the GPU, or None."""
 
 
 class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
@@ -177,35 +184,48 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                 f"{num_blocks - len(match.blocks)} new blocks, {self.num_free_blocks} free, "
                 f"watermark {self.watermark_blocks}")
         refcount = self._refcount
-        hits = gpu_hits = match.blocks
+        hits = match.blocks
         loaded: list = []
         if match.on_host:   # pinned out of the host tier before _take can evict there
-            on_host = set(match.on_host)
-            gpu_hits = [b for i, b in enumerate(hits) if i not in on_host]
             loaded = [self._host.load(hits[i]) for i in match.on_host]
         if cache is not None:
             self._later.forget(contents)
             self._prefix_queries += min(len(contents), num_tokens // bs)
             self._prefix_hits += len(hits)
-            for b in gpu_hits:
-                if cache.is_evictable(b):   # revived: its parked count becomes its one reference
-                    cache.touch(b)
-                    self._later.touches += 1
-                    self._slots_used += bs
-                else:
-                    refcount[b] += 1
-                    self._extra_refs += 1
-        new = self._take(num_blocks - len(gpu_hits))
-        self._slots_used += num_tokens - len(gpu_hits) * bs
+            for p in match.pieces:
+                if p.__class__ is not tuple:
+                    continue
+                run, a, b = p
+                ev = run.ev
+                if ev > a:   # referenced already: one more reference each
+                    shared = run.blocks[a:ev if ev < b else b]
+                    for blk in shared:
+                        refcount[blk] += 1
+                    self._extra_refs += len(shared)
+                if b > ev:   # revived: their parked counts become their one reference
+                    k = cache.revive(run, b)
+                    self._later.touches += k
+                    self._slots_used += k * bs
+        num_gpu_hits = len(hits) - len(loaded)
+        new = self._take(num_blocks - num_gpu_hits)
+        self._slots_used += num_tokens - num_gpu_hits * bs
+        spans = [p for p in match.pieces if p.__class__ is tuple]
         if loaded:   # the first new blocks receive the host hits
             hits = list(hits)
+            adopted = {}
             for i, gb, entry in zip(match.on_host, new, loaded):
                 self._host.loading(gb, hits[i])
-                cache.adopt(gb, entry)
+                adopted[i] = cache.adopt(gb, entry, i)
                 hits[i] = gb
             new = new[len(loaded):]
+            spans = [p if p.__class__ is tuple else (adopted[p], 0, 1) for p in match.pieces]
+        loc = None
+        if spans:
+            run, _, b = spans[-1]
+            loc = (run, b - 1)
         self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
-                                        len(hits), match.last_entry_id, num_loaded=len(loaded))
+                                        len(hits), match.last_entry_id, num_loaded=len(loaded),
+                                        spans=spans, loc=loc)
         return len(hits) * bs
 
     def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
@@ -222,7 +242,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         return self._host.take_transfers() if self._host is not None else ([], [])
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        """O(newly committed blocks): one hash and one dict probe each."""
+        """O(runs met) Python steps, the newly committed blocks compared and entered as
+        slices (see `PrefixCache.commit`)."""
         seq = self._gpu_seq("mark_computed", seq_id)
         check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > seq.num_tokens:
@@ -232,11 +253,46 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         if cache is None or seq.chain_broken:
             return
         end = min(num_computed_tokens // self.block_size, len(seq.contents))
-        if end > seq.num_committed:
-            link = cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
-                                seq.last_entry_id, self._free)
-            seq.num_committed = link.num_committed
-            seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
+        if end <= seq.num_committed:
+            return
+        if self._extra_refs and self._refcount[seq.blocks[seq.num_committed]] > 1:
+            self._commit_shared(seq, end)
+        else:
+            self._commit(seq, end)
+
+    def _commit(self, seq: _SeqBlocks, end: int) -> None:
+        """Commit the sequence's blocks up to `end` and record where its chain stands."""
+        link = self._cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
+                                  seq.last_entry_id, seq.loc, self._free)
+        seq.num_committed = link.num_committed
+        seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
+        seq.loc = link.loc
+        if link.runs:
+            seq.spans += [(run, 0, run.hi) for run in link.runs]
+
+    def _commit_shared(self, seq: _SeqBlocks, end: int) -> None:
+        """`_commit` where the next block to commit is shared with other sequences (a
+        fork, or a group swapped back in). Sharers hold the same leading blocks, so they
+        keep the same chain over them: the commit stops at the end of each sharer's
+        shared blocks, and each sharer takes the sequence's chain as it stands there
+        (runs made over its blocks included). O(sequences + blocks): rare."""
+        blocks, c = seq.blocks, seq.num_committed
+        sharers = []
+        for other in self._seqs.values():
+            theirs = other.blocks
+            if other is not seq and other.on_gpu and len(theirs) > c and theirs[c] == blocks[c]:
+                f = c + 1
+                while f < len(theirs) and f < len(blocks) and theirs[f] == blocks[f]:
+                    f += 1
+                sharers.append((f, other))
+        for stop in sorted({min(f, end) for f, _ in sharers} | {end}):
+            if stop > seq.num_committed and not seq.chain_broken:
+                self._commit(seq, stop)
+            for f, other in sharers:
+                if f >= stop:
+                    other.num_committed, other.last_entry_id = seq.num_committed, seq.last_entry_id
+                    other.chain_broken, other.loc = seq.chain_broken, seq.loc
+                    other.spans = list(seq.spans)
 
     # ------------------------------------------------------------------ sharing and release
     # (growth: paged_growth.py; swapping: paged_swap.py)
@@ -253,7 +309,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         self._seqs[child_seq_id] = _SeqBlocks(
             list(parent.blocks), parent.num_tokens, True,
             parent.contents.prefix(parent.num_tokens // self.block_size), parent.num_committed,
-            parent.last_entry_id, parent.chain_broken)
+            parent.last_entry_id, parent.chain_broken, spans=list(parent.spans), loc=parent.loc)
 
     def free(self, seq_id: Hashable) -> None:
         """O(blocks). Blocks go back last-first, so a cached sequence's tail is
@@ -264,7 +320,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                                     "(never allocated, or already freed)")
         del self._seqs[seq_id]
         if seq.on_gpu:
-            self._release(seq.blocks, seq.num_tokens)
+            self._release(seq)
         else:
             cpu_refcount = self._cpu_refcount
             cpu_free = self._cpu_free
@@ -308,7 +364,10 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
     def evictable_hashes(self) -> list[int]:
         """The chain hashes of `evictable_blocks()`, in the same order: what is cached
         and in which eviction order, independent of which block ids hold it."""
-        return [self._cache.block_hash(b) for b in self.evictable_blocks()]
+        if self._cache is None:
+            return []
+        cached = self._cache.cached()
+        return [run.hashes[k] for run, k in map(cached.__getitem__, self.evictable_blocks())]
 
     def usage(self) -> BlockUsage:
         cached = self._cache.num_evictable if self._cache is not None else 0
@@ -352,12 +411,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             return _NEVER
         need = num_blocks - len(match.blocks)
         if match.blocks:  # reviving an evictable hit takes it out of the free count
-            gpu_hits = match.blocks
-            if match.on_host:   # a host hit needs a fresh GPU block, as a miss does
-                need += len(match.on_host)
-                on_host = set(match.on_host)
-                gpu_hits = [b for i, b in enumerate(gpu_hits) if i not in on_host]
-            need += self._cache.num_evictable_of(gpu_hits)
+            # (a host hit needs a fresh GPU block, as a miss does)
+            need += len(match.on_host) + self._cache.num_evictable_in(match.pieces)
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
@@ -379,15 +434,18 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         self._host.store(evicted, entries)
         return taken + evicted
 
-    def _release(self, blocks: list[int], num_tokens: int) -> None:
+    def _release(self, seq: _SeqBlocks) -> None:
         """Drop one reference to each of a sequence's GPU blocks, last block first. A
         block that loses its last one keeps its count, parked at 1. O(1) Python steps
-        when nothing is shared and no prefix cache is kept: every block goes back."""
+        when nothing is shared and no prefix cache is kept: every block goes back; with
+        a prefix cache, O(1) per run of entries the sequence references."""
+        blocks, num_tokens = seq.blocks, seq.num_tokens
+        cache = self._cache
         if not self._extra_refs:   # nothing is shared: every block goes
-            if self._cache is None:
+            if cache is None:
                 self._free.extend(reversed(blocks))
             else:
-                self._cache.release(blocks[::-1], self._free)
+                self._park(blocks, seq.spans, None)
             self._slots_used -= num_tokens
             return
         refcount = self._refcount
@@ -399,32 +457,66 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         counts = itemgetter(*blocks)(refcount) if len(blocks) > 1 else (refcount[blocks[0]],)
         ones = counts.count(1)
         lead = len(blocks) - ones
-        if not lead:   # nothing shared: every block goes
-            unreferenced = blocks[::-1]
-        elif counts[lead:].count(1) == ones:
-            for b in blocks[:lead]:
-                refcount[b] -= 1
-            self._extra_refs -= lead
-            unreferenced = blocks[lead:]
-            unreferenced.reverse()
-        else:
-            unreferenced = []
-            extra = 0
-            for b in reversed(blocks):
-                if refcount[b] == 1:
-                    unreferenced.append(b)
+        if cache is not None:
+            if lead:
+                if counts[lead:].count(1) == ones:
+                    shared = blocks[:lead]
                 else:
+                    shared = [b for b, c in zip(blocks, counts) if c != 1]
+                for b in shared:
                     refcount[b] -= 1
-                    extra += 1
-            self._extra_refs -= extra
-        released = len(unreferenced) * bs
-        if self._cache is None:
-            self._free += unreferenced
+                self._extra_refs -= lead
+            self._park(blocks, seq.spans, counts if lead else None)
+            released = ones * bs
         else:
-            self._cache.release(unreferenced, self._free)
+            if not lead:   # nothing shared: every block goes
+                unreferenced = blocks[::-1]
+            elif counts[lead:].count(1) == ones:
+                for b in blocks[:lead]:
+                    refcount[b] -= 1
+                self._extra_refs -= lead
+                unreferenced = blocks[lead:]
+                unreferenced.reverse()
+            else:
+                unreferenced = []
+                extra = 0
+                for b in reversed(blocks):
+                    if refcount[b] == 1:
+                        unreferenced.append(b)
+                    else:
+                        refcount[b] -= 1
+                        extra += 1
+                self._extra_refs -= extra
+            released = len(unreferenced) * bs
+            self._free += unreferenced
         if last_released:  # the last block was only partly filled
             released -= len(blocks) * bs - num_tokens
         self._slots_used -= released
+
+    def _park(self, blocks: list[int], spans: list, counts: tuple | None) -> None:
+        """A sequence's blocks that just lost their last reference (all of them when
+        `counts` is None, else those whose count read 1), last block first: the cached
+        ones become the most recently used evictable entries, the others go onto the
+        free stack. O(1) Python steps per span, blocks in slices (per block only for the
+        uncached blocks of a sequence that shares some)."""
+        free = self._free
+        pieces = []
+        end = len(blocks)
+        for run, a, b in reversed(spans):
+            p = run.start + a
+            q = p + b - a
+            if q < end:
+                free += blocks[q:end][::-1] if counts is None else \
+                    [blocks[k] for k in range(end - 1, q - 1, -1) if counts[k] == 1]
+            u = a if counts is None else b - counts[p:q].count(1)
+            if u < b:
+                pieces.append((run, u, b))
+            end = p
+        if end:
+            free += blocks[:end][::-1] if counts is None else \
+                [blocks[k] for k in range(end - 1, -1, -1) if counts[k] == 1]
+        if pieces:
+            self._cache.park(pieces)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -445,9 +537,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                     _require(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
             _require(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
-            if seq.on_gpu and seq.num_tokens % bs and self._cache is not None:
-                _require(not self._cache.is_cached(blocks[-1]),
-                         f"sequence {seq_id!r}: partial block {blocks[-1]} is cached")
+            _require(seq.on_gpu or not seq.spans, f"swapped sequence {seq_id!r} holds cache entries")
         _require([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
                  "GPU reference counts differ from the block tables")
         _require(self._extra_refs == sum(r - 1 for r in refs if r > 1),
@@ -458,14 +548,18 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         used = sum(1 for r in refs if r)
         cached = 0
         if self._cache is not None:
-            self._cache.check_invariants(refs)
+            in_cache = self._cache.check_invariants(refs)
             cached = self._cache.num_evictable
             _require(not set(self._free) & set(self._cache.evictable_blocks()),
                      "a block is both free and evictable")
-            _require(not any(self._cache.is_cached(b) for b in self._free), "a free block is cached")
+            _require(not any(b in in_cache for b in self._free), "a free block is cached")
+            for seq_id, seq in self._seqs.items():
+                if seq.on_gpu:
+                    self._check_spans(seq_id, seq, in_cache)
         if self._host is not None:
-            self._host.check_invariants(self._cache.block_of_hash.get)
-            gpu_ids = {self._cache.entry_id[b] for b in self._cache.block_of_hash.values()}
+            self._host.check_invariants({(run.hashes[k], run.parent_of(k), run.contents[k])
+                                         for run, k in in_cache.values()})
+            gpu_ids = set(self._cache.entry_ids())
             host_ids = {self._host.entry_id(b) for b in self._host.index.block_of_hash.values()}
             _require(not gpu_ids & host_ids, "an entry is in both tiers")
         _require(used + len(self._free) + cached == self.num_gpu_blocks,
@@ -481,6 +575,23 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                 if self.num_free_blocks <= self._later.free_then(keys):
                     status = self._admission(-(-num_tokens // bs), self._match(num_tokens, keys))
                     _require(status is _LATER, f"a kept LATER answer is {status.value} now")
+
+
+    def _check_spans(self, seq_id: Hashable, seq: _SeqBlocks, in_cache: dict) -> None:
+        """A sequence's spans name, in order, exactly its cached blocks, and its partial
+        last block is not cached."""
+        named = []
+        for run, a, b in seq.spans:
+            _require(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
+            _require(seq.blocks[run.start + a:run.start + b] == run.blocks[a:b],
+                     f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
+            named += range(run.start + a, run.start + b)
+        _require(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
+        held = [i for i, b in enumerate(seq.blocks) if b in in_cache]
+        _require(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")
+        if seq.num_tokens % self.block_size:
+            _require(seq.blocks[-1] not in in_cache,
+                     f"sequence {seq_id!r}: partial block {seq.blocks[-1]} is cached")
 
 
 register_block_manager("paged", PagedBlockManager.from_config)

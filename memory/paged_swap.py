@@ -7,6 +7,7 @@ the prefix cache's host tier.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING, Hashable, Iterable
 
 from .base import AllocStatus, BlockManagerError, unique_ids
@@ -56,14 +57,37 @@ class PagedSwapping:
         if self._cache is None:
             self._free.extend(reversed(released))
         else:
-            self._cache.release(released[::-1], self._free)
+            self._release_cached(group, released[::-1])
         for seq in group:
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_gpu = False
             # Its GPU copies may be reused by others: recommit after swap-in.
             seq.num_committed, seq.last_entry_id = 0, 0
             seq.chain_broken = False
+            seq.spans, seq.loc = [], None
         return list(mapping.items())
+
+    def _release_cached(self, group: list[_SeqBlocks], released: list[int]) -> None:
+        """Blocks of a swapped-out group that lost their last reference, in release
+        order: the cached ones are parked in the prefix cache (consecutive entries of a
+        run as one piece), the others go onto the free stack. O(blocks of the group)."""
+        where = {}
+        for seq in group:
+            for run, a, b in seq.spans:
+                where.update(zip(run.blocks[a:b], zip(repeat(run), range(a, b))))
+        pieces = []
+        for b in released:
+            got = where.get(b)
+            if got is None:
+                self._free.append(b)
+                continue
+            run, k = got
+            if pieces and pieces[-1][0] is run and pieces[-1][1] == k + 1:
+                pieces[-1][1] = k
+            else:
+                pieces.append([run, k, k + 1])
+        if pieces:
+            self._cache.park([tuple(p) for p in pieces])
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
         group = self._group("can_swap_in", seq_ids, on_gpu=False)

@@ -11,30 +11,32 @@ entry: a unique id (never reused, so a stale parent cannot match), the id of its
 entry and its content; a hit at position i requires the candidate's parent id to equal
 the entry matched at i - 1 and its content to compare equal. By induction a hit means
 the same contents all the way from the first block, so a hash collision is a miss,
-never a wrong reuse. `CacheIndex` holds the entries; the host tier (`host_tier.py`) keeps
-a second one, and an entry moves between them whole, id included.
+never a wrong reuse. The GPU cache keeps its entries in runs (`Run`, below); the host
+tier (`host_tier.py`) keeps a per-block `CacheIndex`, and an entry moves between them
+whole, id included.
 
-Committed blocks nobody references are *evictable*: they stay cached, in least- to
-most-recently-used order (`BlockLRU`), until the manager needs a block and its free list
-is empty.
+Committed blocks nobody references are *evictable*: they stay cached, least recently
+used first, until the manager needs a block and its free list is empty.
 
-The manager owns the free list and the reference counts. It hands the cache blocks
-that just lost their last reference (`release`: committed ones are parked, the rest go
-back to the free list), blocks a hit revives (`touch`), and asks for the least recently
-used ones when its free list runs dry (`evict`).
+The manager owns the free list and the reference counts, and keeps per sequence the
+runs it references (its *spans*). It hands the cache the runs that just lost their last
+reference (`park`), the runs a hit revives (`revive`), and asks for the least recently
+used blocks when its free list runs dry (`evict`).
 
-Cost: work is per block, but done in bulk where it can be: a run of blocks committed
-for the first time is entered with one `dict.update` and one loop of list stores;
-parking and evicting go through `BlockLRU` (list slices); releasing splits the blocks
-with one comprehension.
+Cost: per run of entries, not per block. On a long-prompt trace a request commits,
+parks and evicts thousands of blocks, nearly always as a few runs: each run costs O(1)
+Python steps and its blocks move as list slices, in C. Without hash collisions the
+decisions are those of a per-block cache (same hits, same blocks, same eviction order:
+the oracle in tests/test_memory_prefix_runs.py).
 """
 from __future__ import annotations
 
 from array import array
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
-
-from .lru import BlockLRU
+from itertools import compress, count, repeat
+from operator import ne
+from typing import TYPE_CHECKING, Hashable, Iterable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from .block_keys import BlockKeys
@@ -64,8 +66,7 @@ class Entries:
     contents: list[Hashable]
 
 
-@dataclass(slots=True, frozen=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """The longest cached run of leading blocks for some block contents."""
 
     blocks: list[int]
@@ -74,13 +75,15 @@ class PrefixMatch:
     """Entry id of the last matched block (0 when nothing matched)."""
     on_host: tuple[int, ...] = ()
     """Positions (indices into `blocks`) whose entry is in the host tier."""
+    pieces: tuple | list = ()
+    """What matched, in order: (run, a, b) for entries a..b-1 of a GPU run, or the
+    position of a host-tier hit."""
 
 
 NO_MATCH = PrefixMatch([], 0)
 
 
-@dataclass(slots=True, frozen=True)
-class ChainLink:
+class ChainLink(NamedTuple):
     """Where a sequence's committed chain stands after `PrefixCache.commit`."""
 
     num_committed: int
@@ -88,6 +91,10 @@ class ChainLink:
     last_entry_id: int
     broken: bool
     """A collision stopped the chain at block num_committed."""
+    loc: tuple | None
+    """(run, index) of the chain's last entry on the GPU, or the location given."""
+    runs: list
+    """The runs the commit made (the sequence's own blocks, now cached), in order."""
 
 
 class CacheIndex:
@@ -187,20 +194,109 @@ class Watch:
         self.dirty = False
 
 
-class PrefixCache(CacheIndex):
-    """Chained-hash index over committed GPU blocks plus their LRU eviction order.
+class Run:
+    """Entries committed together, each the parent of the next: a stretch of one
+    sequence's blocks that a single `commit` entered, or one block loaded from the host
+    tier. Entry k (k counted from the run's first block) has id first_id + k and sits at
+    chain position start + k. The run is a *view* [lo, hi) of those entries: its tail is
+    evicted first (hi falls), an orphan's head may be taken over by a commit (lo rises),
+    and taking one from the middle splits the view (the part above moves to a new view,
+    `moved`). Entries [lo, ev) are referenced by some sequence, [ev, hi) are evictable:
+    a sequence holding entry k holds every entry of the view before it."""
 
-    One block per hash: committing content that another block already holds under the
-    same prefix leaves the new block uncached and continues the chain through the
-    existing entry (see `commit`).
+    __slots__ = ("blocks", "hashes", "contents", "start", "first_id", "parent_id",
+                 "lo", "hi", "ev", "segs", "key", "same", "moved")
+
+    def __init__(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
+                 start: int, first_id: int, parent_id: int, lo: int = 0,
+                 hi: int | None = None) -> None:
+        self.blocks, self.hashes, self.contents = blocks, hashes, contents
+        self.start, self.first_id, self.parent_id = start, first_id, parent_id
+        self.lo = lo
+        self.hi = self.ev = len(blocks) if hi is None else hi
+        self.segs: list[_Segment] = []
+        """Its stretches in the LRU order, lowest entries (most recently parked) first;
+        together they cover [ev, hi)."""
+        self.key: int | None = None
+        """The hash it is indexed under (its entry lo's); None once it is retired."""
+        self.same: Run | None = None
+        """The next view indexed under the same hash (a hash collision), or None."""
+        self.moved: Run | None = None
+        """The view that took this one's entries above hi when it was split."""
+
+    def parent_of(self, k: int) -> int:
+        return self.first_id + k - 1 if k else self.parent_id
+
+    def __repr__(self) -> str:
+        return f"Run(start={self.start}, ids={self.first_id}+[{self.lo}:{self.hi}], ev={self.ev})"
+
+
+class _Segment:
+    """Entries a..b-1 of a run, parked at one time: evicted from b - 1 down. Dead once
+    a >= b (a hit revived it, or it was evicted)."""
+
+    __slots__ = ("run", "a", "b")
+
+    def __init__(self, run: Run, a: int, b: int) -> None:
+        self.run, self.a, self.b = run, a, b
+
+
+def _live(run: Run, k: int) -> Run | None:
+    """The view holding entry k of `run`'s entries (following splits), or None if it
+    left the GPU cache."""
+    while k >= run.hi:
+        run = run.moved
+        if run is None:
+            return None
+    return run if k >= run.lo else None
+
+
+def _agree(hashes: list[int], contents: list[Hashable], lo: int, other_hashes: list[int],
+           other_contents: list[Hashable], i: int, n: int) -> int:
+    """How many of the n entries from `lo` on have the hashes and contents of the keys
+    from `i` on, counted up to the first that does not: list slices compared in C."""
+    a, b = hashes[lo:lo + n], other_hashes[i:i + n]
+    if a != b:
+        n = next(compress(count(), map(ne, a, b)))
+    if n:
+        a, b = contents[lo:lo + n], other_contents[i:i + n]
+        if a != b:
+            n = next(compress(count(), map(ne, a, b)))
+    return n
+
+
+class PrefixCache:
+    """Chained-hash index over committed GPU blocks plus their LRU eviction order, kept
+    per run of entries (see `Run`): committing, parking, reviving and evicting cost
+    O(1) Python steps per run touched, the blocks moving in list slices.
+
+    The index holds each run's first entry under its hash (`heads`). That finds every
+    entry a per-block index would find, save under a hash collision: a match or a
+    commit reaches an entry inside a run only through the entry before it, which it
+    compares by slices. The exception is a commit whose chain's last entry has left both
+    tiers (`_commit_each`): a block inside some run may then hold the next hash, so that
+    commit looks every position up in a full index, built for it.
+
+    Each content is cached once under a given parent: committing content that another
+    block already holds under the same prefix leaves the new block uncached and
+    continues the chain through the existing entry (see `commit`). Without collisions
+    that makes one entry per hash. Under a collision, views whose first entries share a
+    hash are chained (`Run.same`) and a look-up tries each.
     """
 
-    __slots__ = ("_lru", "_next_entry_id", "_watches", "host")
+    __slots__ = ("num_blocks", "heads", "_lru", "_num_evictable", "_num_dead", "_runs",
+                 "_next_entry_id", "_watches", "host")
 
     def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self._lru = BlockLRU(num_blocks)
-        """Unreferenced committed blocks; least recently used first."""
+        self.num_blocks = num_blocks
+        self.heads: dict[int, Run] = {}
+        self._lru: deque[_Segment] = deque()
+        """Parked stretches, least recently used first; dead ones are skipped."""
+        self._num_evictable = 0
+        self._num_dead = 0
+        """Dead stretches still in `_lru`."""
+        self._runs: set[Run] = set()
+        """Views with at least one entry."""
         self._next_entry_id = 1
         self._watches: list[Watch] = []
         self.host: HostTier | None = None
@@ -208,71 +304,64 @@ class PrefixCache(CacheIndex):
 
     # ------------------------------------------------------------------ lookups
     def match(self, keys: BlockKeys, max_blocks: int) -> PrefixMatch:
-        """Cached blocks for the leading `keys`, at most `max_blocks` of them.
+        """Cached blocks for the leading `keys`, at most `max_blocks` of them, from the
+        GPU and then, where the GPU has none, from the host tier.
 
-        O(matched blocks): one dict probe and one content comparison per block (the
-        chain hashes come with the keys). A peek: it changes neither the LRU order nor
-        any statistic.
+        O(runs matched) Python steps and O(matched blocks) in C: a head is looked up,
+        then the run is compared with the keys by slices. A peek: it changes neither the
+        LRU order nor any statistic.
         """
-        by_hash = self.block_of_hash
-        parent_ids, stored, entry_ids = self.parent_id, self.content, self.entry_id
+        heads, host = self.heads, self.host
         hashes, contents = keys.hashes, keys.keys
-        parent_id = 0
+        limit = min(max_blocks, len(hashes))
+        i = pid = 0
         blocks: list[int] = []
-        for i in range(min(max_blocks, len(hashes))):
-            block = by_hash.get(hashes[i])
-            if block is None:
-                break
-            if parent_ids[block] != parent_id or stored[block] != contents[i]:
-                break  # a hash collision: different content or a different prefix
-            blocks.append(block)
-            parent_id = entry_ids[block]
-        if len(blocks) < min(max_blocks, len(hashes)) and self.host is not None:
-            return self._match_tiers(keys, max_blocks, blocks, parent_id)
-        if not blocks:
-            return NO_MATCH
-        return PrefixMatch(blocks, parent_id)
-
-    def _match_tiers(self, keys: BlockKeys, max_blocks: int, blocks: list[int],
-                     parent_id: int) -> PrefixMatch:
-        """`match` continued past the GPU: each further position is looked up on the GPU,
-        then on the host. O(further matched blocks)."""
-        host = self.host
-        hashes, contents = keys.hashes, keys.keys
-        on_host = []
-        for i in range(len(blocks), min(max_blocks, len(hashes))):
-            h, content = hashes[i], contents[i]
-            block = self.find(h, parent_id, content)
-            if block is not None:
-                parent_id = self.entry_id[block]
-            else:
-                block = host.find(h, parent_id, content)
-                if block is None:
+        pieces: list = []
+        on_host: list[int] = []
+        while i < limit:
+            run = heads.get(hashes[i])
+            while run is not None:   # more than one view only under a hash collision
+                lo = run.lo
+                if (run.first_id + lo - 1 if lo else run.parent_id) == pid \
+                        and run.contents[lo] == contents[i]:
+                    n = min(run.hi - lo, limit - i)
+                    m = _agree(run.hashes, run.contents, lo, hashes, contents, i, n)
+                    blocks += run.blocks[lo:lo + m]
+                    pieces.append((run, lo, lo + m))
+                    i += m
+                    pid = run.first_id + lo + m - 1
                     break
-                on_host.append(i)
-                parent_id = host.entry_id(block)
-            blocks.append(block)
+                run = run.same
+            if run is not None:
+                continue
+            if host is None:
+                break
+            hb = host.find(hashes[i], pid, contents[i])
+            if hb is None:
+                break
+            blocks.append(hb)
+            on_host.append(i)
+            pieces.append(i)
+            pid = host.entry_id(hb)
+            i += 1
         if not blocks:
             return NO_MATCH
-        return PrefixMatch(blocks, parent_id, tuple(on_host))
+        return PrefixMatch(blocks, pid, tuple(on_host), pieces)
 
-    def is_cached(self, block: int) -> bool:
-        return self.hash[block] is not None
-
-    def block_hash(self, block: int) -> int | None:
-        """The chain hash a block is cached under, or None."""
-        return self.hash[block]
+    def num_evictable_in(self, pieces) -> int:
+        """How many blocks of a match's GPU pieces are evictable. O(pieces)."""
+        n = 0
+        for p in pieces:
+            if p.__class__ is tuple:
+                run, a, b = p
+                ev = run.ev
+                if b > ev:
+                    n += b - (ev if ev > a else a)
+        return n
 
     @property
     def num_evictable(self) -> int:
-        return len(self._lru)
-
-    def is_evictable(self, block: int) -> bool:
-        return block in self._lru
-
-    def num_evictable_of(self, blocks: list[int]) -> int:
-        """How many of `blocks` are evictable. O(blocks)."""
-        return sum(map(self._lru.__contains__, blocks))
+        return self._num_evictable
 
     def new_entry_id(self) -> int:
         eid = self._next_entry_id
@@ -281,130 +370,356 @@ class PrefixCache(CacheIndex):
 
     # ------------------------------------------------------------------ updates
     def commit(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
-               parent_id: int, free: list[int]) -> ChainLink:
+               parent_id: int, loc: tuple | None, free: list[int]) -> ChainLink:
         """Enter full, computed blocks[start:end] (keys[i] is block i's content),
         continuing a chain whose block start - 1 has entry id `parent_id` (0 when start
-        is 0). O(end - start): one dict probe per block, the hashes coming with the keys.
+        is 0), found at `loc` ((run, index), or None) when it was last seen on the GPU.
 
-        If a block's hash is free, the block gets a new entry. If it names a block with
-        the same parent and content (another sequence computed the same prefix), that
-        entry continues the chain and this block stays uncached. Otherwise the hash is
-        held by other content: a collision, or an orphan (a block whose parent was
-        evicted, unreachable from now on). An unreferenced holder is dropped (onto
-        `free`) and the block takes its place; a referenced one stops the chain, since
-        nothing from there on could be found: the link says `broken`.
+        Per position: if the hash is free, the block gets a new entry. If it names an
+        entry with the same parent and content (another sequence computed the same
+        prefix), that entry continues the chain and this block stays uncached. Otherwise
+        the hash is held by other content: a collision, or an orphan (an entry whose
+        parent was evicted, unreachable from now on). An evictable holder is dropped
+        (onto `free`) and the block takes its place; a referenced one stops the chain,
+        since nothing from there on could be found: the link says `broken`.
+
+        O(runs met) Python steps, blocks in slices: the entries that continue the chain
+        are compared with the keys by slices, and the new ones enter as one run up to
+        the next hash that heads a run (one set test in C).
         """
-        by_hash = self.block_of_hash
-        chain_hashes = keys.hashes[start:end]
+        hashes, contents = keys.hashes, keys.keys
         if self._watches:
-            self._notify(chain_hashes)
-        if chain_hashes[0] not in by_hash:   # a run meeting an entry mostly starts on one
-            size = len(by_hash)
-            by_hash.update(zip(chain_hashes, blocks[start:end]))
-            if len(by_hash) - size == end - start:   # every hash was free, none repeats
-                if self.host is not None:
-                    self.host.discard_hashes(chain_hashes)
-                return self._commit_new(blocks, keys, start, end, parent_id, chain_hashes)
-            self._undo_update(chain_hashes)
-        hashes, entry_ids = self.hash, self.entry_id
-        parent_ids, stored = self.parent_id, self.content
-        contents = keys.keys
-        entry_id = self._next_entry_id
-        for i in range(start, end):
-            content = contents[i]
-            h = chain_hashes[i - start]
-            other = by_hash.get(h)
-            if other is not None:
-                if parent_ids[other] == parent_id and stored[other] == content:
-                    parent_id = entry_ids[other]
+            self._notify(hashes[start:end])
+        run, off = loc if loc is not None else (None, -1)
+        if run is not None:
+            run = _live(run, off)
+        if start and run is None and not self._on_host(hashes[start - 1], parent_id):
+            return self._commit_each(blocks, keys, start, end, parent_id, loc, free)
+        heads, host = self.heads, self.host
+        pid = parent_id
+        made: list[Run] = []
+        i = start
+        while i < end:
+            other = None
+            if run is not None and off + 1 < run.hi:   # the chain's run goes on: walk it
+                k = _agree(run.hashes, run.contents, off + 1, hashes, contents, i,
+                           min(run.hi - off - 1, end - i))
+                if k:
+                    i += k
+                    off += k
+                    pid = run.first_id + off
                     continue
-                if other not in self._lru:
-                    self._next_entry_id = entry_id
-                    return ChainLink(i, parent_id, True)
-                self._lru.remove(other)
-                self.drop([other])
-                free.append(other)
-            block = blocks[i]
-            if self.host is not None:
-                self.host.discard_hashes((h,))
-            by_hash[h] = block
-            hashes[block] = h
-            entry_ids[block] = entry_id
-            parent_ids[block] = parent_id
-            stored[block] = content
-            parent_id = entry_id
-            entry_id += 1
-        self._next_entry_id = entry_id
-        return ChainLink(end, parent_id, False)
+                if run.hashes[off + 1] == hashes[i]:   # same hash, other content
+                    other, at = run, off + 1
+            if other is None:
+                x = y = heads.get(hashes[i])
+                while y is not None:   # more than one view only under a hash collision
+                    yl = y.lo
+                    if (y.first_id + yl - 1 if yl else y.parent_id) == pid \
+                            and y.contents[yl] == contents[i]:
+                        break
+                    y = y.same
+                if y is not None:
+                    run, off, pid = y, yl, y.first_id + yl
+                    i += 1
+                    continue
+                if x is not None:
+                    other, at = x, x.lo
+            if other is not None:
+                if at < other.ev:   # referenced: the chain stops here
+                    return ChainLink(i, pid, True, (run, off) if run is not None else loc, made)
+                free.append(other.blocks[at])
+                self._drop(other, at)
+            j = end
+            if i + 1 < end and not heads.keys().isdisjoint(hashes[i + 1:end]):
+                j = next(k for k in range(i + 1, end) if hashes[k] in heads)
+            new_hashes = hashes[i:j]
+            if host is not None:
+                host.discard_hashes(new_hashes)
+            run = self._new_run(blocks[i:j], new_hashes, contents[i:j], i, pid)
+            made.append(run)
+            off = j - i - 1
+            pid = run.first_id + off
+            i = j
+        return ChainLink(end, pid, False, (run, off) if run is not None else loc, made)
 
-    def _commit_new(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
-                    parent_id: int, chain_hashes: list[int]) -> ChainLink:
-        """`commit` when no hash of the run was taken and the run's are distinct (they
-        are in the hash map already): every block gets a new entry."""
-        new = blocks[start:end]
-        hashes, entry_ids = self.hash, self.entry_id
-        parent_ids, stored = self.parent_id, self.content
-        entry_id = self._next_entry_id
-        for b, h, content in zip(new, chain_hashes, keys.keys[start:end]):
-            hashes[b] = h
-            entry_ids[b] = entry_id
-            parent_ids[b] = parent_id
-            stored[b] = content
-            parent_id = entry_id
-            entry_id += 1
-        self._next_entry_id = entry_id
-        return ChainLink(end, parent_id, False)
+    def _commit_each(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
+                     parent_id: int, loc: tuple | None, free: list[int]) -> ChainLink:
+        """`commit` when the chain's last entry has left both tiers: another run may
+        then hold the next hash inside it (it recomputed that entry), so every position
+        is looked up in a full index of the GPU's entries, built here. Rare. O(cached
+        entries + blocks)."""
+        holder: dict[int, tuple[Run, int]] = {}
+        num_entries = 0
+        for r in self._runs:
+            holder.update(zip(r.hashes[r.lo:r.hi], zip(repeat(r), range(r.lo, r.hi))))
+            num_entries += r.hi - r.lo
+        holders: dict[int, list[tuple[Run, int]]] = {}
+        """Every holder of a hash held more than once (a hash collision)."""
+        if len(holder) != num_entries:
+            for r in self._runs:
+                for k in range(r.lo, r.hi):
+                    holders.setdefault(r.hashes[k], []).append((r, k))
+        hashes, contents = keys.hashes, keys.keys
+        host = self.host
+        pid = parent_id
+        made: list[Run] = []
+        fresh = fresh_parent = None   # the new entries not yet entered as a run
 
-    def _undo_update(self, chain_hashes: list[int]) -> None:
-        """Put the hash map back as it was before `commit` entered `chain_hashes` in
-        bulk: a hash that some block held maps to that block again (the per-block hashes
-        still say which), the others go. O(num_blocks), on the rare run that meets a
-        taken or repeated hash past its first (the common run pays one look-up before its
-        bulk update, not one per block)."""
-        wanted = set(chain_hashes)
-        held = {h: b for b, h in enumerate(self.hash) if h in wanted}
-        by_hash = self.block_of_hash
-        for h in chain_hashes:
-            b = held.get(h)
-            if b is None:
-                by_hash.pop(h, None)
+        def flush(i: int) -> None:
+            nonlocal fresh, loc
+            if fresh is not None:
+                new_hashes = hashes[fresh:i]
+                if host is not None:
+                    host.discard_hashes(new_hashes)
+                run = self._new_run(blocks[fresh:i], new_hashes, contents[fresh:i], fresh,
+                                    fresh_parent)
+                made.append(run)
+                loc = (run, i - fresh - 1)
+                fresh = None
+
+        for i in range(start, end):
+            got = holder.get(hashes[i])
+            r = _live(*got) if got is not None else None
+            if holders and hashes[i] in holders:   # the live holder of equal content, if any
+                live = [(v, at) for v, at in ((_live(*g), g[1]) for g in holders[hashes[i]])
+                        if v is not None]
+                same = [(v, at) for v, at in live
+                        if v.parent_of(at) == pid and v.contents[at] == contents[i]]
+                r, at = (same or live or [(None, 0)])[0]
+                got = (r, at)
+            if r is not None:
+                at = got[1]
+                if r.parent_of(at) == pid and r.contents[at] == contents[i]:
+                    flush(i)
+                    loc, pid = (r, at), r.first_id + at
+                    continue
+                if at < r.ev:
+                    flush(i)
+                    return ChainLink(i, pid, True, loc, made)
+                free.append(r.blocks[at])
+                self._drop(r, at)
+            if fresh is None:
+                fresh, fresh_parent = i, pid
+            pid = self._next_entry_id + (i - fresh)
+        flush(end)
+        return ChainLink(end, pid, False, loc, made)
+
+    def _on_host(self, h: int, entry_id: int) -> bool:
+        """Is the entry `entry_id`, under hash h, in the host tier?"""
+        host = self.host
+        if host is None:
+            return False
+        hb = host.index.block_of_hash.get(h)
+        return hb is not None and host.entry_id(hb) == entry_id
+
+    def _new_run(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
+                 start: int, parent_id: int) -> Run:
+        run = Run(blocks, hashes, contents, start, self._next_entry_id, parent_id)
+        self._next_entry_id += len(blocks)
+        self._index(run)
+        self._runs.add(run)
+        return run
+
+    def _index(self, run: Run) -> None:
+        """Enter the view under its first entry's hash (after the views there already,
+        under a hash collision)."""
+        h = run.key = run.hashes[run.lo]
+        first = self.heads.get(h)
+        if first is None:
+            self.heads[h] = run
+        else:
+            while first.same is not None:
+                first = first.same
+            first.same = run
+
+    def _unindex(self, run: Run) -> None:
+        h = run.key
+        first = self.heads[h]
+        if first is run:
+            if run.same is None:
+                del self.heads[h]
             else:
-                by_hash[h] = b
+                self.heads[h] = run.same
+        else:
+            while first.same is not run:
+                first = first.same
+            first.same = run.same
+        run.key = run.same = None
 
-    def adopt(self, block: int, entry: Entry) -> None:
-        """Enter an entry that moves in from the host tier for a (referenced) block."""
+    def _retire(self, run: Run) -> None:
+        """The view lost its last entry."""
+        self._unindex(run)
+        self._runs.discard(run)
+
+    def _drop(self, run: Run, at: int) -> None:
+        """Forget evictable entry `at` of `run` (a commit takes its hash); its block is
+        the caller's. Inside the view, the entries above move to a new view."""
+        self._num_evictable -= 1
+        segs = run.segs
+        idx = next(n for n, s in enumerate(segs) if s.a <= at < s.b)
+        seg = segs[idx]
+        if at == run.lo:   # its first entry (at == ev == seg.a)
+            seg.a += 1
+            if seg.a == seg.b:
+                del segs[idx]
+                self._num_dead += 1
+            self._unindex(run)
+            run.lo = run.ev = at + 1
+            if run.lo == run.hi:
+                self._runs.discard(run)
+            else:
+                self._index(run)
+            return
+        hi = run.hi
+        run.hi = at
+        if at + 1 == hi:   # its last entry: the top of its oldest stretch
+            seg.b = at
+            if seg.a == seg.b:
+                del segs[idx]
+                self._num_dead += 1
+            return
+        upper = Run(run.blocks, run.hashes, run.contents, run.start, run.first_id,
+                    run.parent_id, at + 1, hi)
+        upper.ev = at + 1
+        upper.moved, run.moved = run.moved, upper
+        upper.segs = segs[idx + 1:]
+        for s in upper.segs:
+            s.run = upper
+        del segs[idx + 1:]
+        if seg.b > at + 1:   # the part above `at` is evicted first: it keeps the place
+            if seg.a < at:
+                lower = _Segment(run, seg.a, at)
+                self._lru.insert(self._lru.index(seg) + 1, lower)
+                segs[idx] = lower
+            else:
+                del segs[idx]
+            seg.run, seg.a = upper, at + 1
+            upper.segs.insert(0, seg)
+        else:
+            seg.b = at
+            if seg.a == seg.b:
+                del segs[idx]
+                self._num_dead += 1
+        self._runs.add(upper)
+        self._index(upper)
+
+    def adopt(self, block: int, entry: Entry, position: int) -> Run:
+        """Enter an entry that moves in from the host tier for a (referenced) block at
+        chain position `position`: a run of one."""
+        h, eid, pid, content = entry
         if self._watches:
-            self._notify((entry[0],))
-        self.put(block, entry)
+            self._notify((h,))
+        run = Run([block], [h], [content], position, eid, pid)
+        self._index(run)
+        self._runs.add(run)
+        return run
 
-    def release(self, blocks: list[int], free: list[int]) -> None:
-        """Blocks that just lost their last reference, in order: committed ones become
-        the most recently used evictable blocks, the others go onto `free`."""
-        hashes = self.hash
-        committed = [b for b in blocks if hashes[b] is not None]
-        if len(committed) != len(blocks):
-            free += [b for b in blocks if hashes[b] is None]
-        self._lru.park(committed)
+    def revive(self, run: Run, b: int) -> int:
+        """Evictable entries of `run` below b were hit: referenced again, so no longer
+        evictable. Returns how many. O(stretches revived)."""
+        k = b - run.ev
+        run.ev = b
+        segs = run.segs
+        while segs and segs[0].b <= b:
+            seg = segs.pop(0)
+            seg.a = seg.b
+            self._num_dead += 1
+        if segs and segs[0].a < b:
+            segs[0].a = b
+        self._num_evictable -= k
+        return k
 
-    def touch(self, block: int) -> None:
-        """An evictable block was hit: it is referenced again, so not evictable. O(1)."""
-        self._lru.remove(block)
+    def park(self, pieces: list[tuple[Run, int, int]]) -> None:
+        """Entries a..b-1 of each run lost their last reference (b is the run's `ev`):
+        they become the most recently used evictable ones, the pieces in the order given
+        (least recently used first), each evicted from its top down. O(pieces)."""
+        lru = self._lru
+        n = 0
+        for run, a, b in pieces:
+            seg = _Segment(run, a, b)
+            run.segs.insert(0, seg)
+            run.ev = a
+            lru.append(seg)
+            n += b - a
+        self._num_evictable += n
+        if self._num_dead > 64 and self._num_dead > len(lru) // 2:
+            self._lru = deque(s for s in lru if s.a < s.b)
+            self._num_dead = 0
 
     def evict(self, n: int) -> list[int]:
         """Forget the n least recently used evictable blocks and return them, LRU
         first. The caller has checked that there are n."""
-        out = self._lru.pop_oldest(n)
-        self.drop(out)
-        return out
+        return self._pop(n, None)
 
     def evict_entries(self, n: int) -> tuple[list[int], Entries]:
         """`evict`, handing back the blocks' entries too (in the same order)."""
-        out = self._lru.pop_oldest(n)
-        return out, self.take_many(out)
+        entries = Entries([], [], [], [])
+        return self._pop(n, entries), entries
+
+    def _pop(self, n: int, entries: Entries | None) -> list[int]:
+        out: list[int] = []
+        lru = self._lru
+        self._num_evictable -= n
+        while n:
+            seg = lru[0]
+            a, b = seg.a, seg.b
+            if a >= b:
+                lru.popleft()
+                self._num_dead -= 1
+                continue
+            run = seg.run
+            k = b - a if b - a <= n else n
+            c = b - k
+            out += run.blocks[c:b][::-1]
+            if entries is not None:
+                f = run.first_id
+                entries.hashes.extend(run.hashes[c:b][::-1])
+                entries.contents.extend(run.contents[c:b][::-1])
+                entries.ids.extend(range(f + b - 1, f + c - 1, -1))
+                entries.parent_ids.extend(range(f + b - 2, f + c - 2, -1))
+                if not c:
+                    entries.parent_ids[-1] = run.parent_id
+            seg.b = run.hi = c
+            n -= k
+            if c == a:
+                lru.popleft()
+                run.segs.pop()
+                if c == run.lo:
+                    self._retire(run)
+        return out
+
+    # ------------------------------------------------------------------ per block (tests, checks)
+    def cached(self) -> dict[int, tuple[Run, int]]:
+        """Every cached block -> (its view, its entry index). O(cached blocks)."""
+        out: dict[int, tuple[Run, int]] = {}
+        for run in self._runs:
+            out.update(zip(run.blocks[run.lo:run.hi], zip(repeat(run), range(run.lo, run.hi))))
+        return out
+
+    def is_cached(self, block: int) -> bool:
+        """O(cached blocks): for checks."""
+        return block in self.cached()
+
+    def block_hash(self, block: int) -> int | None:
+        """The chain hash a block is cached under, or None. O(cached blocks)."""
+        got = self.cached().get(block)
+        return None if got is None else got[0].hashes[got[1]]
+
+    def hash_index(self) -> dict[int, int]:
+        """Chain hash -> GPU block, over every cached block. O(cached blocks)."""
+        return {run.hashes[k]: block for block, (run, k) in self.cached().items()}
+
+    def entry_ids(self) -> list[int]:
+        return [run.first_id + k for run, k in self.cached().values()]
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first (for tests and invariants)."""
-        return self._lru.blocks()
+        out: list[int] = []
+        for seg in self._lru:
+            if seg.a < seg.b:
+                out += seg.run.blocks[seg.a:seg.b][::-1]
+        return out
 
     # ------------------------------------------------------------------ watches
     def watch(self, hashes: Iterable[int]) -> Watch:
@@ -431,11 +746,54 @@ class PrefixCache(CacheIndex):
                 w.dirty = True
 
     # ------------------------------------------------------------------ checks
-    def check_invariants(self, refcounts: Sequence[int]) -> None:
-        """Raise AssertionError unless the hash index and the entries agree and the
-        evictable blocks are exactly the committed blocks with no references."""
-        cached = self.check()
-        self._lru.check(b for b in cached if refcounts[b] == 0)
-        ids = [self.entry_id[b] for b in cached]
-        if len(set(ids)) != len(ids) or any(i >= self._next_entry_id for i in ids):
-            raise AssertionError("cache entry ids are not unique")
+    def check_invariants(self, refcounts: Sequence[int]) -> dict[int, tuple[Run, int]]:
+        """Raise AssertionError unless the runs, their index and the LRU order agree:
+        no block or entry id twice, no content twice under the same parent, every view
+        indexed under its first entry's hash (once), its evictable entries exactly its unreferenced
+        ones and covered by its stretches, the stretches in the LRU. Returns `cached()`."""
+        cached: dict[int, tuple[Run, int]] = {}
+        ids = []
+        for run in self._runs:
+            _require(run.lo < run.hi, f"{run} is empty but listed")
+            _require(run.lo <= run.ev <= run.hi, f"{run}: ev outside the view")
+            for k in range(run.lo, run.hi):
+                b = run.blocks[k]
+                _require(b not in cached, f"block {b} is cached twice")
+                cached[b] = (run, k)
+                ids.append(run.first_id + k)
+                _require((refcounts[b] > 0) == (k < run.ev),
+                         f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
+            _require(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
+            covered = [k for s in run.segs for k in range(s.a, s.b)]
+            _require(covered == list(range(run.ev, run.hi)),
+                     f"{run}: stretches cover {covered}, not {run.ev}..{run.hi - 1}")
+            _require(all(s.run is run and s.a < s.b for s in run.segs), f"{run}: a stretch is stale")
+        indexed = []
+        for h, first in self.heads.items():
+            r = first
+            while r is not None:
+                _require(r.key == h, f"{r} is indexed under {h}, not its key {r.key}")
+                indexed.append(r)
+                r = r.same
+        _require(len(indexed) == len(self._runs) and set(indexed) == self._runs,
+                 "the index and the views disagree")
+        held = Counter((run.hashes[k], run.parent_of(k), run.contents[k]) for run, k in cached.values())
+        _require(held.most_common(1)[0][1] == 1 if held else True,
+                 "the same content under the same parent is cached twice")
+        _require(len(set(ids)) == len(ids) and all(i < self._next_entry_id for i in ids),
+                 "cache entry ids are not unique")
+        live = [s for s in self._lru if s.a < s.b]
+        _require(len(self._lru) - len(live) == self._num_dead, "dead stretch count is off")
+        _require(sorted(map(id, live)) == sorted(id(s) for r in self._runs for s in r.segs),
+                 "the LRU order and the runs' stretches disagree")
+        place = {id(s): n for n, s in enumerate(live)}
+        for r in self._runs:   # a run's stretches: higher entries parked earlier
+            order = [place[id(s)] for s in r.segs]
+            _require(order == sorted(order, reverse=True), f"{r}: stretches out of LRU order")
+        _require(sum(s.b - s.a for s in live) == self._num_evictable, "evictable count is off")
+        return cached
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

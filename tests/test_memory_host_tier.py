@@ -165,7 +165,7 @@ def test_a_gpu_commit_drops_the_host_copy_of_the_same_content():
     m.mark_computed("c", 4)
     m.take_transfers()
     assert second not in m._host.index.block_of_hash
-    assert m._cache.block_of_hash[second] == m.block_table("c")[1]
+    assert m._cache.hash_index()[second] == m.block_table("c")[1]
     m.check_invariants()
 
 
@@ -206,9 +206,17 @@ def test_check_invariants_catches_content_in_both_tiers():
     m.take_transfers()
     h = next(iter(m._host.index.block_of_hash))
     gpu_block = m._cache.evictable_blocks()[0]
-    del m._cache.block_of_hash[m._cache.hash[gpu_block]]
-    m._cache.block_of_hash[h] = gpu_block
-    m._cache.hash[gpu_block] = h
+    run, k = m._cache.cached()[gpu_block]   # the GPU entry takes the host entry's place
+    hb = m._host.index.block_of_hash[h]
+    run.hashes[k], run.contents[k] = h, m._host.index.content[hb]
+    if k:
+        run.first_id = m._host.index.parent_id[hb] + 1 - k
+    else:
+        run.parent_id = m._host.index.parent_id[hb]
+    if k == run.lo:
+        del m._cache.heads[run.key]
+        m._cache.heads[h] = run
+        run.key = h
     with pytest.raises(AssertionError):
         m.check_invariants()
 
