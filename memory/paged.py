@@ -267,6 +267,9 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         seq.num_committed = link.num_committed
         seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
         seq.loc = link.loc
+        if link.grown:
+            run, a, _ = seq.spans[-1]
+            seq.spans[-1] = (run, a, run.hi)
         if link.runs:
             seq.spans += [(run, 0, run.hi) for run in link.runs]
 

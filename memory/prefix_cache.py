@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     from .host_tier import HostTier
 
 
+RUN_IDS = 1 << 24
+"""Entry ids each run reserves: entry k of a run has id first_id + k, k < RUN_IDS."""
+
+
 def chain_hash(parent_hash: int | None, content: Hashable) -> int:
     """Hash of a full block from its content and the hash of the block before it
     (None for a sequence's first block): an int in the signed 64-bit range, as `hash`
@@ -95,6 +99,8 @@ class ChainLink(NamedTuple):
     """(run, index) of the chain's last entry on the GPU, or the location given."""
     runs: list
     """The runs the commit made (the sequence's own blocks, now cached), in order."""
+    grown: bool = False
+    """The run at the location given grew: the sequence's last span ends at its new end."""
 
 
 class CacheIndex:
@@ -196,22 +202,26 @@ class Watch:
 
 class Run:
     """Entries committed together, each the parent of the next: a stretch of one
-    sequence's blocks that a single `commit` entered, or one block loaded from the host
-    tier. Entry k (k counted from the run's first block) has id first_id + k and sits at
+    sequence's blocks that its commits entered one after another, or one block loaded
+    from the host tier. Entry k (k counted from the run's first block) has id first_id + k and sits at
     chain position start + k. The run is a *view* [lo, hi) of those entries: its tail is
     evicted first (hi falls), an orphan's head may be taken over by a commit (lo rises),
     and taking one from the middle splits the view (the part above moves to a new view,
     `moved`). Entries [lo, ev) are referenced by some sequence, [ev, hi) are evictable:
     a sequence holding entry k holds every entry of the view before it."""
 
-    __slots__ = ("blocks", "hashes", "contents", "start", "first_id", "parent_id",
+    __slots__ = ("blocks", "hashes", "contents", "start", "first_id", "parent_id", "room",
                  "lo", "hi", "ev", "segs", "key", "same", "moved")
 
     def __init__(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
-                 start: int, first_id: int, parent_id: int, lo: int = 0,
+                 start: int, first_id: int, parent_id: int, room: int, lo: int = 0,
                  hi: int | None = None) -> None:
         self.blocks, self.hashes, self.contents = blocks, hashes, contents
         self.start, self.first_id, self.parent_id = start, first_id, parent_id
+        self.room = room
+        """How many entries its ids leave room for: a commit that continues the run
+        from its last entry, in the same sequence's blocks, appends to it (see
+        `PrefixCache.commit`)."""
         self.lo = lo
         self.hi = self.ev = len(blocks) if hi is None else hi
         self.segs: list[_Segment] = []
@@ -363,11 +373,6 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return self._num_evictable
 
-    def new_entry_id(self) -> int:
-        eid = self._next_entry_id
-        self._next_entry_id = eid + 1
-        return eid
-
     # ------------------------------------------------------------------ updates
     def commit(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
                parent_id: int, loc: tuple | None, free: list[int]) -> ChainLink:
@@ -398,6 +403,7 @@ class PrefixCache:
         heads, host = self.heads, self.host
         pid = parent_id
         made: list[Run] = []
+        grown = False
         i = start
         while i < end:
             other = None
@@ -427,7 +433,8 @@ class PrefixCache:
                     other, at = x, x.lo
             if other is not None:
                 if at < other.ev:   # referenced: the chain stops here
-                    return ChainLink(i, pid, True, (run, off) if run is not None else loc, made)
+                    return ChainLink(i, pid, True, (run, off) if run is not None else loc, made,
+                                     grown)
                 free.append(other.blocks[at])
                 self._drop(other, at)
             j = end
@@ -436,12 +443,23 @@ class PrefixCache:
             new_hashes = hashes[i:j]
             if host is not None:
                 host.discard_hashes(new_hashes)
-            run = self._new_run(blocks[i:j], new_hashes, contents[i:j], i, pid)
-            made.append(run)
-            off = j - i - 1
+            if run is not None and off + 1 == run.hi == run.ev == len(run.blocks) \
+                    and run.hi + j - i <= run.room and run.blocks[off] == blocks[i - 1]:
+                # the chain's run ends in this sequence's previous block: it grows
+                run.blocks += blocks[i:j]
+                run.hashes += new_hashes
+                run.contents += contents[i:j]
+                off += j - i
+                run.hi = run.ev = off + 1
+                if not made:
+                    grown = True
+            else:
+                run = self._new_run(blocks[i:j], new_hashes, contents[i:j], i, pid)
+                made.append(run)
+                off = j - i - 1
             pid = run.first_id + off
             i = j
-        return ChainLink(end, pid, False, (run, off) if run is not None else loc, made)
+        return ChainLink(end, pid, False, (run, off) if run is not None else loc, made, grown)
 
     def _commit_each(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
                      parent_id: int, loc: tuple | None, free: list[int]) -> ChainLink:
@@ -515,8 +533,8 @@ class PrefixCache:
 
     def _new_run(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
                  start: int, parent_id: int) -> Run:
-        run = Run(blocks, hashes, contents, start, self._next_entry_id, parent_id)
-        self._next_entry_id += len(blocks)
+        run = Run(blocks, hashes, contents, start, self._next_entry_id, parent_id, RUN_IDS)
+        self._next_entry_id += RUN_IDS
         self._index(run)
         self._runs.add(run)
         return run
@@ -580,7 +598,7 @@ class PrefixCache:
                 self._num_dead += 1
             return
         upper = Run(run.blocks, run.hashes, run.contents, run.start, run.first_id,
-                    run.parent_id, at + 1, hi)
+                    run.parent_id, run.room, at + 1, hi)
         upper.ev = at + 1
         upper.moved, run.moved = run.moved, upper
         upper.segs = segs[idx + 1:]
@@ -610,7 +628,7 @@ class PrefixCache:
         h, eid, pid, content = entry
         if self._watches:
             self._notify((h,))
-        run = Run([block], [h], [content], position, eid, pid)
+        run = Run([block], [h], [content], position, eid, pid, 1)
         self._index(run)
         self._runs.add(run)
         return run
