@@ -32,6 +32,7 @@ the oracle in tests/test_memory_prefix_runs.py).
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right, insort
 from collections import Counter, deque
 from dataclasses import dataclass
 from itertools import compress, count, repeat
@@ -294,12 +295,16 @@ class PrefixCache:
     hash are chained (`Run.same`) and a look-up tries each.
     """
 
-    __slots__ = ("num_blocks", "heads", "_lru", "_num_evictable", "_num_dead", "_runs",
-                 "_next_entry_id", "_watches", "host")
+    __slots__ = ("num_blocks", "heads", "_head_at", "_head_positions", "_lru",
+                 "_num_evictable", "_num_dead", "_runs", "_next_entry_id", "_watches", "host")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.heads: dict[int, Run] = {}
+        self._head_at: dict[int, int] = {}
+        """Chain position -> how many indexed views have their first entry there."""
+        self._head_positions: list[int] = []
+        """The keys of `_head_at`, sorted."""
         self._lru: deque[_Segment] = deque()
         """Parked stretches, least recently used first; dead ones are skipped."""
         self._num_evictable = 0
@@ -389,8 +394,11 @@ class PrefixCache:
         since nothing from there on could be found: the link says `broken`.
 
         O(runs met) Python steps, blocks in slices: the entries that continue the chain
-        are compared with the keys by slices, and the new ones enter as one run up to
-        the next hash that heads a run (one set test in C).
+        are compared with the keys by slices, and the new ones enter as one run (or
+        extend the sequence's own) up to the next hash that heads a view. Only views
+        whose first entry sits at a position of the new entries are looked at: an entry
+        holding the chain hash of position p sits at position p, hash collisions aside
+        (which `Run.same` chains absorb).
         """
         hashes, contents = keys.hashes, keys.keys
         if self._watches:
@@ -437,9 +445,16 @@ class PrefixCache:
                                      grown)
                 free.append(other.blocks[at])
                 self._drop(other, at)
-            j = end
-            if i + 1 < end and not heads.keys().isdisjoint(hashes[i + 1:end]):
-                j = next(k for k in range(i + 1, end) if hashes[k] in heads)
+            j = end   # the new entries stop before a hash that heads a view
+            if i + 1 < end:   # (one at the same chain position: hash collisions aside)
+                positions = self._head_positions
+                for k in range(bisect_right(positions, i), len(positions)):
+                    p = positions[k]
+                    if p >= end:
+                        break
+                    if hashes[p] in heads:
+                        j = p
+                        break
             new_hashes = hashes[i:j]
             if host is not None:
                 host.discard_hashes(new_hashes)
@@ -543,6 +558,13 @@ class PrefixCache:
         """Enter the view under its first entry's hash (after the views there already,
         under a hash collision)."""
         h = run.key = run.hashes[run.lo]
+        p = run.start + run.lo
+        n = self._head_at.get(p)
+        if n is None:
+            insort(self._head_positions, p)
+            self._head_at[p] = 1
+        else:
+            self._head_at[p] = n + 1
         first = self.heads.get(h)
         if first is None:
             self.heads[h] = run
@@ -553,6 +575,13 @@ class PrefixCache:
 
     def _unindex(self, run: Run) -> None:
         h = run.key
+        p = run.start + run.lo
+        n = self._head_at[p] - 1
+        if n:
+            self._head_at[p] = n
+        else:
+            del self._head_at[p]
+            self._head_positions.remove(p)
         first = self.heads[h]
         if first is run:
             if run.same is None:
@@ -795,6 +824,9 @@ class PrefixCache:
                 r = r.same
         _require(len(indexed) == len(self._runs) and set(indexed) == self._runs,
                  "the index and the views disagree")
+        at = Counter(r.start + r.lo for r in self._runs)
+        _require(at == Counter(self._head_at) and self._head_positions == sorted(at),
+                 "the chain positions of the views' first entries are off")
         held = Counter((run.hashes[k], run.parent_of(k), run.contents[k]) for run, k in cached.values())
         _require(held.most_common(1)[0][1] == 1 if held else True,
                  "the same content under the same parent is cached twice")
