@@ -37,7 +37,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from itertools import compress, count, repeat
 from operator import ne
-from typing import TYPE_CHECKING, Hashable, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from .block_keys import BlockKeys
@@ -191,13 +191,15 @@ class CacheIndex:
 
 
 class Watch:
-    """Raised flag for a set of chain hashes: `dirty` turns True when an entry is put
-    under one of them (see `PrefixCache.watch`)."""
+    """Raised flag for the chain hashes of a sequence's leading blocks: `dirty` turns
+    True when an entry is put under one of them (see `PrefixCache.watch`)."""
 
-    __slots__ = ("hashes", "dirty")
+    __slots__ = ("hashes", "length", "dirty")
 
-    def __init__(self, hashes: Iterable[int]) -> None:
+    def __init__(self, hashes: Sequence[int]) -> None:
         self.hashes = set(hashes)
+        self.length = len(hashes)
+        """The watched blocks are chain positions 0 .. length - 1."""
         self.dirty = False
 
 
@@ -402,7 +404,7 @@ class PrefixCache:
         """
         hashes, contents = keys.hashes, keys.keys
         if self._watches:
-            self._notify(hashes[start:end])
+            self._notify_at(hashes, start, end, start)
         run, off = loc if loc is not None else (None, -1)
         if run is not None:
             run = _live(run, off)
@@ -656,7 +658,7 @@ class PrefixCache:
         chain position `position`: a run of one."""
         h, eid, pid, content = entry
         if self._watches:
-            self._notify((h,))
+            self._notify_at([h], 0, 1, position)
         run = Run([block], [h], [content], position, eid, pid, 1)
         self._index(run)
         self._runs.add(run)
@@ -769,11 +771,16 @@ class PrefixCache:
         return out
 
     # ------------------------------------------------------------------ watches
-    def watch(self, hashes: Iterable[int]) -> Watch:
-        """A flag raised the next time an entry is put under one of `hashes` (a commit
-        or an adoption; a commit that continues through an existing entry counts too).
-        What a memo of a failed look-up relies on: nothing it missed can have appeared
-        while its watch stays down. Costs one set test per commit while it is kept."""
+    def watch(self, hashes: Sequence[int]) -> Watch:
+        """A flag raised the next time an entry is put under one of `hashes`, the chain
+        hashes of some keys' leading blocks (a commit or an adoption; a commit that
+        continues through an existing entry counts too). What a memo of a failed
+        look-up relies on: nothing it missed can have appeared while its watch stays
+        down. A GPU entry is compared only with the watched hash of its own chain
+        position: a match reaches the entry at position p only through the one at
+        p - 1, so an entry elsewhere cannot lengthen it, even under a hash collision.
+        Costs a test per commit while it is kept, a set test when the commit's
+        positions overlap the watched ones."""
         w = Watch(hashes)
         self._watches.append(w)
         return w
@@ -790,6 +797,13 @@ class PrefixCache:
     def _notify(self, hashes) -> None:
         for w in self._watches:
             if not w.dirty and not w.hashes.isdisjoint(hashes):
+                w.dirty = True
+
+    def _notify_at(self, hashes: list[int], start: int, end: int, position: int) -> None:
+        """Entries are put under hashes[start:end], at chain positions `position` on."""
+        for w in self._watches:   # only positions below w.length can raise it
+            if not w.dirty and position < w.length and not w.hashes.isdisjoint(
+                    hashes[start:start + min(end - start, w.length - position)]):
                 w.dirty = True
 
     # ------------------------------------------------------------------ checks
