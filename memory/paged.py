@@ -30,6 +30,7 @@ Every mutating method checks its preconditions before it changes anything and ra
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Hashable, Sequence
@@ -71,6 +72,9 @@ class _SeqBlocks:
     of a run (its blocks start + a .. start + b - 1). Its other blocks are uncached."""
     loc: tuple | None = None
     """(run, index) where the last entry of its chain was on the GPU, or None."""
+    forked: bool = False
+    """It may share blocks beyond its cache entries (a fork, or a group swapped back
+    in): releasing it then reads every block's count."""
 
 
 class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
@@ -309,10 +313,12 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         for b in parent.blocks:
             refcount[b] += 1
         self._extra_refs += len(parent.blocks)
+        parent.forked = True
         self._seqs[child_seq_id] = _SeqBlocks(
             list(parent.blocks), parent.num_tokens, True,
             parent.contents.prefix(parent.num_tokens // self.block_size), parent.num_committed,
-            parent.last_entry_id, parent.chain_broken, spans=list(parent.spans), loc=parent.loc)
+            parent.last_entry_id, parent.chain_broken, spans=list(parent.spans), loc=parent.loc,
+            forked=True)
 
     def free(self, seq_id: Hashable) -> None:
         """O(blocks). Blocks go back last-first, so a cached sequence's tail is
@@ -451,6 +457,9 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                 self._park(blocks, seq.spans, None)
             self._slots_used -= num_tokens
             return
+        if cache is not None and not seq.forked:
+            self._release_spans(seq)
+            return
         refcount = self._refcount
         bs = self.block_size
         last_released = refcount[blocks[-1]] == 1
@@ -494,6 +503,46 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             self._free += unreferenced
         if last_released:  # the last block was only partly filled
             released -= len(blocks) * bs - num_tokens
+        self._slots_used -= released
+
+    def _release_spans(self, seq: _SeqBlocks) -> None:
+        """`_release` of a sequence whose only shared blocks are cache entries (prefix
+        hits): its other blocks all go, and in each span the entries others still hold
+        come first (whoever holds an entry holds the run before it), so the counts are
+        read at a span's ends, and bisected in between only when some are held. O(1)
+        Python steps per span, plus one per entry still held."""
+        blocks, spans = seq.blocks, seq.spans
+        refcount, free = self._refcount, self._free
+        last_released = refcount[blocks[-1]] == 1
+        pieces = []
+        held = 0
+        end = len(blocks)
+        for run, a, b in reversed(spans):
+            p = run.start + a
+            if p + b - a < end:
+                free += blocks[p + b - a:end][::-1]
+            end = p
+            entries = run.blocks
+            if refcount[entries[a]] == 1:
+                u = a
+            elif refcount[entries[b - 1]] > 1:
+                u = b
+            else:   # the first entry only this sequence holds
+                u = bisect_left(range(a, b), True, key=lambda k: refcount[entries[k]] == 1) + a
+            if u > a:
+                for blk in entries[a:u]:
+                    refcount[blk] -= 1
+                held += u - a
+            if u < b:
+                pieces.append((run, u, b))
+        if end:
+            free += blocks[:end][::-1]
+        self._extra_refs -= held
+        if pieces:
+            self._cache.park(pieces)
+        released = (len(blocks) - held) * self.block_size
+        if last_released:  # the last block was only partly filled
+            released -= len(blocks) * self.block_size - seq.num_tokens
         self._slots_used -= released
 
     def _park(self, blocks: list[int], spans: list, counts: tuple | None) -> None:

@@ -115,9 +115,11 @@ class PagedSwapping:
             cpu_refcount[cpu_block] -= refs
             if not cpu_refcount[cpu_block]:
                 cpu_free.append(cpu_block)
+        shared = any(refs > 1 for refs, _ in moving.values())
         for seq in group:
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_gpu = True
+            seq.forked = seq.forked or shared
         return list(mapping.items())
 
     def _swap_in_status(self, num_blocks: int) -> AllocStatus:
