@@ -256,7 +256,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         cache = self._cache
         if cache is None or seq.chain_broken:
             return
-        end = min(num_computed_tokens // self.block_size, len(seq.contents))
+        end = min(num_computed_tokens // self.block_size, len(seq.contents.keys))
         if end <= seq.num_committed:
             return
         if self._extra_refs and self._refcount[seq.blocks[seq.num_committed]] > 1:
@@ -268,9 +268,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         """Commit the sequence's blocks up to `end` and record where its chain stands."""
         link = self._cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
                                   seq.last_entry_id, seq.loc, self._free)
-        seq.num_committed = link.num_committed
-        seq.last_entry_id, seq.chain_broken = link.last_entry_id, link.broken
-        seq.loc = link.loc
+        seq.num_committed, seq.last_entry_id, seq.chain_broken, seq.loc = link[:4]
         if link.grown:
             run, a, _ = seq.spans[-1]
             seq.spans[-1] = (run, a, run.hi)

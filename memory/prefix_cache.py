@@ -405,9 +405,27 @@ class PrefixCache:
         hashes, contents = keys.hashes, keys.keys
         if self._watches:
             self._notify_at(hashes, start, end, start)
-        run, off = loc if loc is not None else (None, -1)
-        if run is not None:
+        if loc is not None:
+            run, off = loc
+            if run.lo <= off == run.hi - 1 and run.ev == run.hi == len(run.blocks) \
+                    and run.hi + end - start <= run.room and hashes[start] not in self.heads \
+                    and run.blocks[off] == blocks[start - 1]:
+                # The common case, a prefill's next chunk: its run grows by all of it
+                # unless a view's first entry sits in the way (the loop below).
+                positions = self._head_positions
+                k = bisect_right(positions, start)
+                if k == len(positions) or positions[k] >= end:
+                    if self.host is not None:
+                        self.host.discard_hashes(hashes[start:end])
+                    run.blocks += blocks[start:end]
+                    run.hashes += hashes[start:end]
+                    run.contents += contents[start:end]
+                    last = off + end - start
+                    run.hi = run.ev = last + 1
+                    return ChainLink(end, run.first_id + last, False, (run, last), (), True)
             run = _live(run, off)
+        else:
+            run, off = None, -1
         if start and run is None and not self._on_host(hashes[start - 1], parent_id):
             return self._commit_each(blocks, keys, start, end, parent_id, loc, free)
         heads, host = self.heads, self.host
