@@ -68,8 +68,9 @@ class _SeqBlocks:
     num_loaded: int = 0
     """Of its prefix hits at allocation, the blocks loaded from the host tier."""
     spans: list = field(default_factory=list)
-    """The cache entries it references, in block order: (run, a, b) for entries a..b-1
-    of a run (its blocks start + a .. start + b - 1). Its other blocks are uncached."""
+    """The cache entries it references, in block order: (run, a, b) for its blocks at
+    positions a .. b - 1, entries of that run (a run is indexed by chain position).
+    Its other blocks are uncached."""
     loc: tuple | None = None
     """(run, index) where the last entry of its chain was on the GPU, or None."""
     forked: bool = False
@@ -214,20 +215,20 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         new = self._take(num_blocks - num_gpu_hits)
         self._slots_used += num_tokens - num_gpu_hits * bs
         spans = [p for p in match.pieces if p.__class__ is tuple]
+        blocks = hits + new if hits else new
         if loaded:   # the first new blocks receive the host hits
-            hits = list(hits)
             adopted = {}
             for i, gb, entry in zip(match.on_host, new, loaded):
                 self._host.loading(gb, hits[i])
-                adopted[i] = cache.adopt(gb, entry, i)
-                hits[i] = gb
-            new = new[len(loaded):]
-            spans = [p if p.__class__ is tuple else (adopted[p], 0, 1) for p in match.pieces]
+                blocks[i] = gb
+                adopted[i] = cache.adopt(blocks, contents, i, entry)
+            del blocks[len(hits):len(hits) + len(loaded)]
+            spans = [p if p.__class__ is tuple else (adopted[p], p, p + 1) for p in match.pieces]
         loc = None
         if spans:
             run, _, b = spans[-1]
             loc = (run, b - 1)
-        self._seqs[seq_id] = _SeqBlocks(hits + new if hits else new, num_tokens, True, contents,
+        self._seqs[seq_id] = _SeqBlocks(blocks, num_tokens, True, contents,
                                         len(hits), match.last_entry_id, num_loaded=len(loaded),
                                         spans=spans, loc=loc)
         return len(hits) * bs
@@ -273,7 +274,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             run, a, _ = seq.spans[-1]
             seq.spans[-1] = (run, a, run.hi)
         if link.runs:
-            seq.spans += [(run, 0, run.hi) for run in link.runs]
+            seq.spans += [(run, run.lo, run.hi) for run in link.runs]
 
     def _commit_shared(self, seq: _SeqBlocks, end: int) -> None:
         """`_commit` where the next block to commit is shared with other sequences (a
@@ -515,11 +516,10 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         pieces = []
         held = 0
         end = len(blocks)
-        for run, a, b in reversed(spans):
-            p = run.start + a
-            if p + b - a < end:
-                free += blocks[p + b - a:end][::-1]
-            end = p
+        for run, a, b in reversed(spans):   # (run, a, b): the blocks at positions a .. b - 1
+            if b < end:
+                free += blocks[b:end][::-1]
+            end = a
             entries = run.blocks
             if refcount[entries[a]] == 1:
                 u = a
@@ -552,16 +552,14 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         free = self._free
         pieces = []
         end = len(blocks)
-        for run, a, b in reversed(spans):
-            p = run.start + a
-            q = p + b - a
-            if q < end:
-                free += blocks[q:end][::-1] if counts is None else \
-                    [blocks[k] for k in range(end - 1, q - 1, -1) if counts[k] == 1]
-            u = a if counts is None else b - counts[p:q].count(1)
+        for run, a, b in reversed(spans):   # (run, a, b): the blocks at positions a .. b - 1
+            if b < end:
+                free += blocks[b:end][::-1] if counts is None else \
+                    [blocks[k] for k in range(end - 1, b - 1, -1) if counts[k] == 1]
+            u = a if counts is None else b - counts[a:b].count(1)
             if u < b:
                 pieces.append((run, u, b))
-            end = p
+            end = a
         if end:
             free += blocks[:end][::-1] if counts is None else \
                 [blocks[k] for k in range(end - 1, -1, -1) if counts[k] == 1]
@@ -633,9 +631,9 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         named = []
         for run, a, b in seq.spans:
             _require(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
-            _require(seq.blocks[run.start + a:run.start + b] == run.blocks[a:b],
+            _require(seq.blocks[a:b] == run.blocks[a:b],
                      f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
-            named += range(run.start + a, run.start + b)
+            named += range(a, b)
         _require(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
         held = [i for i, b in enumerate(seq.blocks) if b in in_cache]
         _require(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 RUN_IDS = 1 << 24
-"""Entry ids each run reserves: entry k of a run has id first_id + k, k < RUN_IDS."""
+"""Entry ids each run reserves, one per chain position from its first entry's on."""
 
 
 def chain_hash(parent_hash: int | None, content: Hashable) -> int:
@@ -206,27 +206,28 @@ class Watch:
 class Run:
     """Entries committed together, each the parent of the next: a stretch of one
     sequence's blocks that its commits entered one after another, or one block loaded
-    from the host tier. Entry k (k counted from the run's first block) has id first_id + k and sits at
-    chain position start + k. The run is a *view* [lo, hi) of those entries: its tail is
-    evicted first (hi falls), an orphan's head may be taken over by a commit (lo rises),
-    and taking one from the middle splits the view (the part above moves to a new view,
-    `moved`). Entries [lo, ev) are referenced by some sequence, [ev, hi) are evictable:
-    a sequence holding entry k holds every entry of the view before it."""
+    from the host tier. Its lists are that sequence's own (its block table, its keys'
+    hashes and contents), indexed by chain position: no copy is made, and a sequence
+    that keeps committing after the run's last entry just moves `hi`. The entry at
+    position k has id id0 + k; the first one made, at `origin`, has parent `parent_id`.
 
-    __slots__ = ("blocks", "hashes", "contents", "start", "first_id", "parent_id", "room",
+    The run is a *view* [lo, hi) of those positions: its tail is evicted first (hi
+    falls), an orphan's head may be taken over by a commit (lo rises), and taking one
+    from the middle splits the view (the part above moves to a new view, `moved`).
+    Entries [lo, ev) are referenced by some sequence, [ev, hi) are evictable: a sequence
+    holding entry k holds every entry of the view before it."""
+
+    __slots__ = ("blocks", "hashes", "contents", "origin", "id0", "parent_id", "room",
                  "lo", "hi", "ev", "segs", "key", "same", "moved")
 
     def __init__(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
-                 start: int, first_id: int, parent_id: int, room: int, lo: int = 0,
-                 hi: int | None = None) -> None:
+                 origin: int, id0: int, parent_id: int, room: int, lo: int, hi: int) -> None:
         self.blocks, self.hashes, self.contents = blocks, hashes, contents
-        self.start, self.first_id, self.parent_id = start, first_id, parent_id
+        self.origin, self.id0, self.parent_id = origin, id0, parent_id
         self.room = room
-        """How many entries its ids leave room for: a commit that continues the run
-        from its last entry, in the same sequence's blocks, appends to it (see
-        `PrefixCache.commit`)."""
+        """How many positions from `origin` on its ids leave room for."""
         self.lo = lo
-        self.hi = self.ev = len(blocks) if hi is None else hi
+        self.hi = self.ev = hi
         self.segs: list[_Segment] = []
         """Its stretches in the LRU order, lowest entries (most recently parked) first;
         together they cover [ev, hi)."""
@@ -238,10 +239,10 @@ class Run:
         """The view that took this one's entries above hi when it was split."""
 
     def parent_of(self, k: int) -> int:
-        return self.first_id + k - 1 if k else self.parent_id
+        return self.id0 + k - 1 if k > self.origin else self.parent_id
 
     def __repr__(self) -> str:
-        return f"Run(start={self.start}, ids={self.first_id}+[{self.lo}:{self.hi}], ev={self.ev})"
+        return f"Run(ids {self.id0}+[{self.lo}:{self.hi}], ev={self.ev})"
 
 
 class _Segment:
@@ -339,14 +340,14 @@ class PrefixCache:
             run = heads.get(hashes[i])
             while run is not None:   # more than one view only under a hash collision
                 lo = run.lo
-                if (run.first_id + lo - 1 if lo else run.parent_id) == pid \
+                if (run.id0 + lo - 1 if lo > run.origin else run.parent_id) == pid \
                         and run.contents[lo] == contents[i]:
                     n = min(run.hi - lo, limit - i)
                     m = _agree(run.hashes, run.contents, lo, hashes, contents, i, n)
                     blocks += run.blocks[lo:lo + m]
                     pieces.append((run, lo, lo + m))
                     i += m
-                    pid = run.first_id + lo + m - 1
+                    pid = run.id0 + lo + m - 1
                     break
                 run = run.same
             if run is not None:
@@ -407,9 +408,9 @@ class PrefixCache:
             self._notify_at(hashes, start, end, start)
         if loc is not None:
             run, off = loc
-            if run.lo <= off == run.hi - 1 and run.ev == run.hi == len(run.blocks) \
-                    and run.hi + end - start <= run.room and hashes[start] not in self.heads \
-                    and run.blocks[off] == blocks[start - 1]:
+            if run.blocks is blocks and off + 1 == start == run.hi == run.ev \
+                    and run.moved is None and end - run.origin <= run.room \
+                    and hashes[start] not in self.heads:
                 # The common case, a prefill's next chunk: its run grows by all of it
                 # unless a view's first entry sits in the way (the loop below).
                 positions = self._head_positions
@@ -417,12 +418,8 @@ class PrefixCache:
                 if k == len(positions) or positions[k] >= end:
                     if self.host is not None:
                         self.host.discard_hashes(hashes[start:end])
-                    run.blocks += blocks[start:end]
-                    run.hashes += hashes[start:end]
-                    run.contents += contents[start:end]
-                    last = off + end - start
-                    run.hi = run.ev = last + 1
-                    return ChainLink(end, run.first_id + last, False, (run, last), (), True)
+                    run.hi = run.ev = end
+                    return ChainLink(end, run.id0 + end - 1, False, (run, end - 1), (), True)
             run = _live(run, off)
         else:
             run, off = None, -1
@@ -441,7 +438,7 @@ class PrefixCache:
                 if k:
                     i += k
                     off += k
-                    pid = run.first_id + off
+                    pid = run.id0 + off
                     continue
                 if run.hashes[off + 1] == hashes[i]:   # same hash, other content
                     other, at = run, off + 1
@@ -449,12 +446,12 @@ class PrefixCache:
                 x = y = heads.get(hashes[i])
                 while y is not None:   # more than one view only under a hash collision
                     yl = y.lo
-                    if (y.first_id + yl - 1 if yl else y.parent_id) == pid \
+                    if (y.id0 + yl - 1 if yl > y.origin else y.parent_id) == pid \
                             and y.contents[yl] == contents[i]:
                         break
                     y = y.same
                 if y is not None:
-                    run, off, pid = y, yl, y.first_id + yl
+                    run, off, pid = y, yl, y.id0 + yl
                     i += 1
                     continue
                 if x is not None:
@@ -478,21 +475,17 @@ class PrefixCache:
             new_hashes = hashes[i:j]
             if host is not None:
                 host.discard_hashes(new_hashes)
-            if run is not None and off + 1 == run.hi == run.ev == len(run.blocks) \
-                    and run.hi + j - i <= run.room and run.blocks[off] == blocks[i - 1]:
-                # the chain's run ends in this sequence's previous block: it grows
-                run.blocks += blocks[i:j]
-                run.hashes += new_hashes
-                run.contents += contents[i:j]
-                off += j - i
-                run.hi = run.ev = off + 1
+            if run is not None and run.blocks is blocks and off + 1 == i == run.hi == run.ev \
+                    and run.moved is None and j - run.origin <= run.room:
+                # the chain's run is this sequence's and ends in its previous block: it grows
+                run.hi = run.ev = j
                 if not made:
                     grown = True
             else:
-                run = self._new_run(blocks[i:j], new_hashes, contents[i:j], i, pid)
+                run = self._new_run(blocks, keys, i, j, pid)
                 made.append(run)
-                off = j - i - 1
-            pid = run.first_id + off
+            off = j - 1
+            pid = run.id0 + off
             i = j
         return ChainLink(end, pid, False, (run, off) if run is not None else loc, made, grown)
 
@@ -522,13 +515,11 @@ class PrefixCache:
         def flush(i: int) -> None:
             nonlocal fresh, loc
             if fresh is not None:
-                new_hashes = hashes[fresh:i]
                 if host is not None:
-                    host.discard_hashes(new_hashes)
-                run = self._new_run(blocks[fresh:i], new_hashes, contents[fresh:i], fresh,
-                                    fresh_parent)
+                    host.discard_hashes(hashes[fresh:i])
+                run = self._new_run(blocks, keys, fresh, i, fresh_parent)
                 made.append(run)
-                loc = (run, i - fresh - 1)
+                loc = (run, i - 1)
                 fresh = None
 
         for i in range(start, end):
@@ -545,7 +536,7 @@ class PrefixCache:
                 at = got[1]
                 if r.parent_of(at) == pid and r.contents[at] == contents[i]:
                     flush(i)
-                    loc, pid = (r, at), r.first_id + at
+                    loc, pid = (r, at), r.id0 + at
                     continue
                 if at < r.ev:
                     flush(i)
@@ -566,9 +557,11 @@ class PrefixCache:
         hb = host.index.block_of_hash.get(h)
         return hb is not None and host.entry_id(hb) == entry_id
 
-    def _new_run(self, blocks: list[int], hashes: list[int], contents: list[Hashable],
-                 start: int, parent_id: int) -> Run:
-        run = Run(blocks, hashes, contents, start, self._next_entry_id, parent_id, RUN_IDS)
+    def _new_run(self, blocks: list[int], keys: BlockKeys, lo: int, hi: int,
+                 parent_id: int) -> Run:
+        """A run of positions lo .. hi - 1 of a sequence's blocks and keys."""
+        run = Run(blocks, keys.hashes, keys.keys, lo, self._next_entry_id - lo, parent_id,
+                  RUN_IDS, lo, hi)
         self._next_entry_id += RUN_IDS
         self._index(run)
         self._runs.add(run)
@@ -578,7 +571,7 @@ class PrefixCache:
         """Enter the view under its first entry's hash (after the views there already,
         under a hash collision)."""
         h = run.key = run.hashes[run.lo]
-        p = run.start + run.lo
+        p = run.lo
         n = self._head_at.get(p)
         if n is None:
             insort(self._head_positions, p)
@@ -595,7 +588,7 @@ class PrefixCache:
 
     def _unindex(self, run: Run) -> None:
         h = run.key
-        p = run.start + run.lo
+        p = run.lo
         n = self._head_at[p] - 1
         if n:
             self._head_at[p] = n
@@ -646,7 +639,7 @@ class PrefixCache:
                 del segs[idx]
                 self._num_dead += 1
             return
-        upper = Run(run.blocks, run.hashes, run.contents, run.start, run.first_id,
+        upper = Run(run.blocks, run.hashes, run.contents, run.origin, run.id0,
                     run.parent_id, run.room, at + 1, hi)
         upper.ev = at + 1
         upper.moved, run.moved = run.moved, upper
@@ -671,13 +664,16 @@ class PrefixCache:
         self._runs.add(upper)
         self._index(upper)
 
-    def adopt(self, block: int, entry: Entry, position: int) -> Run:
-        """Enter an entry that moves in from the host tier for a (referenced) block at
-        chain position `position`: a run of one."""
-        h, eid, pid, content = entry
+    def adopt(self, blocks: list[int], keys: BlockKeys, position: int, entry: Entry) -> Run:
+        """Enter an entry that moves in from the host tier for a sequence's (referenced)
+        block at chain position `position`: blocks[position] is that block, and the
+        keys at `position` are the entry's hash and content (a match found it by
+        them). A run of one."""
+        _, eid, pid, _ = entry
         if self._watches:
-            self._notify_at([h], 0, 1, position)
-        run = Run([block], [h], [content], position, eid, pid, 1)
+            self._notify_at(keys.hashes, position, position + 1, position)
+        run = Run(blocks, keys.hashes, keys.keys, position, eid - position, pid, 1, position,
+                  position + 1)
         self._index(run)
         self._runs.add(run)
         return run
@@ -740,12 +736,12 @@ class PrefixCache:
             c = b - k
             out += run.blocks[c:b][::-1]
             if entries is not None:
-                f = run.first_id
+                f = run.id0
                 entries.hashes.extend(run.hashes[c:b][::-1])
                 entries.contents.extend(run.contents[c:b][::-1])
                 entries.ids.extend(range(f + b - 1, f + c - 1, -1))
                 entries.parent_ids.extend(range(f + b - 2, f + c - 2, -1))
-                if not c:
+                if c == run.origin:
                     entries.parent_ids[-1] = run.parent_id
             seg.b = run.hi = c
             n -= k
@@ -778,7 +774,7 @@ class PrefixCache:
         return {run.hashes[k]: block for block, (run, k) in self.cached().items()}
 
     def entry_ids(self) -> list[int]:
-        return [run.first_id + k for run, k in self.cached().values()]
+        return [run.id0 + k for run, k in self.cached().values()]
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first (for tests and invariants)."""
@@ -839,7 +835,7 @@ class PrefixCache:
                 b = run.blocks[k]
                 _require(b not in cached, f"block {b} is cached twice")
                 cached[b] = (run, k)
-                ids.append(run.first_id + k)
+                ids.append(run.id0 + k)
                 _require((refcounts[b] > 0) == (k < run.ev),
                          f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
             _require(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
@@ -856,7 +852,7 @@ class PrefixCache:
                 r = r.same
         _require(len(indexed) == len(self._runs) and set(indexed) == self._runs,
                  "the index and the views disagree")
-        at = Counter(r.start + r.lo for r in self._runs)
+        at = Counter(r.lo for r in self._runs)
         _require(at == Counter(self._head_at) and self._head_positions == sorted(at),
                  "the chain positions of the views' first entries are off")
         held = Counter((run.hashes[k], run.parent_of(k), run.contents[k]) for run, k in cached.values())

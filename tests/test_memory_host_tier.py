@@ -209,8 +209,8 @@ def test_check_invariants_catches_content_in_both_tiers():
     run, k = m._cache.cached()[gpu_block]   # the GPU entry takes the host entry's place
     hb = m._host.index.block_of_hash[h]
     run.hashes[k], run.contents[k] = h, m._host.index.content[hb]
-    if k:
-        run.first_id = m._host.index.parent_id[hb] + 1 - k
+    if k > run.origin:
+        run.id0 = m._host.index.parent_id[hb] + 1 - k
     else:
         run.parent_id = m._host.index.parent_id[hb]
     if k == run.lo:
