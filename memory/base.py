@@ -152,6 +152,12 @@ class BlockManager(abc.ABC):
         changes, no statistic counts. Default 0: a manager without a prefix cache."""
         return 0
 
+    def known_later(self, num_tokens: int, block_contents: Sequence[Hashable]) -> bool:
+        """Does a LATER answer that `can_allocate` gave for these very contents (the
+        same object) and token count still stand, as the manager kept it? O(1). A peek,
+        save that a memo found stale may be dropped. Default False: nothing is kept."""
+        return False
+
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         """Of the tokens `allocate` hit for this (allocated) sequence, how many were
         loaded from a host (CPU) tier of the prefix cache rather than found on the GPU.

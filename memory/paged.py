@@ -238,6 +238,11 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         check_count("cached_prefix_tokens", "num_tokens", num_tokens, 1)
         return len(self._match(num_tokens, block_contents).blocks) * self.block_size
 
+    def known_later(self, num_tokens: int, block_contents: Sequence[Hashable]) -> bool:
+        later = self._later
+        return later is not None and type(block_contents) is BlockKeys \
+            and later.known_later(block_contents, num_tokens, self.num_free_blocks)
+
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
 
@@ -267,8 +272,16 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
 
     def _commit(self, seq: _SeqBlocks, end: int) -> None:
         """Commit the sequence's blocks up to `end` and record where its chain stands."""
+        loc = seq.loc
+        if loc is not None:
+            run, off = loc
+            if self._cache.grow(run, off, seq.blocks, seq.contents.hashes, seq.num_committed, end):
+                seq.num_committed, seq.last_entry_id, seq.loc = end, run.id0 + end - 1, (run, end - 1)
+                _, a, _ = seq.spans[-1]   # its last span is that run's
+                seq.spans[-1] = (run, a, end)
+                return
         link = self._cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
-                                  seq.last_entry_id, seq.loc, self._free)
+                                  seq.last_entry_id, loc, self._free)
         seq.num_committed, seq.last_entry_id, seq.chain_broken, seq.loc = link[:4]
         if link.grown:
             run, a, _ = seq.spans[-1]

@@ -408,18 +408,6 @@ class PrefixCache:
             self._notify_at(hashes, start, end, start)
         if loc is not None:
             run, off = loc
-            if run.blocks is blocks and off + 1 == start == run.hi == run.ev \
-                    and run.moved is None and end - run.origin <= run.room \
-                    and hashes[start] not in self.heads:
-                # The common case, a prefill's next chunk: its run grows by all of it
-                # unless a view's first entry sits in the way (the loop below).
-                positions = self._head_positions
-                k = bisect_right(positions, start)
-                if k == len(positions) or positions[k] >= end:
-                    if self.host is not None:
-                        self.host.discard_hashes(hashes[start:end])
-                    run.hi = run.ev = end
-                    return ChainLink(end, run.id0 + end - 1, False, (run, end - 1), (), True)
             run = _live(run, off)
         else:
             run, off = None, -1
@@ -488,6 +476,27 @@ class PrefixCache:
             pid = run.id0 + off
             i = j
         return ChainLink(end, pid, False, (run, off) if run is not None else loc, made, grown)
+
+    def grow(self, run: Run, off: int, blocks: list[int], hashes: list[int], start: int,
+             end: int) -> bool:
+        """`commit`'s common case, a prefill's next chunk: the chain's last entry is
+        entry `off` = start - 1 of `run`, the run is over this sequence's blocks and ends
+        there, and nothing cached sits under the new hashes (the first one heads no view
+        and no view's first entry lies among the new positions). Then the run grows to
+        `end` and this returns True; otherwise it changes nothing and returns False."""
+        if run.blocks is blocks and off + 1 == start == run.hi == run.ev \
+                and run.moved is None and end - run.origin <= run.room \
+                and hashes[start] not in self.heads:
+            positions = self._head_positions
+            k = bisect_right(positions, start)
+            if k == len(positions) or positions[k] >= end:
+                if self._watches:
+                    self._notify_at(hashes, start, end, start)
+                if self.host is not None:
+                    self.host.discard_hashes(hashes[start:end])
+                run.hi = run.ev = end
+                return True
+        return False
 
     def _commit_each(self, blocks: Sequence[int], keys: BlockKeys, start: int, end: int,
                      parent_id: int, loc: tuple | None, free: list[int]) -> ChainLink:

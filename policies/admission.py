@@ -44,10 +44,11 @@ class KVAdmission:
         self._config = config
         self._bm = block_manager
         self._prefix_caching = prefix_caching
-        self._use_memo = block_manager.grows_by_block and not prefix_caching
+        self._use_memo = block_manager.grows_by_block
         self.later: tuple[Request, int, int] | None = None
         """The last request whose allocation was LATER: (request, tokens, free blocks
-        then), or None."""
+        then), or None. With prefix caching a hit can shorten the need without freeing
+        anything, so the block manager's own memo of that answer must stand too."""
         self._keys: dict[SeqId, BlockKeys] = {}
         """Block keys of waiting sequences, kept between look-ups; a sequence's entry is
         handed to the block manager (and dropped here) when it is allocated."""
@@ -127,15 +128,21 @@ class KVAdmission:
 
     def known_later(self, req: Request) -> bool:
         """Is `req` known not to fit (LATER) with the memory free now? True when its
-        allocation already failed with as many free blocks or more and it has not grown
-        since. Single-sequence requests only. O(1)."""
+        allocation already failed with as many free blocks or more, it has not grown
+        since and, with prefix caching, the block manager's memo of that answer for its
+        keys stands (no hit has appeared since). Single-sequence requests only. O(1)."""
         if self.later is None:
             return False
         memo_req, tokens, free = self.later
         if memo_req is not req or len(req.seqs) != 1:
             return False
         seq = req.seqs[0]
-        return seq.num_tokens == tokens and not seq.finished and self._bm.num_free_blocks <= free
+        if seq.num_tokens != tokens or seq.finished or self._bm.num_free_blocks > free:
+            return False
+        if not self._prefix_caching:
+            return True
+        keys = self._keys.get(seq.seq_id)
+        return keys is not None and self._bm.known_later(tokens, keys)
 
     def can_swap_in(self, req: Request, beside_running: bool) -> bool:
         """Can swapped `req` come back to the GPU now? Beside running requests it also

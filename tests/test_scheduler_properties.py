@@ -186,6 +186,28 @@ def _no_admission_memo():
         KVAdmission.known_later = original
 
 
+def test_admission_memo_sees_a_prefix_hit_appear_without_memory_freed():
+    """A waiting head refused for memory fits once the running request's prefill commits
+    the prefix it shares (its hits grow), though no block was freed: the scheduler's
+    memo must not skip it then. B prefills 20 shared tokens in chunks of 4 (a block
+    committed each step) in 5 of 7 blocks; H (23 tokens: the 20, then its own) needs 6
+    blocks less its hits, and fits once 4 are committed."""
+    shared = tuple(range(100, 120))
+    reqs = [Request(0, 0.0, 20, 3, prompt_token_ids=shared),
+            Request(1, 0.0, 23, 2, prompt_token_ids=shared + (7, 7, 7))]
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, chunked_prefill=4,
+                            max_model_len=64)
+    cache = CacheConfig(block_size=4, num_gpu_blocks=7, watermark=0,
+                        enable_prefix_caching=True)
+    a = simulate([r.fresh_copy() for r in reqs], sched, cache)
+    with _no_admission_memo():
+        b = simulate([r.fresh_copy() for r in reqs], sched, cache)
+    admitted = next(o.now for o in b.outputs if any(e.request_id == 1 for e in o.scheduled))
+    finished = next(r.finish_s for r in b.records if r.request_id == 0)
+    assert admitted < finished   # H got in on its hits, before B freed anything
+    assert _decisions(a) == _decisions(b)
+
+
 @SETTINGS
 @given(workloads(), st.booleans())
 def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
