@@ -27,7 +27,8 @@ and, as any hash, only finds candidates that the cache then checks.
 from __future__ import annotations
 
 from functools import lru_cache
-from operator import is_
+from itertools import accumulate, chain as chained, repeat
+from operator import add, is_
 from typing import Hashable, Iterable, Sequence
 
 from . import prefix_cache
@@ -129,26 +130,40 @@ class BlockKeys(Sequence):
         """Append `count` keys laid out in regions of `size` blocks: firsts[k] is region
         k's first key, the others are its offsets (`region_offsets(size)`), and the
         layout's first `skip` blocks (skip < size) are held already. The same keys and
-        hashes as `extend` of that list, without checking the layout: one Python step
-        per region, each region's offsets added and hashed in C."""
+        hashes as `extend` of that list, without checking the layout. A partial region at
+        either end goes region by region; the whole ones between in C, save one call per
+        region to chain their first hashes (each follows the region before it)."""
         if count <= 0:
             return
-        offsets = region_offsets(size)
-        keys, hashes = self.keys, self.hashes
-        chain = prefix_cache.chain_hash
         end = skip + count
-        for k, first in enumerate(firsts):
-            lo, hi = max(skip - k * size, 0), min(end - k * size, size)
-            if lo >= hi:
-                break
-            if lo == 0:
-                hashes.append(chain(hashes[-1] if hashes else None, first))
-                keys.append(first)
-                lo = 1
-            if hi > lo:
-                anchor = hashes[len(hashes) - lo]
-                hashes += range(anchor + lo, anchor + hi)
-                keys += offsets[lo - 1:hi - 1]
+        whole_from = 1 if skip else 0   # regions [whole_from, whole_to) are whole
+        whole_to = max(end // size, whole_from)
+        if skip:
+            self._extend_region(firsts[0], size, skip, min(end, size))
+        if whole_to > whole_from:
+            fs = firsts[whole_from:whole_to]
+            chain = prefix_cache.chain_hash
+            hashes = self.hashes
+            tail = size - 1
+            heads = list(accumulate(fs[1:], lambda h, first: chain(h + tail, first),
+                                    initial=chain(hashes[-1] if hashes else None, fs[0])))
+            hashes += chained.from_iterable(map(range, heads, map(add, heads, repeat(size))))
+            self.keys += chained.from_iterable(map(add, zip(fs), repeat(region_offsets(size))))
+        if end > whole_to * size:   # a partial last region
+            self._extend_region(firsts[whole_to], size, 0, end - whole_to * size)
+
+    def _extend_region(self, first: Hashable, size: int, lo: int, hi: int) -> None:
+        """Append blocks lo .. hi - 1 of a region whose first key is `first` (its earlier
+        blocks are held already)."""
+        keys, hashes = self.keys, self.hashes
+        if lo == 0:
+            hashes.append(prefix_cache.chain_hash(hashes[-1] if hashes else None, first))
+            keys.append(first)
+            lo = 1
+        if hi > lo:
+            anchor = hashes[len(hashes) - lo]
+            hashes += range(anchor + lo, anchor + hi)
+            keys += region_offsets(size)[lo - 1:hi - 1]
 
     def prefix(self, n: int) -> "BlockKeys":
         """A new BlockKeys of the first n blocks (no hashing: the chain is the same)."""

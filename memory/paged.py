@@ -254,8 +254,11 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """O(runs met) Python steps, the newly committed blocks compared and entered as
         slices (see `PrefixCache.commit`)."""
-        seq = self._gpu_seq("mark_computed", seq_id)
-        check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
+        seq = self._seqs.get(seq_id)
+        if seq is None or not seq.on_gpu or type(num_computed_tokens) is not int \
+                or num_computed_tokens < 0:   # (one test for the valid case: called per chunk)
+            seq = self._gpu_seq("mark_computed", seq_id)
+            check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > seq.num_tokens:
             raise BlockManagerError(f"mark_computed: sequence {seq_id!r} has {seq.num_tokens} "
                                     f"tokens, not {num_computed_tokens}")

@@ -265,17 +265,14 @@ def _live(run: Run, k: int) -> Run | None:
     return run if k >= run.lo else None
 
 
-def _agree(hashes: list[int], contents: list[Hashable], lo: int, other_hashes: list[int],
-           other_contents: list[Hashable], i: int, n: int) -> int:
-    """How many of the n entries from `lo` on have the hashes and contents of the keys
-    from `i` on, counted up to the first that does not: list slices compared in C."""
-    a, b = hashes[lo:lo + n], other_hashes[i:i + n]
+def _agree(contents: list[Hashable], keys: list[Hashable], i: int, n: int) -> int:
+    """How many of a run's n entries at positions i.. have the contents of the keys
+    there, counted up to the first that does not: list slices compared in C. The caller
+    has matched the entry at i - 1, every entry's parent inside a run is the one before
+    it, so equal contents are equal chains: hashes need no comparing."""
+    a, b = contents[i:i + n], keys[i:i + n]
     if a != b:
         n = next(compress(count(), map(ne, a, b)))
-    if n:
-        a, b = contents[lo:lo + n], other_contents[i:i + n]
-        if a != b:
-            n = next(compress(count(), map(ne, a, b)))
     return n
 
 
@@ -343,7 +340,7 @@ class PrefixCache:
                 if (run.id0 + lo - 1 if lo > run.origin else run.parent_id) == pid \
                         and run.contents[lo] == contents[i]:
                     n = min(run.hi - lo, limit - i)
-                    m = _agree(run.hashes, run.contents, lo, hashes, contents, i, n)
+                    m = _agree(run.contents, contents, i, n)
                     blocks += run.blocks[lo:lo + m]
                     pieces.append((run, lo, lo + m))
                     i += m
@@ -421,7 +418,7 @@ class PrefixCache:
         while i < end:
             other = None
             if run is not None and off + 1 < run.hi:   # the chain's run goes on: walk it
-                k = _agree(run.hashes, run.contents, off + 1, hashes, contents, i,
+                k = _agree(run.contents, contents, i,
                            min(run.hi - off - 1, end - i))
                 if k:
                     i += k
@@ -743,11 +740,12 @@ class PrefixCache:
             run = seg.run
             k = b - a if b - a <= n else n
             c = b - k
-            out += run.blocks[c:b][::-1]
+            down = slice(b - 1, c - 1 if c else None, -1)   # top first
+            out += run.blocks[down]
             if entries is not None:
                 f = run.id0
-                entries.hashes.extend(run.hashes[c:b][::-1])
-                entries.contents.extend(run.contents[c:b][::-1])
+                entries.hashes.extend(run.hashes[down])
+                entries.contents.extend(run.contents[down])
                 entries.ids.extend(range(f + b - 1, f + c - 1, -1))
                 entries.parent_ids.extend(range(f + b - 2, f + c - 2, -1))
                 if c == run.origin:

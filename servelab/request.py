@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Hashable
 
 from servelab.memory.block_keys import BlockKeys, region_offsets
@@ -209,7 +210,7 @@ class Request:
         n_full = min(seq.num_tokens // block_size, covered // block_size)
         first, stop = start // per, -(-n_full // per)
         # the size in each first key too: traces may mix sizes
-        firsts = [(h, trace_bs) for h in self.prefix_hashes[first:stop]]
+        firsts = list(zip(self.prefix_hashes[first:stop], repeat(trace_bs)))
         return firsts, per, start - first * per, max(n_full - start, 0)
 
     def fresh_copy(self) -> "Request":
