@@ -452,8 +452,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         taken = free[::-1]
         free.clear()
         if self._host is None:
-            taken += self._cache.evict(n - len(taken))
-            return taken
+            return self._cache.evict(n - len(taken), taken)
         evicted, entries = self._cache.evict_entries(n - len(taken))
         self._host.store(evicted, entries)
         return taken + evicted

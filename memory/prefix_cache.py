@@ -716,18 +716,17 @@ class PrefixCache:
             self._lru = deque(s for s in lru if s.a < s.b)
             self._num_dead = 0
 
-    def evict(self, n: int) -> list[int]:
+    def evict(self, n: int, out: list[int] | None = None) -> list[int]:
         """Forget the n least recently used evictable blocks and return them, LRU
-        first. The caller has checked that there are n."""
-        return self._pop(n, None)
+        first, appended to `out` if given. The caller has checked that there are n."""
+        return self._pop(n, None, [] if out is None else out)
 
     def evict_entries(self, n: int) -> tuple[list[int], Entries]:
         """`evict`, handing back the blocks' entries too (in the same order)."""
         entries = Entries([], [], [], [])
-        return self._pop(n, entries), entries
+        return self._pop(n, entries, []), entries
 
-    def _pop(self, n: int, entries: Entries | None) -> list[int]:
-        out: list[int] = []
+    def _pop(self, n: int, entries: Entries | None, out: list[int]) -> list[int]:
         lru = self._lru
         self._num_evictable -= n
         while n:
