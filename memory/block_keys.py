@@ -27,8 +27,7 @@ and, as any hash, only finds candidates that the cache then checks.
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import accumulate, chain as chained, repeat
-from operator import add, is_
+from operator import is_
 from typing import Hashable, Iterable, Sequence
 
 from . import prefix_cache
@@ -130,9 +129,8 @@ class BlockKeys(Sequence):
         """Append `count` keys laid out in regions of `size` blocks: firsts[k] is region
         k's first key, the others are its offsets (`region_offsets(size)`), and the
         layout's first `skip` blocks (skip < size) are held already. The same keys and
-        hashes as `extend` of that list, without checking the layout. A partial region at
-        either end goes region by region; the whole ones between in C, save one call per
-        region to chain their first hashes (each follows the region before it)."""
+        hashes as `extend` of that list, without checking the layout: one Python step
+        per region, each region's offsets added and hashed in C."""
         if count <= 0:
             return
         end = skip + count
@@ -141,14 +139,17 @@ class BlockKeys(Sequence):
         if skip:
             self._extend_region(firsts[0], size, skip, min(end, size))
         if whole_to > whole_from:
-            fs = firsts[whole_from:whole_to]
             chain = prefix_cache.chain_hash
-            hashes = self.hashes
+            keys, hashes = self.keys, self.hashes
+            offsets = region_offsets(size)
             tail = size - 1
-            heads = list(accumulate(fs[1:], lambda h, first: chain(h + tail, first),
-                                    initial=chain(hashes[-1] if hashes else None, fs[0])))
-            hashes += chained.from_iterable(map(range, heads, map(add, heads, repeat(size))))
-            self.keys += chained.from_iterable(map(add, zip(fs), repeat(region_offsets(size))))
+            h = hashes[-1] if hashes else None
+            for first in firsts[whole_from:whole_to]:
+                h = chain(h, first)
+                hashes += range(h, h + size)
+                keys.append(first)
+                keys += offsets
+                h += tail
         if end > whole_to * size:   # a partial last region
             self._extend_region(firsts[whole_to], size, 0, end - whole_to * size)
 

@@ -296,7 +296,7 @@ class PrefixCache:
     """
 
     __slots__ = ("num_blocks", "heads", "_head_at", "_head_positions", "_lru",
-                 "_num_evictable", "_num_dead", "_runs", "_next_entry_id", "_watches", "host")
+                 "_num_evictable", "_num_dead", "_runs", "_next_entry_id", "_watches", "_watch_reach", "host")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -314,6 +314,8 @@ class PrefixCache:
         """Views with at least one entry."""
         self._next_entry_id = 1
         self._watches: list[Watch] = []
+        self._watch_reach = 0
+        """No watch covers a chain position from this one on."""
         self.host: HostTier | None = None
         """The host-memory tier behind this cache, if any (set by the block manager)."""
 
@@ -401,7 +403,7 @@ class PrefixCache:
         (which `Run.same` chains absorb).
         """
         hashes, contents = keys.hashes, keys.keys
-        if self._watches:
+        if start < self._watch_reach:
             self._notify_at(hashes, start, end, start)
         if loc is not None:
             run, off = loc
@@ -487,7 +489,7 @@ class PrefixCache:
             positions = self._head_positions
             k = bisect_right(positions, start)
             if k == len(positions) or positions[k] >= end:
-                if self._watches:
+                if start < self._watch_reach:
                     self._notify_at(hashes, start, end, start)
                 if self.host is not None:
                     self.host.discard_hashes(hashes[start:end])
@@ -676,7 +678,7 @@ class PrefixCache:
         keys at `position` are the entry's hash and content (a match found it by
         them). A run of one."""
         _, eid, pid, _ = entry
-        if self._watches:
+        if position < self._watch_reach:
             self._notify_at(keys.hashes, position, position + 1, position)
         run = Run(blocks, keys.hashes, keys.keys, position, eid - position, pid, 1, position,
                   position + 1)
@@ -803,10 +805,12 @@ class PrefixCache:
         positions overlap the watched ones."""
         w = Watch(hashes)
         self._watches.append(w)
+        self._watch_reach = max(self._watch_reach, w.length)
         return w
 
     def unwatch(self, w: Watch) -> None:
         self._watches.remove(w)
+        self._watch_reach = max((v.length for v in self._watches), default=0)
 
     def notify_host(self, hashes) -> None:
         """Entries were put in the host tier under these hashes: a match may now run
