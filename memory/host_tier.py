@@ -88,6 +88,15 @@ class HostTier:
     def loading(self, gpu_block: int, host_block: int) -> None:
         self._loads[gpu_block] = host_block
 
+    def dropped(self, gpu_block: int) -> None:
+        """A GPU block's entry was forgotten (a commit took its hash) and the block
+        freed: a load into it not yet performed is cancelled, and its host block, which
+        nothing will read now, is free at once."""
+        hb = self._loads.pop(gpu_block, None)
+        if hb is not None:
+            del self._pending_free[hb]
+            self._free.append(hb)
+
     def store(self, gpu_blocks: list[int], entries: Entries) -> None:
         """Entries evicted from the GPU (LRU first) with the blocks they leave. A block
         whose own load is still pending hands its entry back to its host block; the

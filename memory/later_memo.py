@@ -18,8 +18,9 @@ free block (reviving it takes it out of the free count). So LATER stays LATER wh
   extend the match or refill a position whose block was evicted).
 
 Evictions only shorten a match and releases only turn referenced hits evictable: both
-raise the need, which keeps LATER. Each memo costs a set of its watched hashes and one
-set test per commit; at most `limit` are kept (the oldest goes first).
+raise the need, which keeps LATER. Each memo costs a set of its watched hashes, and a
+commit that reaches its watched positions one set test; at most `limit` are kept (the
+oldest goes first).
 """
 from __future__ import annotations
 

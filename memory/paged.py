@@ -18,7 +18,7 @@ gets when it is taken, and the manager keeps the total of references beyond the 
 (`_extra_refs`, from forks, swaps and prefix hits): while that is 0, taking blocks and
 freeing a sequence write no count at all, and without a prefix cache a free is one
 `extend` of the free stack. What tells an evictable block from a referenced one is the
-cache's LRU order, which holds exactly the evictable ones. Every operation works per
+prefix cache (a run's entries from `ev` on, in its LRU stretches). Every operation works per
 block, never per token: appending k tokens costs O(1 + new blocks), `can_append_slots`
 is O(1). Allocation, free and swap are O(blocks of the sequences involved), in C where
 they can be. With prefix caching, a look-up, a commit and a release cost O(1) Python
@@ -75,7 +75,8 @@ class _SeqBlocks:
     """(run, index) where the last entry of its chain was on the GPU, or None."""
     forked: bool = False
     """It may share blocks beyond its cache entries (a fork, or a group swapped back
-    in): releasing it then reads every block's count."""
+    in): committing then goes through `_commit_shared`, and releasing it reads every
+    block's count."""
 
 
 class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
@@ -268,9 +269,9 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         end = min(num_computed_tokens // self.block_size, len(seq.contents.keys))
         if end <= seq.num_committed:
             return
-        if self._extra_refs and self._refcount[seq.blocks[seq.num_committed]] > 1:
+        if seq.forked and self._extra_refs:
             self._commit_shared(seq, end)
-        else:
+        else:   # only its committed blocks (prefix hits) can be shared
             self._commit(seq, end)
 
     def _commit(self, seq: _SeqBlocks, end: int) -> None:
@@ -293,20 +294,34 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             seq.spans += [(run, run.lo, run.hi) for run in link.runs]
 
     def _commit_shared(self, seq: _SeqBlocks, end: int) -> None:
-        """`_commit` where the next block to commit is shared with other sequences (a
-        fork, or a group swapped back in). Sharers hold the same leading blocks, so they
-        keep the same chain over them: the commit stops at the end of each sharer's
-        shared blocks, and each sharer takes the sequence's chain as it stands there
-        (runs made over its blocks included). O(sequences + blocks): rare."""
+        """`_commit` for a sequence that may share blocks it has not committed yet (a
+        fork, or a group swapped back in). A run needs whoever holds one of its entries
+        to hold the entries before it, so shared blocks are committed only where every
+        other holder shares all of the sequence's blocks up to there (a fork's sharers
+        do; a swapped group's members may not): those *sharers* keep the same chain over
+        their shared blocks, so the commit stops where each sharer's shared blocks end
+        and the sharer takes the sequence's chain as it stands there (runs made over its
+        blocks included). At a block held otherwise the chain stops (`chain_broken`): it
+        stays uncached. O(sequences x blocks): rare."""
         blocks, c = seq.blocks, seq.num_committed
-        sharers = []
+        refcount = self._refcount
+        if all(refcount[b] == 1 for b in blocks[c:end]):
+            self._commit(seq, end)
+            return
+        sharers = []   # (how many leading blocks it shares with seq, it)
         for other in self._seqs.values():
             theirs = other.blocks
             if other is not seq and other.on_gpu and len(theirs) > c and theirs[c] == blocks[c]:
-                f = c + 1
+                f = 0
                 while f < len(theirs) and f < len(blocks) and theirs[f] == blocks[f]:
                     f += 1
-                sharers.append((f, other))
+                if f > c:
+                    sharers.append((f, other))
+        broken = False
+        for p in range(c, end):   # every other holder of block p must be a sharer
+            if refcount[blocks[p]] - 1 != sum(1 for f, _ in sharers if f > p):
+                end, broken = p, True
+                break
         for stop in sorted({min(f, end) for f, _ in sharers} | {end}):
             if stop > seq.num_committed and not seq.chain_broken:
                 self._commit(seq, stop)
@@ -315,6 +330,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                     other.num_committed, other.last_entry_id = seq.num_committed, seq.last_entry_id
                     other.chain_broken, other.loc = seq.chain_broken, seq.loc
                     other.spans = list(seq.spans)
+        if broken and seq.num_committed == end:
+            seq.chain_broken = True
 
     # ------------------------------------------------------------------ sharing and release
     # (growth: paged_growth.py; swapping: paged_swap.py)

@@ -215,7 +215,8 @@ class Run:
     falls), an orphan's head may be taken over by a commit (lo rises), and taking one
     from the middle splits the view (the part above moves to a new view, `moved`).
     Entries [lo, ev) are referenced by some sequence, [ev, hi) are evictable: a sequence
-    holding entry k holds every entry of the view before it."""
+    holding entry k holds every entry of the view before it (the block manager commits
+    a shared block only where that holds: `PagedBlockManager._commit_shared`)."""
 
     __slots__ = ("blocks", "hashes", "contents", "origin", "id0", "parent_id", "room",
                  "lo", "hi", "ev", "segs", "key", "same", "moved")
@@ -447,8 +448,7 @@ class PrefixCache:
                 if at < other.ev:   # referenced: the chain stops here
                     return ChainLink(i, pid, True, (run, off) if run is not None else loc, made,
                                      grown)
-                free.append(other.blocks[at])
-                self._drop(other, at)
+                self._drop(other, at, free)
             j = end   # the new entries stop before a hash that heads a view
             if i + 1 < end:   # (one at the same chain position: hash collisions aside)
                 positions = self._head_positions
@@ -549,8 +549,7 @@ class PrefixCache:
                 if at < r.ev:
                     flush(i)
                     return ChainLink(i, pid, True, loc, made)
-                free.append(r.blocks[at])
-                self._drop(r, at)
+                self._drop(r, at, free)
             if fresh is None:
                 fresh, fresh_parent = i, pid
             pid = self._next_entry_id + (i - fresh)
@@ -620,9 +619,14 @@ class PrefixCache:
         self._unindex(run)
         self._runs.discard(run)
 
-    def _drop(self, run: Run, at: int) -> None:
-        """Forget evictable entry `at` of `run` (a commit takes its hash); its block is
-        the caller's. Inside the view, the entries above move to a new view."""
+    def _drop(self, run: Run, at: int, free: list[int]) -> None:
+        """Forget evictable entry `at` of `run` (a commit takes its hash); its block goes
+        onto `free` (a pending host-tier load into it is cancelled). Inside the view,
+        the entries above move to a new view."""
+        block = run.blocks[at]
+        free.append(block)
+        if self.host is not None:
+            self.host.dropped(block)
         self._num_evictable -= 1
         segs = run.segs
         idx = next(n for n, s in enumerate(segs) if s.a <= at < s.b)
@@ -798,11 +802,11 @@ class PrefixCache:
         hashes of some keys' leading blocks (a commit or an adoption; a commit that
         continues through an existing entry counts too). What a memo of a failed
         look-up relies on: nothing it missed can have appeared while its watch stays
-        down. A GPU entry is compared only with the watched hash of its own chain
-        position: a match reaches the entry at position p only through the one at
-        p - 1, so an entry elsewhere cannot lengthen it, even under a hash collision.
-        Costs a test per commit while it is kept, a set test when the commit's
-        positions overlap the watched ones."""
+        down. A commit or adoption is compared only when its chain positions overlap
+        the watched ones, and only over those positions: a match reaches the entry at
+        position p only through the one at p - 1, so an entry elsewhere cannot lengthen
+        it, even under a hash collision. Costs one comparison per commit while kept,
+        and a set test when the positions overlap."""
         w = Watch(hashes)
         self._watches.append(w)
         self._watch_reach = max(self._watch_reach, w.length)
@@ -848,6 +852,8 @@ class PrefixCache:
                 ids.append(run.id0 + k)
                 _require((refcounts[b] > 0) == (k < run.ev),
                          f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
+                _require(k == run.lo or refcounts[b] <= refcounts[run.blocks[k - 1]],
+                         f"{run}: entry {k} has more holders than the entry before it")
             _require(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
             covered = [k for s in run.segs for k in range(s.a, s.b)]
             _require(covered == list(range(run.ev, run.hi)),

@@ -21,8 +21,10 @@ look-up; the block manager is handed the same object each time, so it can rememb
 it found for it.
 
 The memo is used only where LATER is monotone in free blocks: a block manager that
-`grows_by_block` says LATER exactly when free < need + watermark, and without a prefix
-cache a request's need does not change. A property test checks that it never changes a
+`grows_by_block` says LATER exactly when free < need + watermark. Without a prefix cache
+a request's need does not change; with one, a hit appearing can shrink it, so the memo
+also asks the block manager whether its own memo of the answer for the request's keys
+still stands (`BlockManager.known_later`). Property tests check that it never changes a
 decision (tests/test_scheduler_properties.py).
 """
 from __future__ import annotations

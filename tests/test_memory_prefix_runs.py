@@ -204,3 +204,31 @@ def test_a_referenced_orphan_stops_the_chain_as_one_block_at_a_time():
     assert plain.seqs["z"]["broken"] and plain.seqs["z"]["committed"] == 2
     assert m._seqs["z"].chain_broken and m._seqs["z"].num_committed == 2
     m.check_invariants()
+
+
+def test_a_group_swapped_in_shares_blocks_a_run_may_not_hold():
+    """After a swap, Q shares P's block at position 0 and S's at position 1 (its prefix
+    hits came from two runs), so S and Q share a block without sharing the one before
+    it. S recommitting must not make a run over that block (Q would hold an entry
+    without the one before it, and releasing S would park Q's block): S's chain stops
+    there, and no block ever goes to two sequences."""
+    m = PagedBlockManager(1, 12, 12, enable_prefix_caching=True)
+    m.allocate("P", 2, ["k0"])
+    m.allocate("S", 4, ["k0", "k1", "k2"])
+    m.mark_computed("P", 1)
+    m.mark_computed("S", 3)            # S goes through P's entry at 0: its run is 1..2
+    m.allocate("Q", 3, ["k0", "k1"])   # hits P's block at 0 and S's at 1
+    m.swap_out(["Q", "P", "S"])
+    m.swap_in(["Q", "P", "S"])
+    s_blocks, q_blocks = m.block_table("S"), m.block_table("Q")
+    assert s_blocks[1] == q_blocks[1] and s_blocks[0] != q_blocks[0]
+    m.allocate("F", 5)
+    m.free("F")                        # evicts the old entries
+    m.mark_computed("S", 3)
+    m.check_invariants()
+    assert m._seqs["S"].chain_broken and m._seqs["S"].num_committed == 1
+    m.free("S")
+    m.check_invariants()
+    m.allocate("G", 8)
+    assert not set(m.block_table("G")) & set(q_blocks)
+    m.check_invariants()
