@@ -90,11 +90,13 @@ class HostTier:
 
     def dropped(self, gpu_block: int) -> None:
         """A GPU block's entry was forgotten (a commit took its hash) and the block
-        freed: a load into it not yet performed is cancelled, and its host block, which
-        nothing will read now, is free at once."""
+        freed: a load into it not yet performed is cancelled, with an offload into its
+        host block not yet performed either (it only fed that load), and the host block,
+        which nothing will read now, is free at once."""
         hb = self._loads.pop(gpu_block, None)
         if hb is not None:
             del self._pending_free[hb]
+            self._offloads.pop(hb, None)
             self._free.append(hb)
 
     def store(self, gpu_blocks: list[int], entries: Entries) -> None:

@@ -498,6 +498,11 @@ def host_state(m):
          (0, 4, 0), (1, 2, 0), (0, 1, 3), (0, 1, 3), (2, 3, 4), (0, 3, 4), (1, 3, 0),
          (0, 1, 0), (0, 1, 0), (0, 1, 0), (0, 1, 0), (0, 1, 3), (0, 2, 0)],
     host=2, weak_hash=True)
+@example(  # the same, the load's host block also awaiting an offload in that step
+    ops=[(0, 1, 0), (0, 1, 0), (1, 5, 0), (0, 1, 0), (0, 1, 0), (0, 1, 0), (0, 1, 0),
+         (0, 1, 0), (0, 1, 0), (0, 1, 0), (0, 1, 3), (0, 1, 3), (0, 1, 3), (0, 1, 0),
+         (0, 4, 4), (0, 1, 3), (1, 5, 0), (3, 4, 0), (0, 1, 3), (0, 1, 0)],
+    host=1, weak_hash=True)
 @given(ops=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 5),
                               st.sampled_from([0, 1, 2, 3, 4, 4, 4])),
                     min_size=20, max_size=80),
