@@ -297,7 +297,8 @@ class PrefixCache:
     """
 
     __slots__ = ("num_blocks", "heads", "_head_at", "_head_positions", "_lru",
-                 "_num_evictable", "_num_dead", "_runs", "_next_entry_id", "_watches", "_watch_reach", "host")
+                 "_num_evictable", "_num_dead", "_runs", "_next_entry_id", "_watches",
+                 "_watch_reach", "host")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -311,8 +312,9 @@ class PrefixCache:
         self._num_evictable = 0
         self._num_dead = 0
         """Dead stretches still in `_lru`."""
-        self._runs: set[Run] = set()
-        """Views with at least one entry."""
+        self._runs: dict[Run, None] = {}
+        """Views with at least one entry, in the order they were made (a dict, so that
+        walking them is deterministic)."""
         self._next_entry_id = 1
         self._watches: list[Watch] = []
         self._watch_reach = 0
@@ -571,7 +573,7 @@ class PrefixCache:
                   RUN_IDS, lo, hi)
         self._next_entry_id += RUN_IDS
         self._index(run)
-        self._runs.add(run)
+        self._runs[run] = None
         return run
 
     def _index(self, run: Run) -> None:
@@ -617,7 +619,7 @@ class PrefixCache:
     def _retire(self, run: Run) -> None:
         """The view lost its last entry."""
         self._unindex(run)
-        self._runs.discard(run)
+        self._runs.pop(run, None)
 
     def _drop(self, run: Run, at: int, free: list[int]) -> None:
         """Forget evictable entry `at` of `run` (a commit takes its hash); its block goes
@@ -639,7 +641,7 @@ class PrefixCache:
             self._unindex(run)
             run.lo = run.ev = at + 1
             if run.lo == run.hi:
-                self._runs.discard(run)
+                self._runs.pop(run, None)
             else:
                 self._index(run)
             return
@@ -673,7 +675,7 @@ class PrefixCache:
             if seg.a == seg.b:
                 del segs[idx]
                 self._num_dead += 1
-        self._runs.add(upper)
+        self._runs[upper] = None
         self._index(upper)
 
     def adopt(self, blocks: list[int], keys: BlockKeys, position: int, entry: Entry) -> Run:
@@ -687,7 +689,7 @@ class PrefixCache:
         run = Run(blocks, keys.hashes, keys.keys, position, eid - position, pid, 1, position,
                   position + 1)
         self._index(run)
-        self._runs.add(run)
+        self._runs[run] = None
         return run
 
     def revive(self, run: Run, b: int) -> int:
@@ -866,7 +868,7 @@ class PrefixCache:
                 _require(r.key == h, f"{r} is indexed under {h}, not its key {r.key}")
                 indexed.append(r)
                 r = r.same
-        _require(len(indexed) == len(self._runs) and set(indexed) == self._runs,
+        _require(len(indexed) == len(self._runs) and set(indexed) == set(self._runs),
                  "the index and the views disagree")
         at = Counter(r.lo for r in self._runs)
         _require(at == Counter(self._head_at) and self._head_positions == sorted(at),
