@@ -481,15 +481,12 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         a prefix cache, O(1) per run of entries the sequence references."""
         blocks, num_tokens = seq.blocks, seq.num_tokens
         cache = self._cache
-        if not self._extra_refs:   # nothing is shared: every block goes
-            if cache is None:
-                self._free.extend(reversed(blocks))
-            else:
-                self._park(blocks, seq.spans, None)
-            self._slots_used -= num_tokens
+        if cache is not None and (not seq.forked or not self._extra_refs):
+            self._release_spans(seq)   # only its cache entries can be shared
             return
-        if cache is not None and not seq.forked:
-            self._release_spans(seq)
+        if not self._extra_refs:   # nothing is shared: every block goes
+            self._free.extend(reversed(blocks))
+            self._slots_used -= num_tokens
             return
         refcount = self._refcount
         bs = self.block_size
@@ -509,7 +506,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                 for b in shared:
                     refcount[b] -= 1
                 self._extra_refs -= lead
-            self._park(blocks, seq.spans, counts if lead else None)
+            self._park(blocks, seq.spans, counts)
             released = ones * bs
         else:
             if not lead:   # nothing shared: every block goes
@@ -575,26 +572,23 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             released -= len(blocks) * self.block_size - seq.num_tokens
         self._slots_used -= released
 
-    def _park(self, blocks: list[int], spans: list, counts: tuple | None) -> None:
-        """A sequence's blocks that just lost their last reference (all of them when
-        `counts` is None, else those whose count read 1), last block first: the cached
-        ones become the most recently used evictable entries, the others go onto the
-        free stack. O(1) Python steps per span, blocks in slices (per block only for the
-        uncached blocks of a sequence that shares some)."""
+    def _park(self, blocks: list[int], spans: list, counts: tuple) -> None:
+        """The blocks of a forked sequence whose count read 1 (`counts`, one per block)
+        just lost their last reference, last block first: the cached ones become the
+        most recently used evictable entries, the others go onto the free stack.
+        O(blocks)."""
         free = self._free
         pieces = []
         end = len(blocks)
         for run, a, b in reversed(spans):   # (run, a, b): the blocks at positions a .. b - 1
             if b < end:
-                free += blocks[b:end][::-1] if counts is None else \
-                    [blocks[k] for k in range(end - 1, b - 1, -1) if counts[k] == 1]
-            u = a if counts is None else b - counts[a:b].count(1)
+                free += [blocks[k] for k in range(end - 1, b - 1, -1) if counts[k] == 1]
+            u = b - counts[a:b].count(1)
             if u < b:
                 pieces.append((run, u, b))
             end = a
         if end:
-            free += blocks[:end][::-1] if counts is None else \
-                [blocks[k] for k in range(end - 1, -1, -1) if counts[k] == 1]
+            free += [blocks[k] for k in range(end - 1, -1, -1) if counts[k] == 1]
         if pieces:
             self._cache.park(pieces)
 

@@ -145,16 +145,6 @@ class CacheIndex:
         self.hash[block] = self.content[block] = None
         return entry
 
-    def take_many(self, blocks: list[int]) -> Entries:
-        """Remove and return the entries of `blocks` (each holds one), in their order.
-        O(blocks), the columns read in C."""
-        out = Entries(list(map(self.hash.__getitem__, blocks)),
-                      list(map(self.entry_id.__getitem__, blocks)),
-                      list(map(self.parent_id.__getitem__, blocks)),
-                      list(map(self.content.__getitem__, blocks)))
-        self.drop(blocks)
-        return out
-
     def put_many(self, blocks: list[int], entries: Entries) -> None:
         """Enter entries[i] for blocks[i]; their hashes must be distinct and free in this
         index. O(blocks)."""
@@ -264,6 +254,15 @@ def _live(run: Run, k: int) -> Run | None:
         if run is None:
             return None
     return run if k >= run.lo else None
+
+
+def _grows(run: Run, off: int, blocks: list[int], start: int, end: int) -> bool:
+    """Can `run` take positions start .. end - 1 of the sequence whose block table is
+    `blocks`, its chain's last entry being entry `off`? When the run is over that very
+    table, ends there (off = start - 1), is referenced all through, is the top view of
+    its entries (not split below another) and has ids left for them."""
+    return run.blocks is blocks and off + 1 == start == run.hi == run.ev \
+        and run.moved is None and end - run.origin <= run.room
 
 
 def _agree(contents: list[Hashable], keys: list[Hashable], i: int, n: int) -> int:
@@ -464,9 +463,7 @@ class PrefixCache:
             new_hashes = hashes[i:j]
             if host is not None:
                 host.discard_hashes(new_hashes)
-            if run is not None and run.blocks is blocks and off + 1 == i == run.hi == run.ev \
-                    and run.moved is None and j - run.origin <= run.room:
-                # the chain's run is this sequence's and ends in its previous block: it grows
+            if run is not None and _grows(run, off, blocks, i, j):
                 run.hi = run.ev = j
                 if not made:
                     grown = True
@@ -485,9 +482,7 @@ class PrefixCache:
         there, and nothing cached sits under the new hashes (the first one heads no view
         and no view's first entry lies among the new positions). Then the run grows to
         `end` and this returns True; otherwise it changes nothing and returns False."""
-        if run.blocks is blocks and off + 1 == start == run.hi == run.ev \
-                and run.moved is None and end - run.origin <= run.room \
-                and hashes[start] not in self.heads:
+        if _grows(run, off, blocks, start, end) and hashes[start] not in self.heads:
             positions = self._head_positions
             k = bisect_right(positions, start)
             if k == len(positions) or positions[k] >= end:
@@ -773,15 +768,6 @@ class PrefixCache:
         for run in self._runs:
             out.update(zip(run.blocks[run.lo:run.hi], zip(repeat(run), range(run.lo, run.hi))))
         return out
-
-    def is_cached(self, block: int) -> bool:
-        """O(cached blocks): for checks."""
-        return block in self.cached()
-
-    def block_hash(self, block: int) -> int | None:
-        """The chain hash a block is cached under, or None. O(cached blocks)."""
-        got = self.cached().get(block)
-        return None if got is None else got[0].hashes[got[1]]
 
     def hash_index(self) -> dict[int, int]:
         """Chain hash -> GPU block, over every cached block. O(cached blocks)."""
