@@ -13,9 +13,15 @@ Implementations:
   sdpa       torch scaled_dot_product_attention over a contiguous [B, 8, ctx, 128] cache
              (enable_gqa), the dense baseline with no paging at all
 
+FlashInfer's and vLLM's paged decode kernels would be the fairest baselines; neither is
+wired in. The output records whether each is installed on the device, so a reader knows
+whether the comparison was possible there.
+
 Timing: CUDA events per iteration after warm-up (which also absorbs Triton's JIT), the L2
 cache flushed before each iteration by default, median reported. Tiny configurations are
 launch-latency bound, not bandwidth bound; read their percentages accordingly.
+`--device cpu` runs the same loop on CPU tensors (Triton under TRITON_INTERPRET=1,
+perf_counter timing): a check that the script works, not a measurement of anything.
 
     python benchmarks/bench_decode_attention.py --out results/decode_attention
     python benchmarks/bench_decode_attention.py --dry-run        # plan only, no GPU needed
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the (slow, per-sequence) reference only while batch x context "
                         "is at most this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a functional check under the Triton interpreter (default cuda)")
     p.add_argument("--out", type=Path, default=None,
                    help="output path prefix: writes <out>.json and <out>.csv")
     p.add_argument("--dry-run", action="store_true",
@@ -116,13 +126,36 @@ def planned(args: argparse.Namespace) -> list[tuple[int, int, list[str]]]:
     return plan
 
 
+def other_kernels() -> dict[str, str]:
+    """Why each outside paged-decode kernel is not in the table: absent, or not wired in."""
+    reasons = {}
+    for name in ("flashinfer", "vllm"):
+        installed = importlib.util.find_spec(name) is not None
+        reasons[name] = ("installed, but this benchmark does not call it yet" if installed
+                         else "not installed on this machine")
+    return reasons
+
+
 def _time_us(fn, args: argparse.Namespace, flush: torch.Tensor | None) -> float | None:
     """Median microseconds per call, or None if the call ran out of GPU memory."""
+    if args.device == "cpu":
+        return _median_wall_time_us(fn, args)
     try:
         return _median_event_time_us(fn, args, flush)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
+
+
+def _median_wall_time_us(fn, args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        fn()
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
 
 
 def _median_event_time_us(fn, args: argparse.Namespace, flush: torch.Tensor | None) -> float:
@@ -142,25 +175,32 @@ def _median_event_time_us(fn, args: argparse.Namespace, flush: torch.Tensor | No
 
 
 def _paged_inputs(batch: int, context: int, args: argparse.Namespace, gen: torch.Generator):
+    dev = args.device
     blocks_per_seq = -(-context // args.block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, args.block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
-    v_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
-    order = torch.randperm(num_blocks, generator=gen, device="cuda")
+    k_cache = torch.empty(shape, dtype=DTYPE, device=dev).normal_(generator=gen)
+    v_cache = torch.empty(shape, dtype=DTYPE, device=dev).normal_(generator=gen)
+    order = torch.randperm(num_blocks, generator=gen, device=dev)
     block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.empty(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE,
-                    device="cuda").normal_(generator=gen)
+                    device=dev).normal_(generator=gen)
     return q, k_cache, v_cache, block_tables, seq_lens
+
+
+def _empty_cache(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> list[Row]:
     from servelab.backends.kernels import paged_decode_attention
 
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    flush = None if args.no_flush_l2 else torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8,
-                                                      device="cuda")
+    dev = args.device
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    flush = None if args.no_flush_l2 or dev == "cpu" else torch.empty(
+        L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
     scale = HEAD_DIM ** -0.5
     rows = []
     for batch, context, impls in planned(args):
@@ -176,18 +216,18 @@ def run(args: argparse.Namespace) -> list[Row]:
                                                        split_size=args.split_size),
                         args, flush)
             del q, k_cache, v_cache, tables, lens
-            torch.cuda.empty_cache()
+            _empty_cache(args)
         if "sdpa" in impls:
             shape = (batch, NUM_KV_HEADS, context, HEAD_DIM)
-            k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
-            v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
+            k = torch.empty(shape, dtype=DTYPE, device=dev).normal_(generator=gen)
+            v = torch.empty(shape, dtype=DTYPE, device=dev).normal_(generator=gen)
             q = torch.empty(batch, NUM_HEADS, 1, HEAD_DIM, dtype=DTYPE,
-                            device="cuda").normal_(generator=gen)
+                            device=dev).normal_(generator=gen)
             timings["sdpa"] = _time_us(
                 lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, scale=scale, enable_gqa=True), args, flush)
             del q, k, v
-            torch.cuda.empty_cache()
+            _empty_cache(args)
         for impl, us in timings.items():
             if us is None:
                 print(f"  {impl:<9} batch {batch:>4} ctx {context:>6}: out of GPU memory, skipped")
@@ -220,7 +260,7 @@ def write_outputs(out: Path, rows: list[Row], args: argparse.Namespace, device: 
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     payload = {"device": device, "dtype": str(DTYPE), "num_heads": NUM_HEADS,
                "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "settings": settings,
-               "rows": [asdict(r) for r in rows]}
+               "not_compared": other_kernels(), "rows": [asdict(r) for r in rows]}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     with out.with_suffix(".csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
@@ -236,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             gib = batch * context * KV_BYTES_PER_TOKEN / 2**30
             print(f"batch {batch:>4} ctx {context:>6}: {gib:7.3f} GiB K/V  {','.join(impls)}")
         return 0
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_decode_attention: needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "use --dry-run to check the plan without one", file=sys.stderr)
+              "use --dry-run to check the plan, or --device cpu to exercise the script",
+              file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{device}; peak {args.peak_gbps:.0f} GB/s; {len(plan)} configurations")
     rows = run(args)
     print(format_table(rows, args.impls))

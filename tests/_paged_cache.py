@@ -1,9 +1,18 @@
-"""Shared by the kernel tests: a NaN-poisoned paged KV cache and per-dtype tolerances."""
+"""Shared by the kernel tests: a NaN-poisoned paged KV cache, per-dtype tolerances and the
+device the kernel tests run on.
+
+The kernel tests run on CPU tensors under the Triton interpreter. `scripts/gpu_check.sh`
+runs the same cases on a CUDA GPU with ``SERVELAB_KERNEL_DEVICE=cuda`` (and the interpreter
+off): inputs are still drawn on the CPU from the same seeded generators, then moved, so
+both devices check the very same numbers."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+DEVICE = torch.device(os.environ.get("SERVELAB_KERNEL_DEVICE", "cpu"))
 
 # (atol, rtol). fp32: kernel and reference differ only in summation order (online softmax
 # over tiles vs one softmax). fp16/bf16: inputs are exact in both, the result is rounded to
@@ -49,4 +58,6 @@ def make_paged_kv(seq_lens: list[int], block_size: int, num_kv_heads: int, head_
             v_cache[ids[p // block_size], p % block_size] = v[p]
         keys.append(k)
         values.append(v)
-    return PagedKV(k_cache, v_cache, wide[:, :max_blocks], keys, values)
+    wide = wide.to(DEVICE)
+    return PagedKV(k_cache.to(DEVICE), v_cache.to(DEVICE), wide[:, :max_blocks],
+                   [k.to(DEVICE) for k in keys], [v.to(DEVICE) for v in values])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from servelab.backends.kernels import paged_decode_attention, paged_decode_attention_reference
 
-from _paged_cache import TOLERANCE, PagedKV, make_paged_kv
+from _paged_cache import DEVICE, TOLERANCE, PagedKV, make_paged_kv
 
 pytestmark = pytest.mark.kernels
 
@@ -69,7 +69,7 @@ def _inputs(case: Case, seed: int = 0) -> tuple[torch.Tensor, PagedKV, torch.Ten
     num_heads = case.num_kv_heads * case.group
     q = torch.randn(len(case.seq_lens), num_heads, case.head_dim, generator=gen).to(case.dtype)
     seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
-    return q, kv, seq_lens, case.head_dim ** -0.5
+    return q.to(DEVICE), kv, seq_lens.to(DEVICE), case.head_dim ** -0.5
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -121,9 +121,9 @@ def test_split_size_changes_only_rounding() -> None:
 def _valid_args() -> dict:
     gen = torch.Generator().manual_seed(0)
     kv = make_paged_kv([5, 9], 4, 2, 64, torch.float32, gen)
-    return {"q": torch.randn(2, 4, 64, generator=gen), "k_cache": kv.k_cache,
+    return {"q": torch.randn(2, 4, 64, generator=gen).to(DEVICE), "k_cache": kv.k_cache,
             "v_cache": kv.v_cache, "block_tables": kv.block_tables,
-            "seq_lens": torch.tensor([5, 9], dtype=torch.int32), "scale": 0.125,
+            "seq_lens": torch.tensor([5, 9], dtype=torch.int32, device=DEVICE), "scale": 0.125,
             "split_size": 16}
 
 

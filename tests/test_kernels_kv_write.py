@@ -9,21 +9,23 @@ import torch
 
 from servelab.backends.kernels import write_kv, write_kv_reference
 
+from _paged_cache import DEVICE
+
 pytestmark = pytest.mark.kernels
 
 
 def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.full(shape, float("nan"), dtype=dtype),
-            torch.full(shape, float("nan"), dtype=dtype))
+    return (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+            torch.full(shape, float("nan"), dtype=dtype, device=DEVICE))
 
 
 def _slots(num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     """Distinct random slots, every third token marked as padding (-1)."""
     slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
     slots[::3] = -1
-    return slots
+    return slots.to(DEVICE)
 
 
 def _loop_write(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -50,8 +52,8 @@ def test_triton_reference_and_loop_agree(dtype, block_size, num_kv_heads, head_d
                                          num_tokens) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = num_tokens // block_size + 3
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     slots = _slots(num_tokens, num_blocks * block_size, gen)
     results = []
     for writer in (lambda *a: write_kv(*a, use_triton=True), write_kv_reference, _loop_write):
@@ -62,7 +64,7 @@ def test_triton_reference_and_loop_agree(dtype, block_size, num_kv_heads, head_d
         torch.testing.assert_close(k_cache, results[2][0], atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(v_cache, results[2][1], atol=0, rtol=0, equal_nan=True)
     # Padding tokens wrote nothing: exactly the non-negative slots hold numbers.
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     written[slots[slots >= 0]] = True
     finite = torch.isfinite(results[0][0]).all(-1).all(-1).flatten()
     assert torch.equal(finite, written)
@@ -72,7 +74,7 @@ def test_rows_from_a_fused_qkv_projection() -> None:
     """k and v may be views into one [T, (H + 2 Hkv) * D] tensor (token stride != row)."""
     gen = torch.Generator().manual_seed(1)
     num_tokens, heads, kv_heads, head_dim = 10, 4, 2, 64
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE)
     _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
     k = k.view(num_tokens, kv_heads, head_dim)
     v = v.view(num_tokens, kv_heads, head_dim)
@@ -87,16 +89,17 @@ def test_rows_from_a_fused_qkv_projection() -> None:
 
 def test_empty_write_is_a_no_op() -> None:
     k_cache, v_cache = _caches(2, 16, 2, 64, torch.float16)
-    empty = torch.empty(0, 2, 64, dtype=torch.float16)
-    write_kv(empty, empty, k_cache, v_cache, torch.empty(0, dtype=torch.int64), use_triton=True)
+    empty = torch.empty(0, 2, 64, dtype=torch.float16, device=DEVICE)
+    write_kv(empty, empty, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=DEVICE),
+             use_triton=True)
     assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
 
 
 def _valid_args() -> dict:
     k_cache, v_cache = _caches(4, 16, 2, 64, torch.float32)
-    k = torch.randn(5, 2, 64)
+    k = torch.randn(5, 2, 64, device=DEVICE)
     return {"k": k, "v": k.clone(), "k_cache": k_cache, "v_cache": v_cache,
-            "slot_mapping": torch.tensor([0, 17, -1, 40, 63])}
+            "slot_mapping": torch.tensor([0, 17, -1, 40, 63], device=DEVICE)}
 
 
 BAD_INPUTS = [
@@ -123,6 +126,6 @@ def test_bad_inputs_raise_clear_errors(mutate, message: str) -> None:
 
 
 def test_reference_rejects_out_of_range_slot() -> None:
-    args = {**_valid_args(), "slot_mapping": torch.tensor([0, 1, 2, 3, 64])}
+    args = {**_valid_args(), "slot_mapping": torch.tensor([0, 1, 2, 3, 64], device=DEVICE)}
     with pytest.raises(ValueError, match="slot >= 64"):
         write_kv_reference(**args)

@@ -14,7 +14,7 @@ from servelab.backends.kernels import (
     paged_prefill_attention_reference,
 )
 
-from _paged_cache import TOLERANCE, PagedKV, make_paged_kv
+from _paged_cache import DEVICE, TOLERANCE, PagedKV, make_paged_kv
 
 pytestmark = pytest.mark.kernels
 
@@ -29,7 +29,8 @@ def dense_prefill(q: torch.Tensor, query_start_loc: list[int], kv: PagedKV,
         if hi == lo:
             continue
         n, q_len = k.shape[0], hi - lo
-        mask = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        mask = (torch.arange(n, device=q.device)[None, :]
+                <= torch.arange(n - q_len, n, device=q.device)[:, None])
         o = F.scaled_dot_product_attention(
             q[lo:hi].float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
             v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
@@ -78,7 +79,8 @@ def _inputs(case: Case, seed: int = 0):
         starts.append(starts[-1] + q_len)
     query_start_loc = torch.tensor(starts, dtype=torch.int32)
     seq_lens = torch.tensor([n for _, n in case.chunks], dtype=torch.int32)
-    return q, kv, query_start_loc, seq_lens, case.head_dim ** -0.5
+    return (q.to(DEVICE), kv, query_start_loc.to(DEVICE), seq_lens.to(DEVICE),
+            case.head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -111,8 +113,8 @@ def test_chunked_prefill_equals_whole_prefill() -> None:
     caches = (kv.k_cache, kv.v_cache, kv.block_tables)
 
     def run(lo: int, hi: int) -> torch.Tensor:
-        qsl = torch.tensor([0, hi - lo], dtype=torch.int32)
-        lens = torch.tensor([hi], dtype=torch.int32)
+        qsl = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([hi], dtype=torch.int32, device=DEVICE)
         return paged_prefill_attention(q[lo:hi], *caches, qsl, lens, scale, use_triton=True)
 
     chunked = torch.cat([run(0, 18), run(18, 50)])
@@ -162,11 +164,11 @@ def test_bad_inputs_raise_clear_errors(mutate, message: str) -> None:
 
 BAD_VALUES = [
     ("chunk-longer-than-sequence",
-     lambda a: {**a, "seq_lens": torch.tensor([2, 9], dtype=torch.int32)},
+     lambda a: {**a, "seq_lens": torch.tensor([2, 9], dtype=torch.int32, device=DEVICE)},
      r"q_len 3 must be in \[0, seq_lens\[0\]=2\]"),
     ("query_start_loc-end", lambda a: {**a, "q": a["q"][:4]},
      "query_start_loc must run from 0 to num_tokens=4"),
-    ("seq_len-past-table", lambda a: {**a, "seq_lens": torch.tensor([5, 99], dtype=torch.int32)},
+    ("seq_len-past-table", lambda a: {**a, "seq_lens": torch.tensor([5, 99], dtype=torch.int32, device=DEVICE)},
      r"seq_lens\[1\] = 99 outside"),
 ]
 
