@@ -39,6 +39,7 @@ import torch
 from servelab import __version__
 from servelab.atomic import atomic_path
 from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
+from servelab.backends.attention import SeqWork
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
 from servelab.backends.host_pools import check_host_memory, host_tier_blocks
@@ -200,16 +201,36 @@ def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dt
                               hint="pass --kv-blocks or use a smaller model")
 
 
-def _warm_up(runner: ModelRunner) -> None:
-    """Throw-away steps over free blocks, so Triton compiles before anything is timed."""
-    from servelab.backends.attention import SeqWork
+WARM_UP_TABLE_WIDTHS = (1, 2, 16, 17, 32, 33, 64, 65)
+"""Block-table widths the warm-up visits. Triton compiles a kernel once per specialisation
+of its integer arguments (equal to 1, a multiple of 16, or neither: here the table's row
+stride and the split count) and of its constexprs (one split or several), so a run meets
+new variants as its sequences grow; these widths reach each combination once."""
 
-    if runner.kv_cache.num_blocks < 3:
-        return
-    full = 2 * runner.block_size  # fills blocks 0 and 1; decodes rewrite its last slot
-    runner.run([SeqWork(list(range(full)), 0, [0, 1], True)])
-    runner.run([SeqWork([1, 2, 3], 0, [2], True), SeqWork([5], full - 1, [0, 1], False)])
-    runner.run([SeqWork([7], full - 1, [0, 1], False)] * 2)
+
+def warm_up_steps(max_model_len: int, block_size: int) -> list[list[SeqWork]]:
+    """The throw-away steps of `_warm_up`: for each table width that fits, decodes of one
+    and of two sequences, prefill chunks of 1, 16 and 17 tokens over the rest of the
+    table, and a mixed step. Every table points at block 0 only (contents are garbage and
+    never read by a real sequence before it writes them)."""
+    steps = []
+    for width in WARM_UP_TABLE_WIDTHS:
+        seq_len = width * block_size
+        if seq_len > max_model_len:
+            break
+        table = [0] * width
+        decode = SeqWork([1], seq_len - 1, table, False)
+        chunks = [SeqWork([2] * n, seq_len - n, table, True) for n in (1, 16, 17) if n <= seq_len]
+        steps += [[decode], [decode, decode], *([c] for c in chunks), [chunks[-1], decode]]
+    return steps
+
+
+def _warm_up(runner: ModelRunner, max_model_len: int) -> None:
+    """Throw-away steps before timing starts, so Triton compiles (or loads from its cache)
+    the kernel variants a run meets instead of doing it inside a timed step: on an H100/H200
+    a compile inside a step made that step about 20x slower (docs/gpu-results.md)."""
+    for seqs in warm_up_steps(max_model_len, runner.block_size):
+        runner.run(seqs)
     torch.cuda.synchronize(runner.device)
 
 
@@ -292,7 +313,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         write_json(out / "config.json", described)
 
     if config.warmup and device.type == "cuda":
-        _warm_up(runner)
+        _warm_up(runner, sched_cfg.max_model_len)
     progress = Progress(len(live), sys.stderr.isatty() if config.progress is None
                         else config.progress, config.clock)
     records, steps, preempted = _serve(scheduler, executor, list(live.values()),

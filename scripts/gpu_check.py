@@ -40,7 +40,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -74,11 +74,11 @@ class Plan:
 
 GPU_PLAN = Plan(
     device="cuda", model="llama-3.1-8b", dtype="bfloat16", max_model_len=4096,
-    engine_requests=96, hf_batch_size=48,
+    engine_requests=48, hf_batch_size=48,
     fidelity_requests=64, fidelity_rate_scale=20.0,
     max_num_seqs=16, max_num_batched_tokens=2048, chunked_prefill=512,
     bandwidth_args=("--iters", "15", "--warmup", "3"),
-    budgets_s={"env": 20, "kernels": 75, "bandwidth": 60, "fidelity": 160, "engine": 140,
+    budgets_s={"env": 20, "kernels": 75, "bandwidth": 60, "fidelity": 160, "engine": 200,
                "report": REPORT_RESERVE_S})
 
 DRY_PLAN = Plan(
@@ -101,8 +101,6 @@ def write_slice(trace_dir: Path, out: Path, num_requests: int, max_model_len: in
     tenants so that priority and fair share have something to act on: every fourth request
     is `interactive` (priority 0), the rest `batch` (priority 1). Written as a canonical
     servelab CSV, which the device reads without ../shared."""
-    from dataclasses import replace
-
     from servelab.traces import clip_lengths, first_n, resolve_trace
     from servelab.traces.canonical import write_csv
 
@@ -153,7 +151,8 @@ class Runner:
         self.sections: list[SectionResult] = []
         self.manifest = {
             "format": "servelab.gpu-check/1", "mode": "dry-run" if dry_run else "gpu",
-            "command": "scripts/gpu_check.sh " + shlex.join(argv),
+            "command": os.environ.get("SERVELAB_GPU_CHECK_COMMAND")
+            or "python scripts/gpu_check.py run " + shlex.join(argv),
             "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "budget_s": budget_s, "plan": asdict(plan), "trace": trace.name,
             "sections": []}
@@ -382,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="whole-run limit in seconds (default: the sum of the section budgets)")
     run.add_argument("--sections", default=",".join(SECTIONS),
                      help=f"comma-separated subset of {','.join(SECTIONS)} (report always runs)")
+    run.add_argument("--section-budgets", default="", metavar="NAME=S,...",
+                     help="override sections' time boxes in seconds, e.g. engine=300")
     run.add_argument("--trace", type=Path, default=DEFAULT_SLICE,
                      help="the trace slice (default %(default)s, written by `slice`)")
     sl = sub.add_parser("slice", help="write the trace slice the device reads")
@@ -399,6 +400,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown:
             p.error(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
         args.sections = [s for s in SECTIONS if s in chosen or s in ("env", "report")]
+        try:
+            pairs = [item.split("=") for item in args.section_budgets.split(",") if item]
+            args.section_budgets = {name: float(value) for name, value in pairs}
+        except ValueError:
+            p.error(f"--section-budgets: expected NAME=SECONDS,..., got {args.section_budgets!r}")
+        unknown = sorted(set(args.section_budgets) - set(SECTIONS))
+        if unknown:
+            p.error(f"--section-budgets: unknown {unknown}; choose from {','.join(SECTIONS)}")
     return args
 
 
@@ -417,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
               "first (it writes the slice and the wheels the device lacks)", file=sys.stderr)
         return 2
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
+    plan = replace(plan, budgets_s={**plan.budgets_s, **args.section_budgets})
     budget = args.budget_s or sum(plan.budgets_s[s] for s in args.sections)
     args.out.mkdir(parents=True, exist_ok=True)
     runner = Runner(args.out, plan, args.dry_run, budget, args.trace.resolve(), raw[1:])

@@ -12,6 +12,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+export SERVELAB_GPU_CHECK_COMMAND="bash scripts/gpu_check.sh${*:+ $*}"  # for the manifest
 DRY=0
 WORK=""
 ARGS=()

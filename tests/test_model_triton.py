@@ -38,3 +38,28 @@ def test_triton_runner_matches_reference_runner():
         got, expected = triton_runner.run(step), reference_runner.run(step)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_warm_up_steps_are_valid_steps_that_reach_every_specialisation():
+    """The CUDA warm-up (backends/run.py) runs before timing so that Triton compiles outside
+    timed steps: its steps must be steps the runner accepts, and must reach table widths of
+    1, a multiple of 16 and neither, one split and several, prefill chunks of 1, 16 and 17
+    tokens, and decode batches of 1 and 2."""
+    from servelab.backends.kernels.reference import DEFAULT_SPLIT_SIZE
+    from servelab.backends.run import warm_up_steps
+
+    runner = ModelRunner(SPEC, use_triton=True, device="cpu", dtype="float32",
+                         num_gpu_blocks=1, block_size=16, seed=1)
+    steps = warm_up_steps(max_model_len=2048, block_size=16)
+    for seqs in steps:
+        assert runner.run(seqs).shape == (len(seqs), SPEC.vocab_size)
+    widths = {len(s.block_table) for seqs in steps for s in seqs}
+    assert 1 in widths and any(w % 16 == 0 for w in widths) and any(w % 16 > 1 for w in widths)
+    assert min(widths) * 16 <= DEFAULT_SPLIT_SIZE < max(widths) * 16
+    chunks = {s.num_tokens for seqs in steps for s in seqs if s.is_prefill}
+    assert chunks == {1, 16, 17}
+    decode_batches = {len(seqs) for seqs in steps if not any(s.is_prefill for s in seqs)}
+    assert decode_batches == {1, 2}
+    assert any({s.is_prefill for s in seqs} == {True, False} for seqs in steps)
+    assert max(s.seq_len for seqs in steps for s in seqs) == 65 * 16
+    assert max(s.seq_len for seqs in warm_up_steps(256, 16) for s in seqs) <= 256
