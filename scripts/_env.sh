@@ -19,10 +19,13 @@ servelab_setup() {  # $1: extras, e.g. "backend,test" ("" for the simulator alon
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         echo "servelab: installing servelab[$extras] into $VENV (first run takes a few minutes)" >&2
         "$VENV/bin/python" -m pip install -q --upgrade pip
+        # setuptools notes that an editable install of a package-dir layout works through an
+        # import hook (information only; the layout is the design's): keep it off the screen.
+        local quiet="ignore:Editable installation"
         if [ -n "$extras" ]; then
-            "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+            PYTHONWARNINGS="$quiet" "$VENV/bin/python" -m pip install -q -e ".[$extras]"
         else
-            "$VENV/bin/python" -m pip install -q -e .
+            PYTHONWARNINGS="$quiet" "$VENV/bin/python" -m pip install -q -e .
         fi
         echo "$want" > "$stamp"
     fi

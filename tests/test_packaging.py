@@ -24,12 +24,37 @@ def _source_packages() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel, and what building it printed."""
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(REPO)], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "-w", str(out), str(REPO)],
+                          check=True, capture_output=True, text=True)
     (whl,) = out.glob("servelab-*.whl")
-    return whl
+    return whl, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built) -> Path:
+    return built[0]
+
+
+def test_building_prints_no_packaging_warning(built):
+    """setuptools warns about every importable folder the configuration leaves out (the
+    data folders did, in ~170 lines of boxes per install)."""
+    _, log = built
+    assert "absent from the `packages` configuration" not in log
+    assert "Package would be ignored" not in log
+
+
+def test_wheel_ships_every_data_file(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = [p for comp in ("servelab",) + COMPONENTS for p in (REPO / comp).rglob("data/**/*.json")]
+    assert data
+    for path in data:
+        rel = path.relative_to(REPO)
+        installed = rel if rel.parts[0] == "servelab" else Path("servelab", *rel.parts)
+        assert installed.as_posix() in names, rel
 
 
 def test_wheel_holds_every_component_under_servelab(wheel):
