@@ -95,9 +95,26 @@ def _recorded(args: argparse.Namespace) -> dict:
     return out
 
 
+BACKEND_MODULES = ("torch", "triton", "transformers", "safetensors")
+"""What `servelab run` needs beyond the simulator: the `backend` extra of pyproject.toml."""
+
+
+def check_backend_installed() -> None:
+    """A clear error, with the command that fixes it, when the backend extra is missing."""
+    import importlib.util
+
+    missing = [name for name in BACKEND_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CLIError(f"servelab run needs the real backend's packages ({', '.join(missing)} "
+                       "missing): pip install 'servelab[backend]' (on a machine without a GPU "
+                       "add PIP_CONSTRAINT=constraints/cpu.txt for the CPU build of torch), or "
+                       "run bash scripts/test.sh, which installs them")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.model is None and args.checkpoint is None:
         raise CLIError("give --model, --checkpoint, or both")
+    check_backend_installed()
     device = _resolve_device(args.device)
     if args.triton and device.split(":")[0] == "cpu":
         # The kernels are decorated when first imported: the interpreter must be chosen first.

@@ -34,15 +34,21 @@ class WallClock:
 
 
 class Progress:
-    """The engine loop's progress bar (`servelab.progress.RequestProgress`): requests done,
-    rate and time left, the run's clock, and what the scheduler holds; refreshed at most
-    every half second of wall time (the loop calls `update` every step)."""
+    """The engine loop's progress (`servelab.progress.RequestProgress`): requests done, rate
+    and time left, the run's clock, and what the scheduler holds. `enabled`: True draws a
+    bar, False shows nothing, None draws a bar on a terminal and otherwise writes a plain
+    line every PLAIN_EVERY_S seconds. Refreshed at most every half second of wall time
+    (the loop calls `update` every step)."""
 
-    def __init__(self, total: int, enabled: bool, clock: str = "virtual") -> None:
+    PLAIN_EVERY_S = 10.0
+
+    def __init__(self, total: int, enabled: bool | None, clock: str = "virtual") -> None:
         from servelab.progress import RequestProgress
 
-        self.enabled = enabled
-        self._bar = RequestProgress(total, command="run", clock=f"{clock} clock", enabled=enabled)
+        self._bar = RequestProgress(total, command="run", clock=f"{clock} clock",
+                                    enabled=enabled,
+                                    plain_every_s=self.PLAIN_EVERY_S if enabled is None else None)
+        self.enabled = enabled is not False
         self._last = -1.0
 
     def update(self, done: int, now: float, steps: int, sched, force: bool = False) -> None:

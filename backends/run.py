@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import sys
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -110,7 +109,8 @@ class RealRunConfig:
     warmup: bool = True
     """Run a few throw-away steps first on CUDA, so Triton's JIT is not timed."""
     progress: bool | None = None
-    """Progress line on stderr; None: when stderr is a terminal."""
+    """Progress on stderr: True a bar, False nothing, None a bar on a terminal and a plain
+    line every 10 s otherwise."""
     cli_args: Mapping | None = None
     """The command's parsed flags (JSON values), recorded in config.json."""
     output_format: str = "csv"
@@ -314,8 +314,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
 
     if config.warmup and device.type == "cuda":
         _warm_up(runner, sched_cfg.max_model_len)
-    progress = Progress(len(live), sys.stderr.isatty() if config.progress is None
-                        else config.progress, config.clock)
+    progress = Progress(len(live), config.progress, config.clock)
     records, steps, preempted = _serve(scheduler, executor, list(live.values()),
                                        WallClock() if config.clock == "wall" else VirtualClock(),
                                        progress)

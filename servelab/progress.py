@@ -15,6 +15,8 @@ of what ran (also when redirected), and on a terminal a bar of the batch beneath
     runner.run(points, progress)                       # progress(outcome, done, total)
 
 Bars are drawn only on a terminal (or when `enabled=True`): redirected output stays clean.
+A run whose output is not a terminal may still ask for a plain line every `plain_every_s`
+seconds of wall time (`servelab run` does, so a long run in a log is never silent).
 tqdm is imported when a bar is made, so importing this module costs nothing.
 """
 from __future__ import annotations
@@ -26,11 +28,15 @@ from typing import IO, Any, Callable
 
 class RequestProgress:
     def __init__(self, total: int, *, command: str, clock: str, stream: IO[str] | None = None,
-                 enabled: bool | None = None, min_interval_s: float = 0.5) -> None:
+                 enabled: bool | None = None, min_interval_s: float = 0.5,
+                 plain_every_s: float | None = None) -> None:
         stream = stream if stream is not None else sys.stderr
         self.enabled = stream.isatty() if enabled is None else enabled
-        self.clock = clock
+        self.clock, self.command, self.total, self.stream = clock, command, total, stream
         self._bar = None
+        self._plain_every_s = None if self.enabled else plain_every_s
+        self._start = self._last_line = time.monotonic()
+        self._done, self._clock_s = 0, 0.0
         if self.enabled:
             from tqdm import tqdm
 
@@ -41,6 +47,12 @@ class RequestProgress:
 
     def update(self, done: int, clock_s: float, extra: str = "") -> None:
         """`done` requests finished (or rejected) at `clock_s` on the run's clock."""
+        self._done, self._clock_s = done, clock_s
+        if self._plain_every_s is not None:
+            now = time.monotonic()
+            if now - self._last_line >= self._plain_every_s:
+                self._last_line = now
+                self._plain_line(extra)
         if self._bar is None:
             return
         self._bar.set_postfix_str(f"{self.clock} {clock_s:,.1f} s" + (f", {extra}" if extra else ""),
@@ -48,9 +60,18 @@ class RequestProgress:
         self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
+        if self._plain_every_s is not None:
+            self._plain_line("finished")
+            self._plain_every_s = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def _plain_line(self, extra: str) -> None:
+        self.stream.write(f"{self.command}: {self._done}/{self.total} requests, {self.clock} "
+                          f"{self._clock_s:,.1f} s" + (f", {extra}" if extra else "")
+                          + f"  (elapsed {time.monotonic() - self._start:.0f} s)\n")
+        self.stream.flush()
 
 
 class PointProgress:

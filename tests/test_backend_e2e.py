@@ -345,3 +345,20 @@ def test_cli_bad_input_exits_2_before_writing_anything(checkpoint, tmp_path, cap
     assert err.startswith("servelab run: error: ") and "\n" not in err
     assert __import__("re").search(message, err), err
     assert not out.exists()
+
+
+def test_cli_without_the_backend_extra_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    """A machine with the simulator alone (scripts/main.sh installs no torch): one line
+    naming the missing packages and the install command, not a ModuleNotFoundError."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "triton") else
+                        real_find_spec(name, *a))
+    out = tmp_path / "run"
+    assert run_cli("--model", "tiny-llama", "--out", str(out)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "(torch, triton missing)" in err
+    assert "pip install 'servelab[backend]'" in err
+    assert not out.exists()

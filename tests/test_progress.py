@@ -28,6 +28,40 @@ def test_off_a_terminal_nothing_is_drawn():
     assert quiet.getvalue() == ""
 
 
+def test_off_a_terminal_a_run_may_ask_for_plain_lines():
+    """`servelab run` into a log: a plain line every plain_every_s (here every update), and
+    one when it ends, so a long run is never silent."""
+    log = io.StringIO()
+    bar = RequestProgress(10, command="run", clock="virtual clock", stream=log, plain_every_s=0)
+    bar.update(3, 1.5, "2 running")
+    bar.update(10, 4.0)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("run: 3/10 requests, virtual clock 1.5 s, 2 running  (elapsed ")
+    assert lines[2].startswith("run: 10/10 requests, virtual clock 4.0 s, finished")
+
+
+def test_plain_lines_are_spaced_in_wall_time():
+    log = io.StringIO()
+    bar = RequestProgress(10, command="run", clock="virtual clock", stream=log, plain_every_s=3600)
+    for done in range(10):
+        bar.update(done, float(done))
+    assert log.getvalue() == ""
+    bar.close()
+    assert log.getvalue().count("\n") == 1
+
+
+def test_the_engine_loop_writes_plain_lines_off_a_terminal_unless_told_not_to(capsys, monkeypatch):
+    sched = types.SimpleNamespace(num_running=1, num_waiting=0, num_swapped=0)
+    monkeypatch.setattr(Progress, "PLAIN_EVERY_S", 0.0)
+    for enabled, expected_lines in ((None, 2), (False, 0)):
+        progress = Progress(4, enabled=enabled, clock="virtual")
+        progress.update(2, 1.0, 5, sched, force=True)
+        progress.close()
+        assert capsys.readouterr().err.count("run: ") == expected_lines
+
+
 def test_the_real_engine_loop_shows_its_clock_and_the_scheduler_state(capsys):
     sched = types.SimpleNamespace(num_running=4, num_waiting=7, num_swapped=0)
     progress = Progress(20, enabled=True, clock="wall")
