@@ -13,6 +13,11 @@ Both signals below are read from the records alone:
   there is at least MIN_QUEUE_FLOOR requests (a burst of arrivals fills the queue for a
   while, which its mean or slope mistakes for growth; only a backlog keeps it from
   emptying for a quarter of the run);
+- a backlog held for most of the arrivals: at least MIN_QUEUE_FLOOR requests waited,
+  without a break, for LONG_BACKLOG_FRACTION of the arrival span or more, even if it
+  drained before the end (what users felt: Llama-2-7B on an A100 under the whole
+  azure-conv-2023 trace queues up to 1,008 requests for 3,175 of its 3,502 s, with a mean
+  TTFT of 77 s, and empties just before the last arrival);
 - the run lasts far longer than its arrivals (simulated span / arrival span above
   DRAIN_RATIO): a backlog was drained after the last arrival.
 
@@ -35,6 +40,9 @@ MIN_QUEUE_FLOOR = 5
 to count as never emptying: one or two stragglers are not a backlog."""
 DRAIN_RATIO = 1.5
 """A run longer than this many times its arrival span drained a backlog."""
+LONG_BACKLOG_FRACTION = 0.5
+"""A backlog of MIN_QUEUE_FLOOR or more that lasts this share of the arrival span without
+a break is overload, however it ends."""
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
@@ -72,6 +80,10 @@ class Overload:
     arrival_span_s: float
     drained: bool
     """The run lasted more than DRAIN_RATIO x the arrival span."""
+    backlog_s: float | None = None
+    """The longest stretch of the arrivals during which MIN_QUEUE_FLOOR or more requests
+    waited without a break, when it lasted LONG_BACKLOG_FRACTION of them (else None)."""
+    peak_waiting: int = 0
 
     def evidence(self) -> str:
         """What was seen, in words ("the waiting queue never emptied ...")."""
@@ -79,6 +91,10 @@ class Overload:
         if self.queue_floor is not None:
             parts.append(f"the waiting queue never emptied over the last quarter of the arrivals (at least "
                          f"{self.queue_floor:,} requests waited throughout)")
+        if self.backlog_s is not None:
+            parts.append(f"{MIN_QUEUE_FLOOR} or more requests waited without a break for "
+                         f"{self.backlog_s:,.0f} s of the {self.arrival_span_s:,.0f} s of arrivals "
+                         f"(up to {self.peak_waiting:,} at once)")
         if self.drained:
             parts.append(f"the run took {self.run_s:,.0f} simulated s for {self.arrival_span_s:,.0f} s of "
                          "arrivals")
@@ -105,7 +121,24 @@ def overload(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> 
     inside = (start >= first + 0.75 * (last - first)) & (start <= last)
     floor = int(waiting[inside].min()) if inside.any() else 0
     never_empty = floor >= MIN_QUEUE_FLOOR
+    backlog = longest_backlog_s(start, waiting, first, last)
+    long_backlog = backlog >= LONG_BACKLOG_FRACTION * (last - first)
     drained = (end - first) > DRAIN_RATIO * (last - first)
-    if not (never_empty or drained):
+    if not (never_empty or long_backlog or drained):
         return None
-    return Overload(floor if never_empty else None, end - first, last - first, drained)
+    return Overload(floor if never_empty else None, end - first, last - first, drained,
+                    backlog if long_backlog else None, int(waiting.max()))
+
+
+def longest_backlog_s(start: np.ndarray, waiting: np.ndarray, first: float, last: float) -> float:
+    """The longest stretch of [first, last] during which at least MIN_QUEUE_FLOOR requests
+    waited at every step (from the step that found the backlog to the first step that did
+    not, or the last step)."""
+    backlog = (waiting >= MIN_QUEUE_FLOOR).astype(np.int8)
+    if not backlog.any():
+        return 0.0
+    change = np.diff(backlog, prepend=0, append=0)
+    begins, ends = np.flatnonzero(change == 1), np.flatnonzero(change == -1)
+    end_times = np.append(start, start[-1])[ends]
+    spans = np.minimum(end_times, last) - np.maximum(start[begins], first)
+    return float(max(spans.max(), 0.0))

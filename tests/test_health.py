@@ -31,6 +31,20 @@ def test_a_queue_that_never_empties_late_is_overload_a_late_burst_is_not():
     assert overload(_requests(), _steps([MIN_QUEUE_FLOOR - 1] * 100)) is None
 
 
+def test_a_long_backlog_that_drains_before_the_end_is_still_overload():
+    """What users feel: a queue of hundreds for most of the arrivals, gone just before the
+    last one (the queue-floor and drain signals both miss it)."""
+    held = [0] * 10 + [300] * 70 + [0] * 20                   # 70 s of the 100 s of arrivals
+    sign = overload(_requests(), _steps(held))
+    assert sign is not None and sign.queue_floor is None and not sign.drained
+    assert sign.backlog_s == 70.0 and sign.peak_waiting == 300
+    assert "waited without a break for 70 s of the 100 s of arrivals (up to 300 at once)" in sign.evidence()
+    short = [0] * 10 + [300] * 40 + [0] * 50                  # 40 s: a burst, not overload
+    assert overload(_requests(), _steps(short)) is None
+    broken = [0 if i % 30 == 0 else 300 for i in range(100)]  # empties every 30 s
+    assert overload(_requests(), _steps(broken)) is None
+
+
 def test_a_run_far_longer_than_its_arrivals_drained_a_backlog():
     sign = overload(_requests(drain=80.0), _steps([0] * 100))
     assert sign is not None and sign.drained and sign.queue_floor is None
