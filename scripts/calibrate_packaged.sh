@@ -10,8 +10,8 @@ OUT=simulator/data/calibration
 VERSION="aiconfigurator 095f58a51 (vLLM 0.14.0), vidur 7d47513"
 SL="${SERVELAB:-.venv/bin/servelab}"
 for gpu in a100-80gb h100-sxm; do
-    "$SL" calibrate --from-measurements "$DATA" --gpu "$gpu" --drop-bad-rows \
+    "$SL" calibrate --from-measurements "$DATA" --gpu "$gpu" --drop-bad-rows --engine-version 0.14.0 \
         --data-version "$VERSION" --out "$OUT/$gpu.json"
 done
-"$SL" calibrate --from-measurements "$DATA" --gpu l40s --drop-bad-rows \
+"$SL" calibrate --from-measurements "$DATA" --gpu l40s --drop-bad-rows --engine-version 0.14.0 \
     --data-version "$VERSION" --fallback "$OUT/a100-80gb.json" --out "$OUT/l40s.json"

@@ -37,6 +37,10 @@ FORMAT = "servelab.calibration/2"
 OP_CLASSES = ("gemm", "attn_prefill", "attn_decode", "elementwise", "collective", "host_link")
 """The op classes a step's time is split into (see `CostModel.class_times`)."""
 
+PACKAGED_ENGINE_VERSION = "0.14.0"
+"""The vLLM version inside which the kernel tables behind the packaged profiles were
+measured (aiconfigurator 095f58a51's `aiconfigurator-vllm-0.14.0` tables): `servelab
+fidelity` judges the packaged profiles on that version's tables only."""
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 """CPU work per engine step (scheduling, input preparation, sampling bookkeeping, graph
 launch) that kernel measurements do not see. 1 ms is an assumption for a CUDA-graph

@@ -85,6 +85,7 @@ def test_fidelity_plot_is_a_real_png_linked_from_the_report(report):
 def test_calibrate_real_h100_tables_writes_a_profile_and_prints_held_out_errors(tmp_path, capsys):
     out = tmp_path / "h100.json"
     rc = main(["calibrate", "--from-measurements", str(real_measurements()), "--gpu", "h100-sxm",
+               "--engine-version", "0.14.0",
                "--out", str(out), "--drop-bad-rows", "--seed", "3", "--holdout", "0.25",
                "--max-points", "400", "--data-version", "aiconfigurator 095f58a51, vidur 7d47513"])
     printed = capsys.readouterr()
@@ -110,6 +111,7 @@ def test_calibrate_real_h100_tables_writes_a_profile_and_prints_held_out_errors(
 def test_calibrate_real_tables_without_drop_names_the_repeated_row(tmp_path, capsys):
     out = tmp_path / "h100.json"
     rc = main(["calibrate", "--from-measurements", str(real_measurements()), "--gpu", "h100-sxm",
+               "--engine-version", "0.14.0",
                "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err

@@ -260,7 +260,8 @@ def h100_gemm_fit():
     """The real H100 GEMM table (every dtype, so FP8 is fitted too), fitted as calibrate
     does on a sample of 600 training points per family (the full fit takes minutes; the
     judgement still uses every held-out point)."""
-    ms = load_measurements([real_measurements()], "h100-sxm", drop_bad_rows=True)
+    ms = load_measurements([real_measurements()], "h100-sxm", drop_bad_rows=True,
+                           engine_version="0.14.0")
     gemm_only = MeasurementSet(ms.gpu, {"gemm": ms.table("gemm")},
                                {"gemm": ms.sources["gemm"]}, ms.dropped)
     return gemm_only, calibrate(gemm_only, seed=0, max_points=600)

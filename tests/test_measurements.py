@@ -345,3 +345,24 @@ def test_a_ragged_vidur_row_is_named_and_dropped_when_dropping(tmp_path):
     ms = load_measurements([tmp_path], "h100-sxm", drop_bad_rows=True)
     assert ms.table("vidur_allreduce")["num_gpus"].tolist() == [2]
     assert sum(ms.dropped.values()) == 1
+
+
+# --- engine versions ------------------------------------------------------------------------
+
+
+def test_tables_of_several_engine_versions_are_never_pooled(tmp_path):
+    """The same GPU measured inside vLLM 0.14 and 0.24: an error naming both versions and
+    the flag, unless one version is chosen; then only its rows are read."""
+    gemm_file(tmp_path / "vllm-0.14", GEMMS)
+    newer = [{**row, "latency": row["latency"] / 2, "version": "0.24.0"} for row in GEMMS]
+    gemm_file(tmp_path / "vllm-0.24", newer)
+    with pytest.raises(MeasurementError, match=r"h100-sxm: tables measured inside several engine "
+                                               r"versions \(0\.14\.0 \(.*vllm-0\.14.*\); 0\.24\.0 "
+                                               r"\(.*vllm-0\.24.*\)\).*--engine-version"):
+        load_measurements([tmp_path], "h100-sxm")
+    for version, rows in (("0.14.0", GEMMS), ("0.24.0", newer)):
+        ms = load_measurements([tmp_path], "h100-sxm", engine_version=version)
+        assert ms.table("gemm")["latency_s"].tolist() == pytest.approx(
+            [r["latency"] * 1e-3 for r in rows])
+    with pytest.raises(MeasurementError, match="no measurement"):
+        load_measurements([tmp_path], "h100-sxm", engine_version="0.99.0")

@@ -1,6 +1,7 @@
 """`servelab calibrate`: fit the kernel models to measured GPU kernel times.
 
     servelab calibrate --from-measurements ../shared/gpu-measurements --gpu h100-sxm \\
+        --engine-version 0.14.0 \\
         --drop-bad-rows --out h100-sxm.json
 
 Reads every recognised table for the GPU under the folders given (aiconfigurator Parquet,
@@ -41,6 +42,10 @@ def register(subparsers) -> None:
                    help="folder searched for measurement tables (aiconfigurator *_perf.parquet, "
                         "Vidur *.mlp.csv and *.all_reduce.csv); repeatable")
     p.add_argument("--gpu", required=True, metavar="G", help="catalog GPU the tables measure")
+    p.add_argument("--engine-version", metavar="V",
+                   help="fit only the aiconfigurator tables measured inside this engine version "
+                        "(e.g. 0.14.0, what the packaged profiles use); needed when the folders "
+                        "hold tables of several versions for the GPU, which are never pooled")
     p.add_argument("--out", required=True, metavar="FILE", help="profile to write (JSON)")
     p.add_argument("--drop-bad-rows", action="store_true",
                    help="drop unusable rows and merge repeated measurements into their median, "
@@ -99,7 +104,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     try:
         gpu = get_gpu(args.gpu)
         fallback = load_profile(args.fallback) if args.fallback else None
-        ms = load_measurements(args.from_measurements, gpu, drop_bad_rows=args.drop_bad_rows)
+        ms = load_measurements(args.from_measurements, gpu, drop_bad_rows=args.drop_bad_rows,
+                               engine_version=args.engine_version)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if ms.dropped:

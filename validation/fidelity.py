@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import CalibrationProfile, packaged, packaged_names
+from servelab.simulator.calibration import (PACKAGED_ENGINE_VERSION, CalibrationProfile, packaged,
+                                            packaged_names)
 from servelab.simulator.gpus import GPUSpec, get_gpu
 from servelab.validation.kernel_fit import (
     FAMILIES, Family, error_stats, family_table, holdout_mask, judge)
@@ -235,7 +236,8 @@ def write_report(measurement_dirs: list[str | Path], out: str | Path,
     for name in gpus or packaged_names():
         profile = packaged(name)
         progress(f"{name}: loading measurements and judging the packaged profile")
-        ms = load_measurements(measurement_dirs, name, drop_bad_rows=True)
+        ms = load_measurements(measurement_dirs, name, drop_bad_rows=True,
+                               engine_version=PACKAGED_ENGINE_VERSION)
         reports.append(evaluate_gpu(ms, profile))
     out.parent.mkdir(parents=True, exist_ok=True)
     plots = plot(reports, out.parent / out.stem)

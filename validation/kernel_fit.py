@@ -1,6 +1,7 @@
 """Fitting the kernel models of `simulator/kernels.py` to measured kernel times.
 
-    ms = load_measurements(["../shared/gpu-measurements"], "h100-sxm", drop_bad_rows=True)
+    ms = load_measurements(["../shared/gpu-measurements"], "h100-sxm", drop_bad_rows=True,
+                           engine_version="0.14.0")
     result = calibrate(ms, seed=0)          # -> KernelFit
     result.profile.save("h100-sxm.json")
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from servelab.simulator.calibration import PACKAGED_ENGINE_VERSION
 from servelab.simulator.gpus import GPUSpec, get_gpu
 
 GEMM_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16",
@@ -94,12 +95,19 @@ _AIC_FILES = {"gemm_perf": "gemm", "context_attention_perf": "attn_prefill",
 
 
 def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
-                      drop_bad_rows: bool = False) -> MeasurementSet:
-    """Every recognised table for `gpu` under `folders` (searched recursively)."""
+                      drop_bad_rows: bool = False,
+                      engine_version: str | None = None) -> MeasurementSet:
+    """Every recognised table for `gpu` under `folders` (searched recursively).
+
+    aiconfigurator tables measured inside different engine versions are never pooled:
+    the same kernel on the same GPU took 0.5 to 2.9 times as long in vLLM 0.24 as in 0.14
+    at the tails (../shared/gpu-measurements/README.md). `engine_version` keeps one
+    version's tables; None accepts the tables only while they are all of one version."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     parts: dict[str, list[Table]] = {}
     sources: dict[str, list[str]] = {}
     dropped: dict[str, int] = {}
+    versions: dict[str, list[Path]] = {}
     seen_any = False
     for folder in folders:
         root = Path(folder)
@@ -110,12 +118,24 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
             if family is None:
                 continue
             seen_any = True
+            version = _engine_version(path) if reader is _read_aiconfigurator else None
+            if engine_version is not None and version not in (None, engine_version):
+                continue
             table, project = reader(path, spec, drop_bad_rows, dropped)
             if table is None:
                 continue
+            if version is not None:
+                versions.setdefault(version, []).append(path.parent)
             parts.setdefault(family, []).append(table)
             where = Path(root.resolve().name) / path.relative_to(root)
             sources.setdefault(family, []).append(f"{project}: {where}")
+    if len(versions) > 1:
+        found = "; ".join(f"{v} ({', '.join(sorted({str(f) for f in where}))})"
+                          for v, where in sorted(versions.items()))
+        raise MeasurementError(f"{spec.name}: tables measured inside several engine versions "
+                               f"({found}); they are never pooled: choose one with "
+                               f"--engine-version (the packaged profiles use "
+                               f"{PACKAGED_ENGINE_VERSION})")
     if not seen_any:
         raise MeasurementError(f"no measurement tables found under {', '.join(map(str, folders))} "
                                f"(expected aiconfigurator *_perf.parquet or Vidur *.mlp.csv / "
@@ -125,6 +145,17 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
         raise MeasurementError(f"no measurements for {spec.name} under "
                                f"{', '.join(map(str, folders))} (the tables found name other GPUs)")
     return MeasurementSet(spec.name, tables, {k: "; ".join(v) for k, v in sources.items()}, dropped)
+
+
+def _engine_version(path: Path) -> str | None:
+    """The engine version an aiconfigurator table was measured in (its `version` column)."""
+    import pyarrow.parquet as pq
+
+    try:
+        column = pq.read_table(path, columns=["version"]).column("version").unique().to_pylist()
+    except Exception:            # no such column, or a damaged file: the reader says which
+        return None
+    return str(column[0]) if len(column) == 1 else None
 
 
 def _recognise(path: Path):
