@@ -4,7 +4,7 @@ module that defines them; every module of this package is imported here, so a ne
 one new file (docs/extending.md)."""
 from servelab.registry import import_submodules
 from servelab.policies.base import (KeyedQueue, Policy, PolicyFlag, SchedulerError, make_policy,
-                                    policy_names, register_policy)
+                                    nothing_to_act_on, policy_names, register_policy)
 from servelab.policies.fair import FairSharePolicy
 from servelab.policies.fcfs import FCFSPolicy
 from servelab.policies.lpm import LongestPrefixMatchPolicy
@@ -18,7 +18,7 @@ __all__ = [
     "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
     "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
     "Scheduler", "SchedulerError", "build_scheduler", "make_policy", "make_preemption",
-    "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",
+    "nothing_to_act_on", "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",
 ]
 
 

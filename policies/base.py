@@ -8,7 +8,8 @@ request to admit (`peek`), tells it what happened (`add`, `requeue`, `remove`,
 policy can do beyond ordering is declared, never guessed: `preemptive` (it may preempt
 running requests for a waiting one), `charges_service` (it accounts each step's
 service), `reads_prefix_cache` (it orders by what the prefix cache holds), its
-command-line `flags`, and the `tenant_weights` it shares service by.
+command-line `flags`, the `tenant_weights` it shares service by, and the workload traits
+it `acts_on`.
 
 A new policy is one file holding a subclass decorated with `@register_policy("name")`
 (docs/extending.md); nothing else changes. Keys are tuples ending in the unique request
@@ -25,6 +26,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 from servelab.options import positive_float
 from servelab.registry import Registry
 from servelab.request import Request
+from servelab.traits import WorkloadTraits
 
 POLICIES: Registry[type["Policy"]] = Registry("policy")
 
@@ -49,6 +51,17 @@ def make_policy(name: str, **options) -> "Policy":
         return cls(**options)
     except TypeError as exc:
         raise ValueError(f"bad options for policy {name!r}: {exc}") from None
+
+
+def nothing_to_act_on(name: str, traits: WorkloadTraits) -> str | None:
+    """Why policy `name` orders requests as FCFS does on a workload with these traits
+    (every trait it `acts_on` is missing), or None when it has something to act on or
+    declares no trait."""
+    acts_on = POLICIES.get(name).acts_on
+    reasons = [traits.lacks(t) for t in acts_on]
+    if not acts_on or not all(reasons):
+        return None
+    return "; ".join(reasons)
 
 
 @dataclass(frozen=True)
@@ -159,6 +172,11 @@ class Policy(abc.ABC):
 
     flags: ClassVar[tuple[PolicyFlag, ...]] = ()
     """Command-line flags of this policy's options (`servelab simulate`, `run`, `compare`)."""
+
+    acts_on: ClassVar[tuple[str, ...]] = ()
+    """Workload traits (`servelab/traits.py`: tenants, priorities, shared prefixes) this
+    policy's order depends on beyond arrival; on a workload with none of them it orders as
+    FCFS does, and the reports say so. Empty: it acts on every workload."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -6,6 +6,7 @@ import argparse
 from servelab._validate import check_float
 from servelab.options import positive_float
 from servelab.policies.base import KeyedQueue, Policy, PolicyFlag, register_policy
+from servelab.traits import TENANTS
 from servelab.request import Request
 
 
@@ -40,6 +41,7 @@ class FairSharePolicy(Policy):
     Cost of `peek`: O(number of backlogged tenants).
     """
 
+    acts_on = (TENANTS,)
     charges_service = True
     flags = (PolicyFlag("tenant-weights", "weights", "tenant shares (default 1 each)",
                         parse=parse_tenant_weights, metavar="A=W,B=W"),)

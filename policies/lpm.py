@@ -8,6 +8,7 @@ from typing import Callable
 from servelab._validate import check_float, check_int
 from servelab.options import positive_int
 from servelab.policies.base import Policy, PolicyFlag, max_wait_flag, register_policy
+from servelab.traits import SHARED_PREFIXES
 from servelab.request import Request
 
 
@@ -31,6 +32,7 @@ class LongestPrefixMatchPolicy(Policy):
     Victim: the most recently admitted running request (the default).
     """
 
+    acts_on = (SHARED_PREFIXES,)
     reads_prefix_cache = True
     flags = (
         max_wait_flag("lpm-max-wait-s"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from servelab._validate import check_float
 from servelab.options import non_negative_float
 from servelab.policies.base import Policy, PolicyFlag, register_policy
+from servelab.traits import PRIORITIES
 from servelab.request import Request
 
 
@@ -22,6 +23,7 @@ class PriorityPolicy(Policy):
     continuous batching only: a static batch is never preempted for a waiting request.
     """
 
+    acts_on = (PRIORITIES,)
     flags = (
         PolicyFlag("priority-aging-rate", "aging_rate", "effective priority improves by R per "
                    "second waited", parse=non_negative_float, metavar="R"),

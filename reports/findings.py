@@ -187,8 +187,9 @@ def _health(group: Group) -> list:
     if over:
         where = "; ".join(f"at {rate:g} req/s: {', '.join(pols)}" for rate, pols in sorted(over.items()))
         doc.append(Text(f"Overloaded runs ({where}): the waiting queue never emptied over the last quarter "
-                        "of the arrivals, or the run outlasted its arrivals by far. Their latencies depend on "
-                        "how long the run is, so compare them across policies, not with production numbers."))
+                        "of the arrivals, held a backlog for most of them, or the run outlasted its arrivals "
+                        "by far. Their latencies depend on how long the run is, so compare them across "
+                        "policies, not with production numbers."))
     rejected = [(p, format_reasons(rejection_reasons(p.requests))) for p in group.points
                 if p.summary["rejected"]]
     if rejected and len(rejected) == len(group.points) and len({why for _, why in rejected}) == 1:

@@ -29,6 +29,7 @@ from servelab.reports.comparison import RUNS_DIR, Comparison, describe_labels, l
 from servelab.reports.document import Bullets, Heading, ReportFiles, Table, Text, write_document
 from servelab.reports.findings import analyse, constant, findings, summary_cells
 from servelab.reports.prefix_report import prefix_section
+from servelab.reports.repeats import repeated_policies, repeats_text
 from servelab.reports.report_figures import figures, memory_figure
 from servelab.reports.slo import MIN_ATTAINMENT, describe_tier, slo_attainment, slo_tiers
 
@@ -64,10 +65,16 @@ def build_document(c: Comparison, *, title: str | None = None, level: int = 1) -
     sub = level + 1
     doc: list = [Heading(level, title or f"Policy comparison: {c.points[0].config['trace']}"),
                  *_what_was_run(c)]
-    groups = [(labels, analyse(points)) for labels, points in c.groups()]
+    groups, repeated = [], {}
+    for labels, points in c.groups():
+        repeats = repeated_policies(points)
+        repeated[tuple(labels.items())] = repeats_text(repeats, points)
+        groups.append((labels, analyse([p for p in points if p.policy not in repeats])))
     for labels, group in groups:
         suffix = f" ({describe_labels(labels)})" if labels else ""
-        doc += [Heading(sub, "Findings" + suffix), *findings(group)]
+        note = repeated[tuple(labels.items())]
+        doc += [Heading(sub, "Findings" + suffix), *([Text(note)] if note else []),
+                *findings(group)]
     prefix = prefix_section(c)
     if prefix:
         doc += [Heading(sub, "Prefix caching"), *prefix]

@@ -52,6 +52,11 @@ def figures(group: Group, colours, suffix: str, slug: str) -> list:
                                               "Preemptions per policy" + suffix)))
     else:
         blocks.append(Text("Preemptions: none at any rate, so no figure."))
+    tenants = {r.tenant for p in group.points for r in p.requests}
+    if len(tenants) < 2:
+        blocks.append(Text(f"Fairness across tenants: one tenant ({next(iter(tenants))}), so "
+                           "no figure."))
+        return blocks
     blocks.append(Image(
         f"fairness{slug}", "Fairness across tenants" + suffix,
         f"Top: each tenant's service (1 x prompt + 2 x output tokens per second, as VTC counts it) "

@@ -1,0 +1,57 @@
+"""What a workload offers a policy to act on, and when a policy has nothing there.
+
+Priority scheduling orders by priority, fair share by tenant, lpm by cached prefix. On a
+workload with one priority, one tenant or no shared prefixes each admits requests exactly
+as FCFS does, and a comparison that ranks them ranks identical runs. A policy declares the
+traits its order depends on (`Policy.acts_on`); `servelab.policies.nothing_to_act_on`
+says, in words, when a workload lacks every one of them, and the reports say which
+traits a workload lacks.
+
+    traits = WorkloadTraits.of(records)          # anything with .tenant, .priority, .cached_tokens
+    traits.lacks(PRIORITIES)                      # "every request has priority 0", or None
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+TENANTS = "tenants"
+PRIORITIES = "priorities"
+SHARED_PREFIXES = "shared prefixes"
+TRAITS = (TENANTS, PRIORITIES, SHARED_PREFIXES)
+
+
+@dataclass(frozen=True)
+class WorkloadTraits:
+    tenants: frozenset[str]
+    priorities: frozenset[int]
+    shared_prefixes: bool
+    """Some request found part of its prompt in the prefix cache (so prefix caching was on
+    and prompts shared prefixes)."""
+
+    @classmethod
+    def of(cls, records: Iterable) -> "WorkloadTraits":
+        """From per-request records (`servelab.records.RequestRecord` or alike)."""
+        tenants, priorities, shared = set(), set(), False
+        for r in records:
+            tenants.add(r.tenant)
+            priorities.add(r.priority)
+            shared = shared or bool(r.cached_tokens)
+        return cls(frozenset(tenants), frozenset(priorities), shared)
+
+    def lacks(self, trait: str) -> str | None:
+        """Why this workload gives `trait` nothing to act on, or None when it does."""
+        if trait == TENANTS:
+            return f"one tenant ({next(iter(self.tenants))})" if len(self.tenants) < 2 else None
+        if trait == PRIORITIES:
+            return (f"every request has priority {next(iter(self.priorities))}"
+                    if len(self.priorities) < 2 else None)
+        if trait == SHARED_PREFIXES:
+            return None if self.shared_prefixes else (
+                "no prompt found a cached prefix (prefix caching off, or no shared prefixes)")
+        raise ValueError(f"unknown workload trait {trait!r}; known: {', '.join(TRAITS)}")
+
+
+    def missing(self) -> list[str]:
+        """Why each trait this workload lacks is missing, in TRAITS order."""
+        return [why for trait in TRAITS if (why := self.lacks(trait))]
