@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import signal
 import sys
 
 from servelab import __version__
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"servelab {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # A second Ctrl-C while Python winds down (worker pools, atexit hooks) ends it at once.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print(str(exc) or "interrupted", file=sys.stderr)
         return 130
 
 

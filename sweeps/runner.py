@@ -9,6 +9,12 @@ driver), or Ray, imported only when asked for. Pool workers write their own poin
 CSV formatting is CPU work worth spreading); Ray tasks return their results and the driver
 writes them, so a Ray cluster needs no shared file system. Storage, keys and the lock are
 `sweeps/sweep.py`'s. Nothing here reads a clock: callers time the progress lines.
+
+Ctrl-C: the terminal sends SIGINT to the whole process group, workers included. Pool
+workers ignore it, so none turns it into a failed point and carries on with the queue;
+the driver cancels what has not started, terminates the workers (their points were not
+committed, so nothing half-written is kept) and raises `SweepInterrupted`, which says
+how many points are stored and that rerunning the command resumes.
 """
 from __future__ import annotations
 
@@ -17,15 +23,16 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from servelab.simulator.run import SimulationResult, run_simulation, write_run_dir
-from servelab.sweeps.sweep import (POINT_ERRORS, RAY_INSTALL_HINT, RUNS_DIR, PointOutcome, Progress,
-                                   SweepError, SweepOutcome, SweepPoint, sweep_lock, commit_point, is_done,
-                                   write_sweep_file)
+from servelab.sweeps.sweep import (DONE_MARKER, POINT_ERRORS, RAY_INSTALL_HINT, RUNS_DIR, PointOutcome,
+                                   Progress, SweepError, SweepOutcome, SweepPoint, sweep_lock, commit_point,
+                                   is_done, write_sweep_file)
 
 
 def default_workers() -> int:
@@ -66,6 +73,15 @@ def _check_points(points: Sequence[SweepPoint]) -> None:
         raise ValueError("a sweep lists the same point twice")
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep: the workers are stopped; the message says what is stored."""
+
+
+def _ignore_interrupts() -> None:
+    """Pool worker initializer: Ctrl-C is the driver's to handle (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class SweepRunner:
     """Runs batches of points into one DIR, holding its lock and one process pool (or one
     Ray connection) across batches: a search that decides its next points from the last
@@ -99,14 +115,23 @@ class SweepRunner:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        interrupted = isinstance(exc, KeyboardInterrupt) and not isinstance(exc, SweepInterrupted)
         try:
             if self._pool is not None:
-                self._pool.shutdown(wait=exc is None, cancel_futures=exc is not None)
+                if interrupted:
+                    _stop_now(self._pool)
+                else:
+                    self._pool.shutdown(wait=exc is None, cancel_futures=exc is not None)
             if self._ray is not None and self._ray[1]:   # a Ray instance this runner started
                 self._ray[0].shutdown()
         finally:
             self._pool = self._ray = None
             self._stack.close()
+        if interrupted:
+            stored = sum(1 for d in self.runs_dir.iterdir() if (d / DONE_MARKER).is_file())
+            raise SweepInterrupted(
+                f"interrupted: {stored} point(s) are stored in {self.out_dir}; run the same "
+                "command again to resume (points already stored are not run again)") from None
 
     def run(self, points: Sequence[SweepPoint], progress: Progress | None = None) -> list[PointOutcome]:
         """Run the points not already stored; one outcome per point, in order. `progress`
@@ -140,7 +165,8 @@ class SweepRunner:
     def _run_on_pool(self, pending: Sequence[SweepPoint], settle: Callable[[PointOutcome], None]) -> None:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=min(self.workers, len(pending)),
-                                             mp_context=multiprocessing.get_context("spawn"))
+                                             mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_ignore_interrupts)
         runs_dir, order = self.runs_dir, {p.key: i for i, p in enumerate(pending)}
         futures = {self._pool.submit(_simulate_and_commit, p, runs_dir, self.output_format): p
                    for p in pending}
@@ -178,6 +204,21 @@ class SweepRunner:
             commit_point(point, self.runs_dir,
                          lambda d: write_run_dir(result, d, self.output_format))
             settle(PointOutcome(point, self.runs_dir / point.name, "ran", result.summary))
+
+
+def _stop_now(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers at once (terminate_workers from
+    Python 3.14; before it, the pool's own process table, read before shutdown clears it)."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
 
 
 def _read_summary(run_dir: Path) -> dict[str, Any] | None:
