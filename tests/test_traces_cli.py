@@ -106,3 +106,23 @@ def test_importing_the_cli_module_does_not_import_numpy():
     code = "import sys, servelab.traces.cli; print('numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_trace_commands_spell_loading_flags_as_simulate_does(traces_dir, capsys):
+    """--trace-format and --arrival-cv as in simulate (the old --format/--cv still work),
+    and an error names the flag, not the keyword."""
+    assert main(["trace", "stats", "bwb-lengths", "--trace-dir", str(traces_dir), "--rate", "3",
+                 "--arrival-cv", "2", "--trace-format", "lengths"]) == 0
+    capsys.readouterr()
+    assert main(["trace", "stats", "default", "--arrival-cv", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("servelab trace: error: --arrival-cv does not apply to the default workload")
+
+
+def test_a_histogram_of_equal_gaps_says_so(tmp_path, capsys):
+    trace = tmp_path / "even.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n"
+                     + "".join(f"{3 * i},10,5\n" for i in range(5)))
+    assert main(["trace", "stats", str(trace)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if " | " in line]
+    assert len(rows) == 1 and rows[0].strip().startswith("3 s (every gap) |")

@@ -28,17 +28,23 @@ def trace_dir_from(cli_value: str | None, environ=os.environ) -> Path:
     return Path(cli_value or environ.get(TRACE_DIR_ENV) or DEFAULT_TRACE_DIR).expanduser()
 
 
-def _add_load_options(p: argparse.ArgumentParser, *, format_flag: str, cv_flag: str) -> None:
+def _add_load_options(p: argparse.ArgumentParser, *, short_aliases: bool = False) -> None:
+    """The trace loading flags, spelled alike in every command; `trace stats` and `trace
+    convert` also take their older names (--format, --cv)."""
+    aliases = {"--trace-format": ("--format",), "--arrival-cv": ("--cv",)} if short_aliases \
+        else {"--trace-format": (), "--arrival-cv": ()}
     p.add_argument("--trace-dir", metavar="DIR",
                    help=f"where named datasets live (default: ${TRACE_DIR_ENV} or ~/.cache/servelab/traces)")
-    p.add_argument(format_flag, dest="trace_format", choices=_FORMATS, default="auto",
+    p.add_argument("--trace-format", *aliases["--trace-format"], dest="trace_format",
+                   choices=_FORMATS, default="auto",
                    help="trace file format (default: detected from the header)")
     p.add_argument("--on-bad-row", choices=("error", "drop"), default="error",
                    help="stop at the first malformed row (default) or drop and count such rows")
     p.add_argument("--rate", type=float, metavar="REQ_PER_S",
                    help="target mean request rate: drawn arrivals for length-only tables (required "
                         "there), a time rescaling for timed traces, the total rate of 'default'")
-    p.add_argument(cv_flag, dest="arrival_cv", type=float, default=1.0, metavar="CV",
+    p.add_argument("--arrival-cv", *aliases["--arrival-cv"], dest="arrival_cv", type=float,
+                   default=1.0, metavar="CV",
                    help="inter-arrival coefficient of variation of drawn arrivals (1 = Poisson)")
     p.add_argument("--no-download", action="store_true",
                    help="fail instead of downloading a missing named dataset")
@@ -49,7 +55,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser, *, default: str = "defa
     Pair with `trace_from_args(args, seed=..., max_model_len=...)`."""
     parser.add_argument("--trace", default=default, metavar="T",
                         help=f"trace file, dataset name or 'default' (default: {default})")
-    _add_load_options(parser, format_flag="--trace-format", cv_flag="--arrival-cv")
+    _add_load_options(parser)
 
 
 def trace_from_args(args: argparse.Namespace, spec: str | None = None, *, seed: int = 0,
@@ -58,6 +64,13 @@ def trace_from_args(args: argparse.Namespace, spec: str | None = None, *, seed: 
     from servelab.traces.datasets import resolve_trace
     from servelab.traces.record import TraceError
     spec = args.trace if spec is None else spec
+    if spec == "default":
+        given = [flag for flag, on in (("--arrival-cv", args.arrival_cv != 1.0),
+                                       ("--trace-format", args.trace_format != "auto")) if on]
+        if given:
+            raise CLIError(f"{' and '.join(given)} do{'es' if len(given) == 1 else ''} not apply "
+                           "to the default workload (it draws its own arrivals from its fitted "
+                           "distributions and reads no file)")
     try:
         return resolve_trace(spec, trace_dir=trace_dir_from(args.trace_dir, environ), rate=args.rate,
                              cv=args.arrival_cv, seed=seed, on_bad_row=args.on_bad_row,
@@ -102,7 +115,7 @@ def register(subparsers) -> None:
 
 
 def _add_stats_and_convert_options(p: argparse.ArgumentParser) -> None:
-    _add_load_options(p, format_flag="--format", cv_flag="--cv")
+    _add_load_options(p, short_aliases=True)
     p.add_argument("--seed", type=int, default=0, help="seed of drawn arrivals and of 'default' (default 0)")
     p.add_argument("--max-model-len", type=int, metavar="N", help="clip prompt+output to N tokens (counted)")
 

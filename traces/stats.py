@@ -167,8 +167,9 @@ def render_histogram(rows, width: int = 40) -> list[str]:
     if not rows:
         return ["  (fewer than two requests: no inter-arrival gaps)"]
     for digits in range(3, 10):  # enough significant digits to tell neighbouring edges apart
-        labels = ["0 s (same time)" if hi == 0 else f"{_fmt_s(lo, digits)} - {_fmt_s(hi, digits)}"
-                  for lo, hi, _ in rows]
+        labels = ["0 s (same time)" if hi == 0 else
+                  f"{_fmt_s(lo, digits)} (every gap)" if lo == hi else
+                  f"{_fmt_s(lo, digits)} - {_fmt_s(hi, digits)}" for lo, hi, _ in rows]
         if len(set(labels)) == len(labels):
             break
     top = max(c for _, _, c in rows) or 1
