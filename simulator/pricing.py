@@ -103,6 +103,7 @@ def _attention(opts: dict) -> dict:
                                          d, gpu, profile.kernels.attn_prefill, kvb,
                                          max_keys=t + c)
         flops = 4.0 * d * heads * b * (t * c + 0.5 * (t * t + t))
+        kv_bytes = float(b * (t + c) * 2 * kv_heads * d * kvb)
         out.update(tokens=t, flops=flops)
     else:
         if c < 1:
@@ -110,8 +111,14 @@ def _attention(opts: dict) -> dict:
                              "each sequence attends to)")
         total = K.decode_attention_time(b, b * c, heads, kv_heads, d, gpu,
                                         profile.kernels.attn_decode, kvb)
-        out.update(kv_bytes=float(b * c * 2 * kv_heads * d * kvb))
-    out["predicted_ms"] = _ms(total)
+        flops = 4.0 * d * heads * b * c
+        kv_bytes = float(b * c * 2 * kv_heads * d * kvb)
+    compute = flops / gpu.peak_flops(out["kv_dtype"])
+    memory = kv_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
+    out.update(flops=flops, kv_bytes=kv_bytes, compute_ms=_ms(compute), memory_ms=_ms(memory),
+               bound="compute" if compute > memory else "memory", predicted_ms=_ms(total),
+               achieved_tflops=round(flops / total / 1e12, 3),
+               achieved_gbps=round(kv_bytes / total / 1e9, 1))
     return out
 
 
@@ -122,9 +129,15 @@ def _allreduce(opts: dict) -> dict:
     total = K.allreduce_time(nbytes, opts["gpus"], gpu, profile.kernels.collective)
     algorithm = ("none (one GPU)" if opts["gpus"] == 1 else
                  "custom" if nbytes <= profile.kernels.collective.custom_max_bytes else "ring")
-    return {"kind": "allreduce", "gpu": gpu.name, "calibration": label, "gpus": opts["gpus"],
+    # A ring all-reduce moves 2(n-1)/n of the message through each GPU's link (NCCL's "bus
+    # bandwidth" convention, NCCL tests' PERFORMANCE.md).
+    n = opts["gpus"]
+    moved = 2.0 * (n - 1) / n * nbytes
+    link = moved / (gpu.interconnect_gbps * 1e9) if n > 1 else 0.0
+    return {"kind": "allreduce", "gpu": gpu.name, "calibration": label, "gpus": n,
             "elements": opts["elements"], "dtype": dtype, "bytes": nbytes,
-            "algorithm": algorithm, "predicted_ms": _ms(total)}
+            "algorithm": algorithm, "predicted_ms": _ms(total), "link_ms": _ms(link),
+            "bus_gbps": round(moved / total / 1e9, 1) if n > 1 and total > 0 else None}
 
 
 def parse_chunks(text: str, flag: str, default_context: int | None) -> list[tuple[int, int]]:
@@ -201,10 +214,18 @@ def describe(kind: str, r: dict) -> str:
                 if r["phase"] == "prefill" else
                 f"decode of {r['batch']} sequences at context {r['context']}")
         return (f"{head}  {what}, {r['heads']} heads / {r['kv_heads']} KV heads x "
-                f"{r['head_dim']}, KV {r['kv_dtype']}, one layer, {where}")
+                f"{r['head_dim']}, KV {r['kv_dtype']}, one layer, {where}\n"
+                f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
+                f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of K/V)\n"
+                f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
     if kind == "allreduce":
-        return (f"{head}  all-reduce of {r['elements']} {r['dtype']} elements over {r['gpus']} "
+        text = (f"{head}  all-reduce of {r['elements']} {r['dtype']} elements over {r['gpus']} "
                 f"GPUs ({r['algorithm']}) {where}")
+        if r["bus_gbps"] is None:
+            return text
+        return (text + f"\n  link: {r['link_ms']:.4f} ms to move 2(n-1)/n of "
+                f"{r['bytes'] / 1e6:.2f} MB at the GPU's peak; achieved bus bandwidth "
+                f"{r['bus_gbps']} GB/s")
     lines = [f"{head}  one step of {r['model']} (tp={r['tp']}, {r['layers']} layers, "
              f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms",
              f"  {'op':<22}{'class':<14}{'calls':>6}{'per layer':>12}{'total':>12}{'share':>8}  bound"]

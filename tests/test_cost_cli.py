@@ -79,6 +79,15 @@ def test_decode_attention_is_the_cost_models_attention_per_layer(capsys, llama8b
                   "--context", 1500, "--heads", 32, "--kv-heads", 8, "--head-dim", 128)
     assert r["predicted_ms"] == pytest.approx(per_layer(llama8b, shape, "attn_decode") * 1e3, abs=1e-6)
     assert r["kv_bytes"] == 32 * 1500 * 2 * 8 * 128 * 2
+    assert r["memory_ms"] == pytest.approx(r["kv_bytes"] / 3350e9 * 1e3, abs=1e-6)
+    assert r["bound"] == "memory"
+    assert r["achieved_gbps"] == pytest.approx(r["kv_bytes"] / r["predicted_ms"] / 1e6, abs=0.1)
+    rc, out, _ = cost(capsys, "attention", "--gpu", GPU, "--phase", "decode", "--batch", 32,
+                      "--context", 1500, "--heads", 32, "--kv-heads", 8)
+    lines = out.splitlines()
+    assert rc == 0 and lines[1].startswith(f"  roofline: compute {r['compute_ms']:.4f} ms, "
+                                           f"memory {r['memory_ms']:.4f} ms (memory-bound")
+    assert lines[2] == f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s"
 
 
 def test_prefill_attention_is_the_cost_models_attention_per_layer(capsys, llama8b):
@@ -104,6 +113,11 @@ def test_allreduce_is_the_steps_tp_allreduce_per_call(capsys):
     assert big["algorithm"] == "ring" and big["predicted_ms"] > r["predicted_ms"]
     one = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 1, "--elements", 4096)
     assert (one["predicted_ms"], one["algorithm"]) == (0.0, "none (one GPU)")
+    moved = 2 * 7 / 8 * 2 ** 25                      # bytes through each GPU's link, ring
+    assert big["bus_gbps"] == pytest.approx(moved / big["predicted_ms"] / 1e6, abs=0.1)
+    rc, out, _ = cost(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24)
+    assert rc == 0 and out.splitlines()[1].startswith("  link: ")
+    assert f"achieved bus bandwidth {big['bus_gbps']} GB/s" in out
 
 
 def test_step_is_the_cost_models_step_time(capsys, llama8b):
