@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import signal
 import sys
@@ -111,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"servelab {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`servelab trace stats T | head`): stop quietly, and keep
+        # Python's final flush of stdout from raising again (the Python docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt as exc:
         # A second Ctrl-C while Python winds down (worker pools, atexit hooks) ends it at once.
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -126,3 +126,17 @@ def test_a_histogram_of_equal_gaps_says_so(tmp_path, capsys):
     assert main(["trace", "stats", str(trace)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if " | " in line]
     assert len(rows) == 1 and rows[0].strip().startswith("3 s (every gap) |")
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(traces_dir):
+    """`servelab trace stats T | head`: the reader closes the pipe; no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "servelab", "trace", "stats", "azure-conv-2023",
+                             "--trace-dir", str(traces_dir), "--bins", "5000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("trace: ")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err
