@@ -213,6 +213,17 @@ def _check_host_tiers(points) -> None:
                 raise CLIError(str(exc)) from None
 
 
+def _earlier_grid(out: Path) -> set[str] | None:
+    """The point keys of the comparison already in `out` (its sweep.json), if any."""
+    from servelab.reports.runio import read_json
+    from servelab.sweeps.sweep import SWEEP_FILE
+
+    try:
+        return {entry["key"] for entry in read_json(out / SWEEP_FILE)["points"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.report import write_report
     from servelab.sweeps.runner import default_workers, run_sweep
@@ -226,6 +237,12 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         "a local Ray instance" if args.ray else plural(min(workers, len(points)), "worker process", "es")
     shape = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items())
     print(f"compare: {plural(len(points), 'point')} ({shape}) on {where}, into {out}", file=sys.stderr)
+    earlier = _earlier_grid(out)
+    if earlier is not None and earlier != {p.key for p in points}:
+        reused = len(earlier & {p.key for p in points})
+        print(f"compare: note: {out} held a comparison of another grid ({plural(len(earlier), 'point')}); "
+              f"its report is replaced by this one's ({reused} of its stored points are reused, the "
+              "others stay on disk)", file=sys.stderr)
     try:
         outcome = run_sweep(points, out, workers=workers, ray=args.ray, ray_address=args.ray_address,
                             axes=axes, progress=PointProgress(command="compare"),

@@ -138,3 +138,16 @@ def test_option_errors_are_one_line_with_a_hint_and_negative_values_reach_the_va
 def test_a_negative_rate_reaches_the_config_check(tmp_path, capsys):
     assert main(["simulate", "--rate", "-.5", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err == "servelab simulate: error: --rate must be a finite number > 0, got -0.5\n"
+
+
+def test_compare_into_a_folder_of_another_grid_says_so(tmp_path, capsys):
+    out = str(tmp_path / "cmp")
+    base = ["compare", *COMMON, "--policies", "fcfs", "--workers", "1", "--out", out]
+    assert main([*base, "--rates", "5"]) == 0
+    assert "held a comparison of another grid" not in capsys.readouterr().err
+    assert main([*base, "--rates", "5"]) == 0          # the same grid again: nothing to say
+    assert "held a comparison of another grid" not in capsys.readouterr().err
+    assert main([*base, "--rates", "5,8"]) == 0
+    err = capsys.readouterr().err
+    assert (f"compare: note: {out} held a comparison of another grid (1 point); its report is "
+            "replaced by this one's (1 of its stored points are reused") in err
