@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab.labels import show_value
 from servelab.records import RequestRecord, StepRecord
 from servelab.reports.columns import floats, ints
 from servelab.reports.metrics import VTC_INPUT_WEIGHT, VTC_OUTPUT_WEIGHT
@@ -111,12 +112,8 @@ def _offered_rate(requests: Sequence[RequestRecord]) -> float:
     return round(len(arrivals) / span, 3) if span > 0 else 0.0
 
 
-def show_value(value: Any) -> str:
-    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
-
-
 def describe_labels(labels: Mapping[str, Any]) -> str:
-    return ", ".join(f"{a}={show_value(v)}" for a, v in labels.items())
+    return ", ".join(f"{a}={show_value(v, a)}" for a, v in labels.items())
 
 
 # --------------------------------------------------------------------------- analysis

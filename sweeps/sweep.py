@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.config import SchedulerConfig
+from servelab.labels import show_value
 from servelab.simulator.run import SimulationConfig
 
 KEY_FORMAT = "servelab.sweep-key/1"
@@ -106,19 +107,15 @@ class SweepPoint:
         return "_".join([*parts, self.key[:12]])
 
     def describe(self) -> str:
-        return " ".join(f"{axis}={_show(v)}" for axis, v in self.labels) or self.key[:12]
+        return " ".join(f"{axis}={show_value(v, axis)}" for axis, v in self.labels) or self.key[:12]
 
 
 _AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
                "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp"}
 
 
-def _show(value: Any) -> str:
-    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
-
-
 def _slug(value: Any) -> str:
-    text = Path(value).name if isinstance(value, str) and os.sep in value else _show(value)
+    text = Path(value).name if isinstance(value, str) and os.sep in value else show_value(value)
     return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-") or "x"
 
 
@@ -136,7 +133,7 @@ def expand_grid(axes: Mapping[str, Sequence[Any]],
         seen: list[Any] = []
         for v in values:
             if v in seen:
-                raise ValueError(f"sweep axis {axis!r} lists {_show(v)} twice")
+                raise ValueError(f"sweep axis {axis!r} lists {show_value(v, axis)} twice")
             seen.append(v)
     points, by_key = [], {}
     for combo in itertools.product(*axes.values()):

@@ -87,3 +87,11 @@ def test_point_name_is_readable_and_carries_the_key():
                         ("chunked_prefill", None)))
     assert point.name == f"config.json_sjf_r10_chunkoff_{point.key[:12]}"
     assert point.describe() == "model=/models/My Model/config.json policy=sjf rate=10 chunked_prefill=off"
+
+
+def test_a_point_at_the_traces_own_rate_says_so():
+    """No --rates (the trace's arrivals, or --rate-scale's): 'as traced', not 'off'; the
+    directory name keeps its old spelling so that stored sweeps still resume."""
+    point = SweepPoint(BASE, (("policy", "fcfs"), ("rate", None), ("chunked_prefill", None)))
+    assert point.describe() == "policy=fcfs rate=as traced chunked_prefill=off"
+    assert point.name.startswith("fcfs_roff_chunkoff_")
