@@ -6,8 +6,9 @@ for the answer, and the comparison report of every policy at every capacity foun
     files = write_capacity_report(Path("runs/cap"))   # DIR as `servelab capacity` left it
 
 Reads DIR/capacity.json (`sweeps/capacity.py`), DIR/sweep.json and the runs, so it can be
-rebuilt at any time. Cost: each probe's summary.json, the held probes' requests.csv (run
-length), then the comparison report's cost.
+rebuilt at any time. Runs that failed are named near the top; the rest is drawn from the
+runs that succeeded (at least one probe must have). Cost: each probe's summary.json, the
+held probes' requests.csv (run length), then the comparison report's cost.
 """
 from __future__ import annotations
 
@@ -35,16 +36,18 @@ def write_capacity_report(out_dir: Path) -> ReportFiles:
 
 
 def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
-    comparison = load_comparison(out_dir)
-    first = comparison.points[0].config
+    try:
+        comparison = load_comparison(out_dir)
+    except ValueError as exc:   # no run at the capacities is stored (they failed)
+        comparison, unstored = None, str(exc)
+    first, first_requests = _first_run(comparison, data["groups"], out_dir)
     target, tolerance = data["attainment_target"], data["tolerance"]
     groups = data["groups"]
     colours = plots.policy_colours(g["labels"].get("policy", "") for g in groups)
     doc: list = [Heading(1, f"Capacity at {target:.0%} SLO attainment: {first['trace']}"),
                  Text(_answer(groups, target, tolerance, first, data.get("num_requests"))),
-                 _bracket_table(groups)]
-    first_run = comparison.points[0]
-    tenants = tenants_tightest_first(slo_tiers(first, first_run.requests))
+                 _bracket_table(groups), *_failed_probes(groups)]
+    tenants = tenants_tightest_first(slo_tiers(first, first_requests))
     for labels, members in _variants(groups).items():
         suffix = f" ({describe_labels(dict(labels))})" if labels else ""
         slug = "_".join(f"{a}-{show_value(v)}" for a, v in labels).replace("/", "-")
@@ -61,8 +64,32 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
     notes = [f"{_who(g)}: {n}" for g in groups for n in g["notes"]]
     if notes:
         doc += [Heading(2, "Notes"), Bullets(notes)]
-    doc += build_document(comparison, title="The policies at each capacity found", level=2)
+    if comparison is None:
+        doc += [Heading(2, "The policies at each capacity found"),
+                Text(f"No run at the capacities succeeded ({unstored}); rerun the same command to retry them.")]
+    else:
+        doc += build_document(comparison, title="The policies at each capacity found", level=2)
     return doc
+
+
+def _first_run(comparison, groups, out_dir: Path) -> tuple[Mapping[str, Any], Any]:
+    """(config, request records) of the comparison's first point, else of the first probe
+    that succeeded: what the title and the tenants' SLO tiers are read from."""
+    if comparison is not None:
+        return comparison.points[0].config, comparison.points[0].requests
+    run = next(out_dir / RUNS_DIR / p["run"] for g in groups for p in g["probes"] if p["attainment"] is not None)
+    return read_json(run / "config.json")["config"], read_requests(run)
+
+
+def _failed_probes(groups) -> list:
+    failed = [f"{_who(g)} at {p['rate']:g} req/s: {p['error']}" for g in groups for p in g["probes"] if p["error"]]
+    if not failed:
+        return []
+    return [Heading(2, "Runs that failed"),
+            Text("These probes could not run, so the capacity of their group is unknown: its search stopped "
+                 "there, and the table above shows the bracket its other probes found. Rerunning the same "
+                 "command reuses every run that succeeded and retries these."),
+            Bullets(failed)]
 
 
 def _who(group: Mapping[str, Any]) -> str:
@@ -104,7 +131,8 @@ def _amount(group: Mapping[str, Any]) -> str:
     if status == "breaks":
         return f"less than {group['broke']['rate']:g} req/s (it broke at every rate tried)"
     if status == "failed":
-        return "an unknown rate (a run failed)"
+        held = group["held"]
+        return "an unknown rate (a run failed" + (f"; {held['rate']:g} req/s held)" if held else ")")
     return f"{group['capacity']:g} req/s"
 
 
@@ -112,8 +140,10 @@ def _bracket_table(groups) -> Table:
     rows = []
     for g in groups:
         held, broke = g["held"], g["broke"]
-        rows.append([_who(g),
-                     "n/a" if held is None else f"{held['rate']:g}",
+        capacity = "n/a" if held is None else f"{held['rate']:g}"
+        if g["status"] == "failed":
+            capacity = "unknown: a run failed" + ("" if held is None else f" ({capacity} held)")
+        rows.append([_who(g), capacity,
                      "n/a" if held is None else f"{100 * held['attainment']:.1f}",
                      "n/a" if broke is None else f"{broke['rate']:g}",
                      "n/a" if broke is None else f"{100 * broke['attainment']:.1f}",

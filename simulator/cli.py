@@ -8,6 +8,11 @@ The flags build one `SimulationConfig` (see `simulator/run.py`); DIR receives co
 policy and workload flags are the ones `servelab run` takes (`servelab.options`), so a
 simulated and a real run are spelled alike. Importing this module is cheap: the simulator
 is imported by the handler.
+
+Exit status: 0; 2 with one line for a user error (nothing is simulated); 1 when no request
+finished, or when a check after the simulation fails (a bug): the run directory is written
+first (without summary.json if the records cannot be summarised), then the check is
+reported in one line.
 """
 from __future__ import annotations
 
@@ -129,20 +134,28 @@ def user_errors() -> Iterator[None]:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from servelab.progress import RequestProgress
-    from servelab.simulator.run import build_simulation, write_run_dir
+    from servelab.simulator.run import RunCheckError, build_simulation, describe_check_failure, write_run_dir
 
     config = config_from_args(args)
     with user_errors():
         sim = build_simulation(config)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
     # without a bar (output not a terminal), SimPy runs its own loop: no check per event
-    result = sim.run((lambda sim_s, done, total: bar.update(done, sim_s)) if bar.enabled else None)
-    bar.close()
+    try:
+        result = sim.run((lambda sim_s, done, total: bar.update(done, sim_s)) if bar.enabled else None)
+        problem = None
+    except RunCheckError as exc:   # records to keep: written below, then reported
+        result, problem = exc.result, exc
+    finally:
+        bar.close()
     out = Path(args.out)
     try:
         write_run_dir(result, out, args.output_format)
     except OSError as exc:
         raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
+    if problem is not None:
+        print(f"servelab simulate: error: {describe_check_failure(problem, out)}", file=sys.stderr)
+        return 1
     print(format_summary(result, out, args.output_format))
     if not result.summary["completed"]:
         from servelab.reports.health import format_reasons, rejection_reasons

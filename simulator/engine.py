@@ -13,7 +13,9 @@ Event order is explicit, as SimPy orders by (time, priority, insertion id): an a
 released with URGENT priority, an engine step ends with NORMAL priority, so requests
 arriving at time t are in the scheduler before any step that starts at t — the same rule
 as "admit what has arrived by now". Requests with equal trace times are released in one
-instant, in trace order.
+instant, in trace order. An arrival is put at its trace time itself, not at a delay from
+now: in floats `now + (t - now)` may be `t` less one ulp, and a request released then
+would be scheduled before its own arrival time.
 
 Fast-forward. After each step the engine asks the scheduler how many of the next steps
 are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
@@ -30,6 +32,7 @@ float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
 from __future__ import annotations
 
 import math
+from heapq import heappush
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -65,6 +68,26 @@ class _Timeout(Event):
         env.schedule(self, priority, delay)
 
 
+class ExactTimeEnvironment(Environment):
+    """SimPy's environment plus `schedule_at`: an event at an absolute time. SimPy only
+    schedules at `now + delay`, which cannot always land exactly on a given time."""
+
+    def schedule_at(self, event: Event, priority: int, at: float) -> None:
+        """Put `event` at time `at` (>= now): `Environment.schedule`, with the time given."""
+        heappush(self._queue, (at, priority, next(self._eid), event))
+
+
+class _At(Event):
+    """A SimPy event at an absolute time (>= now), with an explicit priority."""
+
+    def __init__(self, env: ExactTimeEnvironment, at: float, priority: int) -> None:
+        self.env = env
+        self.callbacks = []
+        self._value = None
+        self._ok = True
+        env.schedule_at(self, priority, at)
+
+
 class ArrivalFeed:
     """When the next request of one arrival process is released: the exact time of its
     pending SimPy event (math.inf once the trace is exhausted). A replica's fast-forward
@@ -76,17 +99,15 @@ class ArrivalFeed:
         self.next_s = math.inf
 
 
-def arrival_process(env: Environment, requests: Iterable[Request],
+def arrival_process(env: ExactTimeEnvironment, requests: Iterable[Request],
                     deliver: Callable[[Request], None], feed: ArrivalFeed) -> Iterator[Event]:
-    """Release `requests` (in arrival order) at their trace times to `deliver`."""
-    last = -math.inf
+    """Release `requests` (in arrival order) to `deliver` when the clock reads exactly
+    their trace times."""
     for req in requests:
-        if req.arrival_s > last:
-            delay = req.arrival_s - env.now
-            if delay > 0:
-                feed.next_s = env.now + delay      # the very sum SimPy schedules at
-                yield _Timeout(env, delay, URGENT)
-            last = req.arrival_s
+        at = req.arrival_s
+        if at > env.now:
+            feed.next_s = at
+            yield _At(env, at, URGENT)
         deliver(req)
     feed.next_s = math.inf
 
@@ -197,6 +218,11 @@ class Replica:
         return duration
 
 
+class EngineStalled(RuntimeError):
+    """The simulation ran out of events with requests not done: an engine stopped with
+    work left (a bug). The records of the requests that finished are still there."""
+
+
 class Cluster:
     """Replicas behind a router, fed by a trace, in one SimPy environment.
 
@@ -223,7 +249,7 @@ class Cluster:
             i = int(early[0]) + 1
             raise ValueError(f"requests must be in arrival order: request {requests[i].request_id} "
                              f"arrives before request {requests[i - 1].request_id}")
-        self.env = env = Environment()
+        self.env = env = ExactTimeEnvironment()
         self.requests = requests
         self.num_requests = len(requests)
         self.last_arrival_s = float(arrivals[-1]) if len(arrivals) else 0.0
@@ -256,7 +282,8 @@ class Cluster:
     def run(self, progress: Progress | None = None, num_reports: int = 100) -> None:
         """Simulate until no event is left (every engine idle, the trace exhausted).
         `progress` is called about `num_reports` times over the trace span and at the
-        end; reporting adds no events, so it cannot change the simulation."""
+        end; reporting adds no events, so it cannot change the simulation. Raises
+        EngineStalled if requests are left undone."""
         env = self.env
         total = self.num_requests
         if progress is None:
@@ -273,8 +300,8 @@ class Cluster:
             progress(env.now, self.num_done, total)
         done = self.num_done
         if done != total:
-            raise RuntimeError(f"simulation ended with {done} of {total} requests done: "
-                               f"an engine stopped with work left")
+            raise EngineStalled(f"simulation ended with {done} of {total} requests done: "
+                                f"an engine stopped with work left")
 
     def request_records(self) -> RecordTable:
         """Every request's record, by request id."""

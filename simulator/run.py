@@ -240,11 +240,27 @@ class SimulationResult:
     columns)."""
     steps: RecordTable
     """Every replica's steps by start time (a Sequence of `StepRecord`, held as columns)."""
-    summary: dict[str, Any]
-    """`reports.metrics.summarize` of the records."""
+    summary: dict[str, Any] | None
+    """`reports.metrics.summarize` of the records (None only in a `RunCheckError`'s result,
+    when the records could not be summarised)."""
     derived: dict[str, Any]
     """What the run derived from the config (KV blocks, cost model, trace provenance)."""
     out_dir: Path | None = None
+
+
+class RunCheckError(ValueError):
+    """A simulation ran to the end, but what it produced fails a check made afterwards (an
+    engine stopped with work left, or records that `summarize` refuses): a bug in servelab,
+    not in the inputs. `result` holds what was simulated, its summary None when it could
+    not be computed; `run_simulation` writes it before raising. Across processes (a sweep's
+    workers) only the message travels: `result` is None there."""
+
+    def __init__(self, message: str, result: SimulationResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self):
+        return type(self), self.args   # pickled without the records
 
 
 class Simulation:
@@ -317,17 +333,28 @@ class Simulation:
         }
 
     def run(self, progress=None) -> SimulationResult:
-        """Simulate to the end; `progress(sim_s, done, total)` is called now and then."""
+        """Simulate to the end; `progress(sim_s, done, total)` is called now and then.
+        Raises RunCheckError, holding the records, if a check after the simulation fails."""
         from servelab.reports.metrics import summarize
+        from servelab.simulator.engine import EngineStalled
 
-        cluster = self.cluster
+        cluster, c = self.cluster, self.config
+        problem = summary = None
         with _gc_paused():
-            cluster.run(progress)
+            try:
+                cluster.run(progress)
+            except EngineStalled as exc:
+                problem = str(exc)
             requests, steps = cluster.request_records(), cluster.step_records()
-            c = self.config
-            summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms,
-                                slo_tpot_ms=c.slo_tpot_ms, tenant_weights=c.tenant_weights)
-        return SimulationResult(c, requests, steps, summary, self.derived())
+            try:
+                summary = summarize(requests, steps, slo_ttft_ms=c.slo_ttft_ms,
+                                    slo_tpot_ms=c.slo_tpot_ms, tenant_weights=c.tenant_weights)
+            except ValueError as exc:
+                problem = problem or str(exc)
+        result = SimulationResult(c, requests, steps, summary, self.derived())
+        if problem is not None:
+            raise RunCheckError(problem, result)
+        return result
 
 
 def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
@@ -389,9 +416,15 @@ def load_workload(config: SimulationConfig):
 def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
                    progress=None, output_format: str = "csv") -> SimulationResult:
     """Build and run one simulation; with `out_dir`, write its run directory there
-    (config.json, summary.json, requests and steps as `output_format`: csv or parquet)."""
+    (config.json, summary.json, requests and steps as `output_format`: csv or parquet).
+    A RunCheckError is raised after its records are written."""
     sim = build_simulation(config)
-    result = sim.run(progress)
+    try:
+        result = sim.run(progress)
+    except RunCheckError as exc:
+        if out_dir is not None:
+            write_run_dir(exc.result, Path(out_dir), output_format)
+        raise
     if out_dir is not None:
         write_run_dir(result, Path(out_dir), output_format)
         result = SimulationResult(result.config, result.requests, result.steps, result.summary,
@@ -400,14 +433,18 @@ def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
 
 
 def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = "csv") -> None:
-    """config.json, summary.json, then requests and steps (.csv or .parquet)."""
+    """config.json, summary.json (unless the result has none: a stale one is removed),
+    then requests and steps (.csv or .parquet)."""
     from servelab.reports.runio import write_json, write_records
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
                                          "config": result.config.to_dict(),
                                          "derived": result.derived})
-    write_json(out_dir / "summary.json", result.summary)
+    if result.summary is None:
+        (out_dir / "summary.json").unlink(missing_ok=True)
+    else:
+        write_json(out_dir / "summary.json", result.summary)
     write_records(out_dir, result.requests, result.steps, output_format)
 
 
@@ -427,8 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    write_run_dir(sim.run(), Path(args.out), args.output_format)
+    try:
+        result, problem = sim.run(), None
+    except RunCheckError as exc:
+        result, problem = exc.result, exc
+    write_run_dir(result, Path(args.out), args.output_format)
+    if problem is not None:
+        print(f"error: {describe_check_failure(problem, args.out)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def describe_check_failure(exc: RunCheckError, out_dir: Path | str) -> str:
+    """One line for a run whose records failed a check after the simulation, once they are
+    written to out_dir."""
+    summary = "" if exc.result.summary is None else "summary.json, "
+    return (f"{exc} (a check after the simulation failed: a bug in servelab, please report it; "
+            f"the simulated records are in {out_dir}: config.json, {summary}requests and steps)")
 
 
 if __name__ == "__main__":

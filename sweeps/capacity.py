@@ -26,6 +26,9 @@ Attainment need not be monotone in the rate (the seeded arrivals differ in detai
 bracket is always the first (lowest) rate that broke and the highest rate below it that
 held, so the capacity is conservative, and a rate above it that held is reported as a note.
 
+A probe that fails (its run raised) stops its group's search, not the others': the group's
+status is 'failed', its capacity unknown, and its bracket is what its other probes found.
+
 Cost: one simulation per probe; about log2(log(step) / log(1 + tolerance)) + 2 rounds,
 e.g. 5 rounds of one probe per group from a start within 10% of the capacity.
 """
@@ -99,7 +102,7 @@ class Capacity:
         """'found' (a bracket within the tolerance), 'holds' (held at every rate tried),
         'breaks' (broke at every rate tried), 'failed' (a probe could not run) or
         'unresolved' (stopped before the bracket was narrow enough)."""
-        if any(p.error for p in self.probes):
+        if self.failed:
             return "failed"
         if self.broke is None:
             return "holds"
@@ -109,8 +112,13 @@ class Capacity:
 
     @property
     def rate(self) -> float | None:
-        """The capacity: the last rate that held (None when none did)."""
-        return self.held.rate if self.held is not None else None
+        """The capacity: the last rate that held (None when none did, or a probe failed)."""
+        return self.held.rate if self.held is not None and not self.failed else None
+
+    @property
+    def failed(self) -> tuple[Probe, ...]:
+        """The probes that could not run, by rate."""
+        return tuple(p for p in self.probes if p.error)
 
     @property
     def width(self) -> float | None:
@@ -137,7 +145,9 @@ class _State:
     steps_taken: int = 0
 
     def bracket(self) -> tuple[Probe | None, Probe | None]:
-        ordered = sorted(self.probes.values(), key=lambda p: p.rate)
+        """(the highest rate that held below the first that broke, that one); probes that
+        failed neither hold nor break."""
+        ordered = sorted((p for p in self.probes.values() if not p.error), key=lambda p: p.rate)
         broke = next((p for p in ordered if not p.held), None)
         below = [p for p in ordered if p.held and (broke is None or p.rate < broke.rate)]
         return (below[-1] if below else None), broke

@@ -11,8 +11,11 @@ the report can show what each policy does at the others' limits.
 
 DIR receives the probes and those runs under runs/ (the store `compare` uses: rerunning
 skips what is done), capacity.json (the brackets, per group), sweep.json (the grid at the
-capacities), and index.html / report.md opening with the answer. Exit status 1 when a
-probe failed. Importing this module is cheap.
+capacities), and index.html / report.md opening with the answer. A run that fails (a probe,
+or a run at the capacities) is named, on the terminal and in the report, and the exit
+status is then 1; everything is still written from the runs that succeeded (a group whose
+probe failed shows the bracket its other probes found, its capacity unknown), and
+rerunning retries only what failed. Importing this module is cheap.
 """
 from __future__ import annotations
 
@@ -123,13 +126,11 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             found = search_capacity(searches, runner, start_rates=start, target=args.attainment,
                                     tolerance=args.tolerance, progress=progress,
                                     on_round=lambda k, n: setattr(progress, "prefix", f"round {k} "))
-            if all(c.status == "failed" for c in found):
-                raise CLIError("every search failed: " + next(p.error for p in found[0].probes if p.error))
             rates = sorted({c.rate for c in found if c.rate is not None}) or [min(start)]
             grid = {**others, "rate": tuple(rates)}
             points = [SweepPoint(s.build(rate), (*s.labels, ("rate", rate))) for s in searches for rate in rates]
             progress.prefix = "at the capacities "
-            runner.run(points, progress)
+            failed_runs = [o for o in runner.run(points, progress) if o.status == "failed"]
             write_sweep_file(out, points, grid)
             warnings = {i: steady_state_warning(c, runner.runs_dir) for i, c in enumerate(found)}
             write_capacity_file(out, found, warnings, start_rates=start,
@@ -144,9 +145,14 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             print(f"  note: {note}")
         if warnings[i]:
             print(f"  not steady: {warnings[i]}: an upper bound (a larger --num-requests tells)")
-    report = write_capacity_report(out)
-    print(f"report: {report.html.resolve()}\n        {report.markdown.resolve()}")
-    return 1 if any(c.status == "failed" for c in found) else 0
+    for o in failed_runs:
+        print(f"at the capacities: {o.point.describe()}: failed: {o.error}")
+    if any(p.attainment is not None for c in found for p in c.probes):
+        report = write_capacity_report(out)
+        print(f"report: {report.html.resolve()}\n        {report.markdown.resolve()}")
+    else:
+        print(f"no report: every probe failed (capacity.json in {out.resolve()} lists them)")
+    return 1 if failed_runs or any(c.status == "failed" for c in found) else 0
 
 
 def _config_at(args, parser, values: dict, rate: float):
@@ -156,8 +162,11 @@ def _config_at(args, parser, values: dict, rate: float):
 def _describe(c) -> str:
     who = ", ".join(f"{v}" if a == "policy" else f"{a}={v}" for a, v in c.labels.items())
     if c.status == "failed":
-        error = next(p.error for p in c.probes if p.error)
-        return f"{who}: failed: {error}"
+        failed = "; ".join(f"at {p.rate:g} req/s: {p.error}" for p in c.failed)
+        found = [f"{p.rate:g} req/s {'held' if p is c.held else 'broke'} ({p.attainment:.1%} within SLO)"
+                 for p in (c.held, c.broke) if p is not None]
+        return (f"{who}: capacity unknown, a run failed {failed}"
+                + (f"; of the runs that succeeded, {', '.join(found)}" if found else ""))
     if c.status == "holds":
         return (f"{who}: held at every rate tried, up to {c.held.rate:g} req/s "
                 f"({c.held.attainment:.1%} within SLO): the capacity is higher")

@@ -18,15 +18,19 @@ BASE = SimulationConfig(trace="default", num_requests=50)
 
 
 class FakeRunner:
-    """Stands in for a SweepRunner: the attainment at a rate is `curve(policy, rate)`."""
+    """Stands in for a SweepRunner: the attainment at a rate is `curve(policy, rate)`; the
+    points for which `fails(policy, rate)` is true fail."""
 
-    def __init__(self, curve, workers: int = 1) -> None:
-        self.curve, self.workers, self.batches = curve, workers, []
+    def __init__(self, curve, workers: int = 1, fails=lambda policy, rate: False) -> None:
+        self.curve, self.workers, self.fails, self.batches = curve, workers, fails, []
 
     def run(self, points, progress=None):
         self.batches.append([(p.config.policy, p.config.rate) for p in points])
         out = []
         for p in points:
+            if self.fails(p.config.policy, p.config.rate):
+                out.append(PointOutcome(p, Path("unused") / p.name, "failed", error="RunCheckError: a bug"))
+                continue
             attained = self.curve(p.config.policy, p.config.rate)
             summary = {"completed": 1000, "rejected": 0, "duration": 1.0, "request_goodput": 1000 * attained}
             out.append(PointOutcome(p, Path("unused") / p.name, "ran", summary))
@@ -79,6 +83,18 @@ def test_a_rate_above_the_first_break_that_held_is_a_note_and_the_bracket_stays_
     c = search_capacity(_searches("fcfs"), FakeRunner(curve), start_rates=[10.0, 12.5, 15.0])[0]
     assert 12.0 <= c.broke.rate <= 12.5 and c.held.rate < 12.0 and c.status == "found"
     assert any("not monotone" in n and "15 req/s" in n for n in c.notes)
+
+
+def test_a_failed_probe_stops_its_group_only_and_neither_holds_nor_breaks():
+    """sjf's first bisection probe (between 10 req/s, held, and 11, broke) fails: its
+    capacity is unknown, its bracket is what the other probes found; fcfs goes on."""
+    runner = FakeRunner(_cliff({"fcfs": 10.5, "sjf": 10.5}),
+                        fails=lambda policy, rate: policy == "sjf" and 10.0 < rate < 11.0)
+    fcfs, sjf = search_capacity(_searches("fcfs", "sjf"), runner, start_rates=[10.0])
+    assert fcfs.status == "found" and fcfs.held.rate <= 10.5 < fcfs.broke.rate
+    assert sjf.status == "failed" and sjf.rate is None and sjf.to_dict()["capacity"] is None
+    assert [p.error for p in sjf.failed] == ["RunCheckError: a bug"] and 10.0 < sjf.failed[0].rate < 11.0
+    assert (sjf.held.rate, sjf.broke.rate) == (10.0, 11.0) and len(sjf.probes) == 3
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -176,3 +192,41 @@ def test_a_capacity_whose_run_had_not_settled_is_flagged(tmp_path):
     flagged = warning(40.0)
     assert flagged.startswith("at 40 req/s only ") and "second half of the run" in flagged
     assert "the waiting queue never emptied over the last quarter of the arrivals" in flagged
+
+
+def test_runs_that_fail_are_named_and_the_report_comes_from_those_that_succeeded(capacity_dir, tmp_path,
+                                                                               monkeypatch, capsys):
+    """Every probe above the start rate fails (so every group's search fails): capacity.json and
+    the report are still written, from the start probes, naming the failed runs; exit status 1."""
+    import shutil
+
+    from servelab.sweeps import runner as runner_module
+
+    out = tmp_path / "cap"
+    shutil.copytree(capacity_dir / "runs", out / "runs")   # the probes stored: nothing to simulate
+    start = json.loads((capacity_dir / "capacity.json").read_text())["start_rates"][0]
+    error = "RunCheckError: request 4: times must satisfy arrival_s <= scheduled_s"
+
+    class FailingAboveTheStart(runner_module.SweepRunner):
+        def run(self, points, progress=None):
+            below = [p for p in points if p.config.rate <= start]
+            ran = dict(zip([p.key for p in below], super().run(below, progress) if below else []))
+            return [ran.get(p.key) or PointOutcome(p, self.runs_dir / p.name, "failed", error=error)
+                    for p in points]
+    monkeypatch.setattr(runner_module, "SweepRunner", FailingAboveTheStart)
+    assert main(["capacity", *FLAGS, "--workers", "1", "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    data = json.loads((out / "capacity.json").read_text())
+    for group in data["groups"]:
+        assert group["status"] == "failed" and group["capacity"] is None
+        failed = [p for p in group["probes"] if p["error"]]
+        assert len(failed) == 1 and failed[0]["rate"] > start and failed[0]["error"] == error
+        ran = [p for p in group["probes"] if not p["error"]]
+        assert [p["rate"] for p in ran] == [start]
+        assert (group["held"] or group["broke"])["rate"] == start
+        policy = group["labels"]["policy"]
+        assert f"{policy}: capacity unknown, a run failed at {failed[0]['rate']:g} req/s: {error}" in printed
+    text = (out / "report.md").read_text()
+    assert "## Runs that failed" in text and text.count(error) == 2
+    assert "an unknown rate (a run failed" in text.split("\n\n")[1]
+    assert (out / "index.html").exists()

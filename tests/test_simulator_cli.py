@@ -1,5 +1,6 @@
 """`servelab simulate` end to end: run directory, exact rerun from config.json, byte-identical
-outputs, and one-line errors (exit 2) for everything a user can get wrong."""
+outputs, one-line errors (exit 2) for everything a user can get wrong, and records written
+before a check after the simulation fails (exit 1)."""
 from __future__ import annotations
 
 import json
@@ -265,3 +266,68 @@ def test_a_progress_bar_on_a_terminal_changes_no_output(tmp_path, trace_file, mo
     assert "requests" in terminal.getvalue() and "simulated" in terminal.getvalue()
     for name in FILES:
         assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "bar" / name).read_bytes()
+
+
+# --------------------------------------------------------------------------- checks after the run
+def _break_after_the_run(monkeypatch, how: str) -> None:
+    """Make a check after the simulation fail: records that `summarize` refuses (request 3
+    scheduled a millisecond before it arrived), or an engine that stopped with work left."""
+    from dataclasses import replace
+
+    from servelab.record_table import RecordTable
+    from servelab.records import RequestRecord
+    from servelab.simulator.engine import Cluster, EngineStalled
+
+    if how == "bad records":
+        records = Cluster.request_records
+
+        def early(self):
+            return RecordTable.from_records(RequestRecord, [
+                replace(r, scheduled_s=r.arrival_s - 1e-3) if r.request_id == 3 else r for r in records(self)])
+        monkeypatch.setattr(Cluster, "request_records", early)
+    else:
+        run = Cluster.run
+
+        def stalled(self, progress=None):
+            run(self, progress)
+            raise EngineStalled("simulation ended with 59 of 60 requests done: an engine stopped with work left")
+        monkeypatch.setattr(Cluster, "run", stalled)
+
+
+@pytest.mark.parametrize("how, message, files", [
+    ("bad records", "request 3: times must satisfy arrival_s <= scheduled_s", set(FILES) - {"summary.json"}),
+    ("stalled", "simulation ended with 59 of 60 requests done", set(FILES)),
+])
+def test_a_failed_check_after_the_run_writes_the_records_then_one_line(tmp_path, trace_file, capsys,
+                                                                       monkeypatch, how, message, files):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")    # a stale summary must not pass for this run's
+    _break_after_the_run(monkeypatch, how)
+    assert simulate("--trace", str(trace_file), "--out", str(out)) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1
+    assert printed.err.startswith(f"servelab simulate: error: {message}")
+    assert "a bug in servelab" in printed.err and str(out) in printed.err
+    assert {p.name for p in out.iterdir()} == files
+    requests = read_requests(out / "requests.csv")
+    assert len(requests) == 60 and len(read_steps(out / "steps.csv")) > 0
+    if how == "bad records":
+        assert requests[3].scheduled_s == pytest.approx(requests[3].arrival_s - 1e-3)
+    assert load_config(out / "config.json").trace == str(trace_file)
+
+
+def test_run_simulation_writes_the_records_before_raising_a_failed_check(tmp_path, trace_file, monkeypatch):
+    import pickle
+
+    from servelab.simulator.run import RunCheckError
+
+    _break_after_the_run(monkeypatch, "bad records")
+    config = SimulationConfig(trace=str(trace_file))
+    with pytest.raises(RunCheckError, match="request 3: times must satisfy") as caught:
+        run_simulation(config, tmp_path / "run")
+    assert caught.value.result.summary is None and len(caught.value.result.requests) == 60
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "requests.csv", "steps.csv"]
+    # a sweep worker's failure reaches the driver as its message (a failed point)
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert isinstance(copy, ValueError) and str(copy) == str(caught.value) and copy.result is None
