@@ -39,11 +39,14 @@ def register(subparsers) -> None:
     from servelab.traces.cli import add_trace_arguments
 
     p = subparsers.add_parser(
-        "simulate", help="replay a trace through the SimPy simulator with a roofline cost model",
+        "simulate", help="replay a trace through the SimPy simulator with a fitted GPU cost model",
         description="Replay a request trace through the shared scheduler on simulated GPUs "
-                    "(roofline cost model) and write config.json, summary.json, and requests "
-                    "and steps (.csv or .parquet) to DIR.")
-    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+                    "(a per-kernel cost model fitted to measured kernel times) and write "
+                    "config.json, summary.json, and requests and steps (.csv or .parquet) to DIR.")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="run directory to write (refused when it holds another run)")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds another run or other files")
     add_output_options(p)
     add_trace_arguments(p)
     add_workload_options(p)
@@ -136,8 +139,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from servelab.progress import RequestProgress
     from servelab.simulator.run import RunCheckError, build_simulation, describe_check_failure, write_run_dir
 
+    from servelab.outdir import check_out_dir
+
     config = config_from_args(args)
     with user_errors():
+        check_out_dir(Path(args.out), config.to_dict(), force=args.force)
         sim = build_simulation(config)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
     # without a bar (output not a terminal), SimPy runs its own loop: no check per event
@@ -170,8 +176,10 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     SLO), latencies (n/a over nothing), rejection reasons, and an overload warning."""
     import numpy as np
 
+    from servelab.policies import nothing_to_act_on
     from servelab.reports.columns import floats
     from servelab.reports.health import format_reasons, overload, rejection_reasons
+    from servelab.traits import WorkloadTraits
     from servelab.reports.slo import slo_attainment
 
     s, config = result.summary, result.config
@@ -190,6 +198,10 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     sign = overload(result.requests, result.steps)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
+    idle = nothing_to_act_on(config.policy, WorkloadTraits.of(result.requests))
+    if idle is not None:
+        lines.append(f"note: {config.policy} has nothing to act on in this workload ({idle}): "
+                     "it admits requests exactly as fcfs does")
     lines.append(f"wrote {out}/config.json, summary.json, requests.{output_format}, "
                  f"steps.{output_format}")
     return "\n".join(lines)

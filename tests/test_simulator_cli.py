@@ -304,7 +304,7 @@ def test_a_failed_check_after_the_run_writes_the_records_then_one_line(tmp_path,
     out.mkdir()
     (out / "summary.json").write_text("{}")    # a stale summary must not pass for this run's
     _break_after_the_run(monkeypatch, how)
-    assert simulate("--trace", str(trace_file), "--out", str(out)) == 1
+    assert simulate("--trace", str(trace_file), "--out", str(out), "--force") == 1
     printed = capsys.readouterr()
     assert printed.out == "" and printed.err.count("\n") == 1
     assert printed.err.startswith(f"servelab simulate: error: {message}")
@@ -331,3 +331,37 @@ def test_run_simulation_writes_the_records_before_raising_a_failed_check(tmp_pat
     # a sweep worker's failure reaches the driver as its message (a failed point)
     copy = pickle.loads(pickle.dumps(caught.value))
     assert isinstance(copy, ValueError) and str(copy) == str(caught.value) and copy.result is None
+
+
+def test_out_holding_another_run_is_refused_unless_forced(tmp_path, trace_file, capsys):
+    """Rerunning the same command replaces the run with itself; another run, or a folder
+    of other files, is refused in one line and left as it was, unless --force."""
+    out = tmp_path / "run"
+    assert simulate("--trace", str(trace_file), "--out", str(out)) == 0
+    assert simulate("--trace", str(trace_file), "--out", str(out)) == 0      # the same run
+    capsys.readouterr()
+    before = (out / "config.json").read_text()
+    assert simulate("--trace", str(trace_file), "--out", str(out), "--policy", "sjf") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"servelab simulate: error: --out {out} holds "
+                                                   "another run (its policy differ)")
+    assert "--force" in err and (out / "config.json").read_text() == before
+    assert simulate("--trace", str(trace_file), "--out", str(out), "--policy", "sjf", "--force") == 0
+    assert load_config(out / "config.json").policy == "sjf"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    assert simulate("--trace", str(trace_file), "--out", str(notes)) == 2
+    assert "is not empty and holds no servelab run" in capsys.readouterr().err
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+
+
+def test_a_policy_with_nothing_to_act_on_says_so(tmp_path, traces_dir, capsys):
+    """azure-conv-2023 has one tenant and one priority: priority admits as fcfs does."""
+    common = ["--trace", "azure-conv-2023", "--trace-dir", str(traces_dir), "--num-requests", "40"]
+    assert simulate(*common, "--out", str(tmp_path / "p"), "--policy", "priority") == 0
+    out = capsys.readouterr().out
+    assert ("note: priority has nothing to act on in this workload (every request has priority 0): "
+            "it admits requests exactly as fcfs does") in out
+    assert simulate(*common, "--out", str(tmp_path / "f"), "--policy", "sjf") == 0
+    assert "nothing to act on" not in capsys.readouterr().out
