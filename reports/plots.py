@@ -290,16 +290,24 @@ def memory_waste(stats: Mapping[str, Mapping[str, MemoryStats]], colours: Mappin
 
 
 # --------------------------------------------------------------------------- fairness
+def tenant_styles(first: Sequence[str], tenants) -> dict[str, str]:
+    """Line style per tenant, the same in every figure of a report: the tenants of `first`
+    in its order (the reports pass the tightest SLO first, drawn solid), then the rest by
+    name."""
+    order = [t for t in first if t in set(tenants)] + sorted(set(tenants) - set(first))
+    return {t: TENANT_STYLES[i % len(TENANT_STYLES)] for i, t in enumerate(order)}
+
+
 def fairness(service: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
              jain: Mapping[str, Sequence[tuple[float, float, float]]], colours: Mapping[str, str],
-             title: str) -> Figure:
+             title: str, tenants_first: Sequence[str] = ()) -> Figure:
     """Top: per policy, each tenant's service rate over time (service[policy][tenant] =
-    (window centres in s, tokens/s)). Bottom: Jain's fairness index against the request
-    rate, over the whole run (solid) and its mean over time windows (dashed):
-    jain[policy] = [(rate, whole-run index, windowed index)]."""
+    (window centres in s, tokens/s)), tenants styled by `tenant_styles(tenants_first, ...)`.
+    Bottom: Jain's fairness index against the request rate, over the whole run (solid) and
+    its mean over time windows (dashed): jain[policy] = [(rate, whole-run index, windowed
+    index)]."""
     policies = list(service)
-    tenants = sorted({t for by_tenant in service.values() for t in by_tenant})
-    style = {t: TENANT_STYLES[i % len(TENANT_STYLES)] for i, t in enumerate(tenants)}
+    style = tenant_styles(tenants_first, {t for by_tenant in service.values() for t in by_tenant})
     height = 8.5
     with _style():
         fig = Figure(figsize=(max(10.0, 3.6 * len(policies)), height))

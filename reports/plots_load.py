@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from servelab.reports.plots import TENANT_STYLES, _legend_on_top, _log_scale, _margins, _style, _width
+from servelab.reports.plots import _legend_on_top, _log_scale, _margins, _style, _width, tenant_styles
 from servelab.reports.slo import Tier, describe_tier, tenants_tightest_first
 
 
@@ -48,7 +48,7 @@ def _tenant_styles(tiers: Sequence[Tier]) -> dict[str | None, str]:
     matter first), then dashed, dotted, ..."""
     tenants = tenants_tightest_first(tiers)
     styles: dict[str | None, str] = {None: "-"}
-    styles.update({t: TENANT_STYLES[i % len(TENANT_STYLES)] for i, t in enumerate(tenants)})
+    styles.update(tenant_styles(tenants, tenants))
     return styles
 
 
@@ -164,8 +164,9 @@ def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colour
     target as a dashed line, each policy's capacity as a dotted vertical line with a star
     (and its value in the legend). Right: the same per tenant (line style per tenant, in
     the order of `tenants`: solid first), which shows whose requests a policy gives up first."""
-    tenants = list(tenants or sorted({t for c in curves.values() for t in c.per_tenant}))
-    styles = {t: TENANT_STYLES[i % len(TENANT_STYLES)] for i, t in enumerate(tenants)}
+    present = {t for c in curves.values() for t in c.per_tenant}
+    styles = tenant_styles(tenants or (), present)
+    tenants = list(styles)
     two = len(tenants) > 1
     height = 6.0
     with _style():

@@ -16,7 +16,7 @@ from servelab.reports.comparison import ReportPoint, memory_stats, tenant_servic
 from servelab.reports.document import Image, Text
 from servelab.reports.findings import Group, break_tiers
 from servelab.reports.plots_load import BreakMarks, RatePoint, rate_sweep
-from servelab.reports.slo import MIN_ATTAINMENT
+from servelab.reports.slo import MIN_ATTAINMENT, tenants_tightest_first
 
 
 def figures(group: Group, colours, suffix: str, slug: str) -> list:
@@ -69,7 +69,8 @@ def figures(group: Group, colours, suffix: str, slug: str) -> list:
         plots.fairness({pol: _service_curves(p.requests) for pol, p in at.items()},
                        {pol: [(p.rate, p.summary["jain_fairness_index"] or 0.0, group.windowed[p.name])
                               for p in pts] for pol, pts in group.series.items()}, colours,
-                       f"Per-tenant service at {rate:g} req/s and Jain's index" + suffix)))
+                       f"Per-tenant service at {rate:g} req/s and Jain's index" + suffix,
+                       tenants_first=tenants_tightest_first(group.tiers))))
     return blocks
 
 

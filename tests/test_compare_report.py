@@ -362,3 +362,16 @@ def test_policy_colours_are_fixed_and_extras_deterministic():
     a = plots.policy_colours(["zeta", "fair", "alpha"])
     assert a == plots.policy_colours(["alpha", "zeta", "fair"]) and a["fair"] == "#d62728"
     assert len(set(a.values())) == 3
+
+
+def test_a_tenant_keeps_its_line_style_across_figures():
+    """The tightest-SLO tenant is solid in every figure (the rate sweep and the capacity
+    curves already ordered tenants so; the fairness figure sorted them by name)."""
+    assert plots.tenant_styles(["zeta"], {"alpha", "zeta"}) == {"zeta": "-", "alpha": "--"}
+    assert plots.tenant_styles([], {"b", "a"}) == {"a": "-", "b": "--"}
+    curve = (np.array([1.0, 2.0]), np.array([5.0, 6.0]))
+    fig = plots.fairness({"fcfs": {"alpha": curve, "zeta": curve}}, {"fcfs": [(1.0, 0.9, 0.8)]},
+                         {"fcfs": "#1f77b4"}, "t", tenants_first=["zeta"])
+    lines = {line.get_gid(): line.get_linestyle() for ax in fig.axes for line in ax.get_lines()
+             if (line.get_gid() or "").startswith("tenant:")}
+    assert lines == {"tenant:fcfs:zeta": "-", "tenant:fcfs:alpha": "--"}
