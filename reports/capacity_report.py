@@ -150,8 +150,8 @@ def _bracket_table(groups) -> Table:
                      "n/a" if g["bracket_width"] is None else f"{100 * g['bracket_width']:.1f}%",
                      str(len(g["probes"])),
                      "yes" if g.get("steady_state_warning") is None else "no (see below)"])
-    return Table(["Policy", "Capacity (req/s)", "SLO met there (%)", "First broken (req/s)",
-                  "SLO met there (%)", "Bracket", "Runs", "Queue settled at capacity"], rows)
+    return Table(["Policy", "Capacity (req/s)", "SLO met at capacity (%)", "First broken (req/s)",
+                  "SLO met where broken (%)", "Bracket", "Runs", "Queue settled at capacity"], rows)
 
 
 def _curve(group: Mapping[str, Any], out_dir: Path) -> CapacityCurve:

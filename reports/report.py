@@ -154,8 +154,6 @@ def summary_table(c: Comparison) -> list:
     """A sentence on what the values are, and the table; a column that is the same at every
     point and explained in the sentence (the whole-run Jain index) is left out."""
     columns = list(TABLE_COLUMNS)
-    if all(p.summary.get("prefix_cache_hit_rate") is not None for p in c.points):
-        columns.append(("Prefix hit rate", "prefix_cache_hit_rate", 3))
     text = ("Values are each run's summary.json (vLLM benchmark definitions), rounded; n/a: a "
             "statistic over no value (nothing finished). SLO met: requests that finished within "
             "their SLOs, over all requests.")
@@ -169,6 +167,10 @@ def summary_table(c: Comparison) -> list:
     variant = c.variant_axes()
     headers = ["Policy", "Rate (req/s)", *(_AXIS_NAMES.get(a, a) for a in variant),
                *(h for h, _, _ in columns), "SLO met (%)"]
+    hits = all(p.summary.get("prefix_cache_hit_rate") is not None for p in c.points)
+    if hits:   # in percent, as the prefix-caching section shows it
+        headers.insert(len(headers) - 1, "Prefix hit rate (%)")
     rows = [[p.policy, f"{p.rate:g}", *(show_value(p.labels[a]) for a in variant), *summary_cells(p, columns),
+             *([f"{100 * p.summary['prefix_cache_hit_rate']:.1f}"] if hits else []),
              f"{100 * slo_attainment(p.summary):.1f}"] for p in c.points]
     return [Text(text), Table(headers, rows)]

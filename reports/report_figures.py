@@ -98,7 +98,10 @@ def _vs_rate(group: Group, colours, suffix: str, slug: str) -> Image:
                  "p99 TTFT and TPOT per tenant (line style) with every SLO that applies drawn in grey "
                  f"({tiers or 'none given'}), the share of requests within their SLOs against the "
                  f"{MIN_ATTAINMENT:.0%} target, and goodput (throughput dashed). An X marks the rate at "
-                 "which a policy breaks, only on the panels whose value crossed its line there.",
+                 "which a policy breaks, only on the panels whose value crossed its line there. A "
+                 f"policy holds while at least {MIN_ATTAINMENT:.0%} of the requests meet their SLOs "
+                 "and no global SLO is exceeded at p99, so a tenant's p99 may cross that tenant's "
+                 "own SLO line (its slowest requests miss) while the policy still holds.",
                  rate_sweep(series, group.tiers, colours,
                             "Latency, SLO attainment and goodput vs request rate" + suffix,
                             breaks=marks, target=MIN_ATTAINMENT))

@@ -69,3 +69,14 @@ def test_no_section_without_a_prefix_cache(tmp_path):
                  "--policies", "fcfs", "--workers", "1", "--out", str(out)]) == 0
     assert prefix_section(load_comparison(out)) == []
     assert "Prefix caching" not in (out / "report.md").read_text()
+
+
+def test_the_summary_table_gives_the_hit_rate_in_percent_as_the_section_does(sweep):
+    from servelab.reports.report import summary_table
+
+    c = load_comparison(sweep)
+    table = next(b for b in summary_table(c) if isinstance(b, Table))
+    column = table.headers.index("Prefix hit rate (%)")
+    assert table.headers[-1] == "SLO met (%)"
+    for row, p in zip(table.rows, c.points):
+        assert float(row[column]) == pytest.approx(100 * p.summary["prefix_cache_hit_rate"], abs=0.05)
