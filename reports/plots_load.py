@@ -85,9 +85,15 @@ def rate_sweep(series: Mapping[str, Sequence[RatePoint]], tiers: Sequence[Tier],
     return fig
 
 
+LOG_SPAN = 3.0
+"""A latency panel goes to a log scale only when its values and SLO lines span more than
+this factor; a narrower range is drawn linear from 0."""
+
+
 def _latency_panel(ax, series, tiers, metric, styles, colours, breaks) -> None:
     key = f"p99_{metric}_ms"
     lines = tiers or [None]   # no SLO on this metric: the overall p99, nothing can break
+    shown = [t.slo_ms for t in tiers]
     for i, (policy, points) in enumerate(series.items()):
         points = sorted(points, key=lambda p: p.rate)
         for tier in lines:
@@ -98,6 +104,7 @@ def _latency_panel(ax, series, tiers, metric, styles, colours, breaks) -> None:
                     x.append(p.rate)
                     y.append(value)
             tenant = tier.tenant if tier is not None else None
+            shown += y
             ax.plot(x, y, marker="o", ls=styles.get(tenant, "-"), color=colours[policy],
                     lw=_width(i, len(series)) * 0.8, ms=4, gid=f"tier:{policy}:{metric}:{tenant}")
             mark = breaks.get(policy)
@@ -109,7 +116,10 @@ def _latency_panel(ax, series, tiers, metric, styles, colours, breaks) -> None:
                    gid=f"slo:{metric}:{tier.tenant}")
         ax.annotate(f"SLO {describe_tier(tier)}", (0.01, tier.slo_ms), xycoords=("axes fraction", "data"),
                     va="bottom", fontsize=9, color="0.25")
-    _log_scale(ax.yaxis)
+    if shown and max(shown) > LOG_SPAN * min(shown):
+        _log_scale(ax.yaxis)
+    elif shown:   # a narrow range on a log axis reads as ticks like 51.99 and 52.01 ms
+        ax.set_ylim(0, 1.15 * max(shown))
 
 
 def _attainment_panel(ax, series, colours, breaks, target: float) -> None:

@@ -375,3 +375,18 @@ def test_a_tenant_keeps_its_line_style_across_figures():
     lines = {line.get_gid(): line.get_linestyle() for ax in fig.axes for line in ax.get_lines()
              if (line.get_gid() or "").startswith("tenant:")}
     assert lines == {"tenant:fcfs:zeta": "-", "tenant:fcfs:alpha": "--"}
+
+
+def test_a_narrow_latency_range_is_drawn_linear_from_zero():
+    """One rate, two policies 0.02 ms apart: no log axis reading 51.99 and 52.01 ms."""
+    from servelab.reports.plots_load import RatePoint, rate_sweep
+
+    def point(p99):
+        summary = {"p99_ttft_ms": p99, "p99_tpot_ms": 10.0, "request_goodput": 1.0,
+                   "request_throughput": 1.0}
+        return RatePoint(5.0, summary, 1.0, {})
+
+    fig = rate_sweep({"fcfs": [point(52.0)], "sjf": [point(52.01)]}, [], COLOURS, "t",
+                     breaks={}, target=0.9)
+    ttft = fig.axes[0]
+    assert ttft.get_yscale() == "linear" and ttft.get_ylim()[0] == 0
