@@ -48,7 +48,10 @@ def register(subparsers) -> None:
                    help="catalog name or config.json path (default: the checkpoint's config)")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="folder of safetensors weights (default: seeded random weights)")
-    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="run directory to write (refused when it holds another run)")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds another run or other files")
     add_output_options(p)
     add_trace_arguments(p)
     add_scheduler_options(p, policies=policy_names())
@@ -89,7 +92,7 @@ def _recorded(args: argparse.Namespace) -> dict:
     """The parsed flags as JSON values, for config.json ('off' for an infinite wait)."""
     out = {}
     for key, value in sorted(vars(args).items()):
-        if callable(value):
+        if callable(value) or key == "force":   # how to write, not what was run
             continue
         out[key] = "off" if value == float("inf") else value
     return out
@@ -167,7 +170,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
-        result = run_real(config, out)
+        result = run_real(config, out, force=args.force)
     except RunSetupError as exc:
         raise CLIError(str(exc)) from None
     s = result.summary

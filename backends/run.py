@@ -51,6 +51,7 @@ from servelab.host_memory import check_prefix_block_sizes
 from servelab.memory.base import BlockUsage
 from servelab.models import ModelSpec, load_model_spec
 from servelab.options import OUTPUT_FORMATS
+from servelab.outdir import check_out_dir
 from servelab.outputs import PreemptionMode
 from servelab.policies import build_scheduler
 from servelab.records import RequestRecord, StepRecord
@@ -253,10 +254,11 @@ def _versions(device: torch.device) -> dict:
 
 
 def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
-             requests: Sequence[Request] | None = None) -> RealRunResult:
+             requests: Sequence[Request] | None = None, force: bool = False) -> RealRunResult:
     """Serve `requests` (default: config.trace's) on the real model and write the run
     directory (unless out_dir is None). Raises RunSetupError before creating anything when
-    the run cannot start."""
+    the run cannot start, or when out_dir holds another run and `force` is off
+    (`servelab.outdir`)."""
     with _setup_step():
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -309,6 +311,8 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
                           scheduler.policy.describe(), eos, len(live))
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
+        with _setup_step():
+            check_out_dir(out, described["config"], force=force)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", described)
 

@@ -362,3 +362,20 @@ def test_cli_without_the_backend_extra_says_how_to_install_it(tmp_path, capsys, 
     assert "\n" not in err and "(torch, triton missing)" in err
     assert "pip install 'servelab[backend]'" in err
     assert not out.exists()
+
+
+def test_cli_refuses_an_out_holding_another_run_unless_forced(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_CSV)
+    out = tmp_path / "run"
+    common = ["--model", "tiny-llama", "--trace", str(trace), "--out", str(out), "--kv-blocks", "12"]
+    assert run_cli(*common) == 0
+    assert run_cli(*common) == 0                               # the same run again
+    capsys.readouterr()
+    before = (out / "config.json").read_text()
+    assert run_cli(*common, "--policy", "sjf") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--out {out} holds another run" in err and "--force" in err
+    assert (out / "config.json").read_text() == before
+    assert run_cli(*common, "--policy", "sjf", "--force") == 0
+    assert json.loads((out / "config.json").read_text())["config"]["policy"] == "sjf"
