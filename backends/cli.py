@@ -99,7 +99,8 @@ def _recorded(args: argparse.Namespace) -> dict:
 
 
 BACKEND_MODULES = ("torch", "triton", "transformers", "safetensors")
-"""What `servelab run` needs beyond the simulator: the `backend` extra of pyproject.toml."""
+"""What `servelab run` needs beyond the simulator: the `backend` extra of pyproject.toml
+(tests/test_packaging.py keeps the two the same)."""
 
 
 def check_backend_installed() -> None:

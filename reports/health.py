@@ -15,9 +15,9 @@ Both signals below are read from the records alone:
   emptying for a quarter of the run);
 - a backlog held for most of the arrivals: at least MIN_QUEUE_FLOOR requests waited,
   without a break, for LONG_BACKLOG_FRACTION of the arrival span or more, even if it
-  drained before the end (what users felt: Llama-2-7B on an A100 under the whole
-  azure-conv-2023 trace queues up to 1,008 requests for 3,175 of its 3,502 s, with a mean
-  TTFT of 77 s, and empties just before the last arrival);
+  drained before the end (what users feel: Llama-2-7B on an A100 under the whole
+  azure-conv-2023 trace queues hundreds of requests for most of the hour and empties just
+  before the last arrival);
 - the run lasts far longer than its arrivals (simulated span / arrival span above
   DRAIN_RATIO): a backlog was drained after the last arrival.
 

@@ -54,8 +54,8 @@ def figures(group: Group, colours, suffix: str, slug: str) -> list:
         blocks.append(Text("Preemptions: none at any rate, so no figure."))
     tenants = {r.tenant for p in group.points for r in p.requests}
     if len(tenants) < 2:
-        blocks.append(Text(f"Fairness across tenants: one tenant ({next(iter(tenants))}), so "
-                           "no figure."))
+        who = f"one tenant ({next(iter(tenants))})" if tenants else "no requests"
+        blocks.append(Text(f"Fairness across tenants: {who}, so no figure."))
         return blocks
     blocks.append(Image(
         f"fairness{slug}", "Fairness across tenants" + suffix,

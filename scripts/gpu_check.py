@@ -37,6 +37,8 @@ import json
 import os
 import platform
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -144,8 +146,9 @@ class Runner:
     the whole run's deadline, logging each to its own file and the manifest after each."""
 
     def __init__(self, out: Path, plan: Plan, dry_run: bool, budget_s: float, trace: Path,
-                 argv: list[str]) -> None:
+                 argv: list[str], pack_into: Path | None = None) -> None:
         self.out, self.plan, self.dry_run, self.trace = out, plan, dry_run, trace
+        self.pack_into = pack_into
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
         self.sections: list[SectionResult] = []
@@ -179,13 +182,18 @@ class Runner:
                   f"{shlex.join(result.argv)}", flush=True)
             start = time.monotonic()
             with open(log, "w") as f:
+                # Its own process group, so that a stop ends its children too (pytest's xdist
+                # workers would otherwise keep the GPU busy into the next section).
+                proc = subprocess.Popen(result.argv, cwd=REPO, env={**self.env, **(env or {})},
+                                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
                 try:
-                    proc = subprocess.run(result.argv, cwd=REPO, env={**self.env, **(env or {})},
-                                          stdout=f, stderr=subprocess.STDOUT, timeout=limit)
-                    result.rc = proc.returncode
-                    result.status = "ok" if proc.returncode == 0 else "failed"
+                    result.rc = proc.wait(timeout=limit)
+                    result.status = "ok" if result.rc == 0 else "failed"
                 except subprocess.TimeoutExpired:
                     result.status, result.note = "timeout", f"stopped after {limit:.0f} s"
+                finally:
+                    if proc.poll() is None or result.status == "timeout":
+                        _kill_group(proc)
             result.wall_s = round(time.monotonic() - start, 2)
             print(f"[gpu-check] {section.name}/{name}: {result.status} in {result.wall_s} s"
                   + (f" (rc {result.rc}; see {log})" if result.status == "failed" else ""),
@@ -216,6 +224,26 @@ class Runner:
                       "timeout" if "timeout" in statuses else
                       "failed" if "failed" in statuses else "skipped")
         self.save()
+        self.pack()
+
+    def pack(self) -> None:
+        """Everything so far into `pack_into`/gpu-check.tgz (and the manifest beside it),
+        after every section: a call the device stops at its limit still brings back the
+        sections that finished."""
+        if self.pack_into is None:
+            return
+        archive = shutil.make_archive(str(self.pack_into / "gpu-check.partial"), "gztar",
+                                      root_dir=self.out.parent, base_dir=self.out.name)
+        os.replace(archive, self.pack_into / "gpu-check.tgz")
+        shutil.copyfile(self.out / "manifest.json", self.pack_into / "manifest.json")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def py(*args) -> list[str]:
@@ -383,6 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help=f"comma-separated subset of {','.join(SECTIONS)} (report always runs)")
     run.add_argument("--section-budgets", default="", metavar="NAME=S,...",
                      help="override sections' time boxes in seconds, e.g. engine=300")
+    run.add_argument("--pack-into", type=Path, default=None, metavar="DIR",
+                     help="after every section, pack --out into DIR/gpu-check.tgz")
     run.add_argument("--trace", type=Path, default=DEFAULT_SLICE,
                      help="the trace slice (default %(default)s, written by `slice`)")
     sl = sub.add_parser("slice", help="write the trace slice the device reads")
@@ -429,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace(plan, budgets_s={**plan.budgets_s, **args.section_budgets})
     budget = args.budget_s or sum(plan.budgets_s[s] for s in args.sections)
     args.out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(args.out, plan, args.dry_run, budget, args.trace.resolve(), raw[1:])
+    runner = Runner(args.out, plan, args.dry_run, budget, args.trace.resolve(), raw[1:],
+                    pack_into=args.pack_into)
     for name in args.sections:
         runner.section(name, BODIES[name])
     runner.manifest["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -61,9 +61,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 mkdir -p "$WORK"
-"$PY" scripts/gpu_check.py run --out "$WORK" "${ARGS[@]}" 2>&1 | tee "$WORK/console.log"
-rc=${PIPESTATUS[0]}
+PACK=()
 if [ -n "${OUT:-}" ] && [ "$(cd "$WORK" && pwd)" != "$(cd "$OUT" && pwd)" ]; then
+    PACK=(--pack-into "$OUT")   # after every section, so a stopped call still brings results
+fi
+"$PY" scripts/gpu_check.py run --out "$WORK" "${PACK[@]}" "${ARGS[@]}" 2>&1 | tee "$WORK/console.log"
+rc=${PIPESTATUS[0]}
+if [ ${#PACK[@]} -gt 0 ]; then
     tar czf "$OUT/gpu-check.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")"
     cp "$WORK/manifest.json" "$WORK/console.log" "$OUT/" 2>/dev/null
     cp "$WORK/gpu-results.md" "$OUT/" 2>/dev/null

@@ -113,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servelab {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # The reader went away (`servelab trace stats T | head`): stop quietly, and keep
-        # Python's final flush of stdout from raising again (the Python docs' recipe).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        # The reader of stdout went away (`servelab trace stats T | head`): stop quietly
+        # with the shell's status for SIGPIPE, and keep Python's final flush of stdout from
+        # raising again (the Python docs' recipe). Any other broken pipe is a real error.
+        try:            # is stdout the broken pipe? (one more byte tells: EPIPE if so)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        raise
     except KeyboardInterrupt as exc:
         # A second Ctrl-C while Python winds down (worker pools, atexit hooks) ends it at once.
         signal.signal(signal.SIGINT, signal.SIG_DFL)

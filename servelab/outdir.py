@@ -31,7 +31,7 @@ def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
     if not isinstance(earlier, dict) or earlier != wanted:
         keys = sorted(set(earlier) | set(wanted)) if isinstance(earlier, dict) else []
         differ = [k for k in keys if earlier.get(k) != wanted.get(k)]
-        what = f" (its {', '.join(differ[:6])}{', ...' if len(differ) > 6 else ''} differ)" \
-            if differ else ""
+        what = (f" (its {', '.join(differ[:6])}{', ...' if len(differ) > 6 else ''} "
+                f"differ{'s' if len(differ) == 1 else ''})") if differ else ""
         raise ValueError(f"--out {out} holds another run{what}: use another --out, or --force "
                          "to replace it")

@@ -42,10 +42,12 @@ class WorkloadTraits:
     def lacks(self, trait: str) -> str | None:
         """Why this workload gives `trait` nothing to act on, or None when it does."""
         if trait == TENANTS:
-            return f"one tenant ({next(iter(self.tenants))})" if len(self.tenants) < 2 else None
+            return (None if len(self.tenants) > 1 else
+                    f"one tenant ({next(iter(self.tenants))})" if self.tenants else "no requests")
         if trait == PRIORITIES:
-            return (f"every request has priority {next(iter(self.priorities))}"
-                    if len(self.priorities) < 2 else None)
+            return (None if len(self.priorities) > 1 else
+                    f"every request has priority {next(iter(self.priorities))}"
+                    if self.priorities else "no requests")
         if trait == SHARED_PREFIXES:
             return None if self.shared_prefixes else (
                 "no prompt found a cached prefix (prefix caching off, or no shared prefixes)")

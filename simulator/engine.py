@@ -13,9 +13,9 @@ Event order is explicit, as SimPy orders by (time, priority, insertion id): an a
 released with URGENT priority, an engine step ends with NORMAL priority, so requests
 arriving at time t are in the scheduler before any step that starts at t — the same rule
 as "admit what has arrived by now". Requests with equal trace times are released in one
-instant, in trace order. An arrival is put at its trace time itself, not at a delay from
-now: in floats `now + (t - now)` may be `t` less one ulp, and a request released then
-would be scheduled before its own arrival time.
+instant, in trace order. In floats `now + (t - now)` may be `t` less one ulp, and a
+request released then would be scheduled before its own arrival time: the arrival process
+waits that ulp too (`arrival_process`).
 
 Fast-forward. After each step the engine asks the scheduler how many of the next steps
 are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
@@ -32,7 +32,6 @@ float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
 from __future__ import annotations
 
 import math
-from heapq import heappush
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -68,26 +67,6 @@ class _Timeout(Event):
         env.schedule(self, priority, delay)
 
 
-class ExactTimeEnvironment(Environment):
-    """SimPy's environment plus `schedule_at`: an event at an absolute time. SimPy only
-    schedules at `now + delay`, which cannot always land exactly on a given time."""
-
-    def schedule_at(self, event: Event, priority: int, at: float) -> None:
-        """Put `event` at time `at` (>= now): `Environment.schedule`, with the time given."""
-        heappush(self._queue, (at, priority, next(self._eid), event))
-
-
-class _At(Event):
-    """A SimPy event at an absolute time (>= now), with an explicit priority."""
-
-    def __init__(self, env: ExactTimeEnvironment, at: float, priority: int) -> None:
-        self.env = env
-        self.callbacks = []
-        self._value = None
-        self._ok = True
-        env.schedule_at(self, priority, at)
-
-
 class ArrivalFeed:
     """When the next request of one arrival process is released: the exact time of its
     pending SimPy event (math.inf once the trace is exhausted). A replica's fast-forward
@@ -99,15 +78,19 @@ class ArrivalFeed:
         self.next_s = math.inf
 
 
-def arrival_process(env: ExactTimeEnvironment, requests: Iterable[Request],
+def arrival_process(env: Environment, requests: Iterable[Request],
                     deliver: Callable[[Request], None], feed: ArrivalFeed) -> Iterator[Event]:
-    """Release `requests` (in arrival order) to `deliver` when the clock reads exactly
-    their trace times."""
+    """Release `requests` (in arrival order) to `deliver` once the clock has reached their
+    trace times. SimPy schedules at `now + delay`, which can fall one ulp short of
+    `now + (t - now) = t`; then a second timeout of that one ulp (exact: both ends are
+    floats one ulp apart) brings the clock to `t`, so no request is ever released before
+    it arrives."""
     for req in requests:
         at = req.arrival_s
-        if at > env.now:
-            feed.next_s = at
-            yield _At(env, at, URGENT)
+        while env.now < at:
+            delay = at - env.now
+            feed.next_s = env.now + delay      # the very sum SimPy schedules at
+            yield _Timeout(env, delay, URGENT)
         deliver(req)
     feed.next_s = math.inf
 
@@ -249,7 +232,7 @@ class Cluster:
             i = int(early[0]) + 1
             raise ValueError(f"requests must be in arrival order: request {requests[i].request_id} "
                              f"arrives before request {requests[i - 1].request_id}")
-        self.env = env = ExactTimeEnvironment()
+        self.env = env = Environment()
         self.requests = requests
         self.num_requests = len(requests)
         self.last_arrival_s = float(arrivals[-1]) if len(arrivals) else 0.0

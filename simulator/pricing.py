@@ -113,7 +113,7 @@ def _attention(opts: dict) -> dict:
                                         profile.kernels.attn_decode, kvb)
         flops = 4.0 * d * heads * b * c
         kv_bytes = float(b * c * 2 * kv_heads * d * kvb)
-    compute = flops / gpu.peak_flops(out["kv_dtype"])
+    compute = flops / gpu.peak_flops("bf16")   # attention maths runs in bf16 whatever the cache holds
     memory = kv_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
     out.update(flops=flops, kv_bytes=kv_bytes, compute_ms=_ms(compute), memory_ms=_ms(memory),
                bound="compute" if compute > memory else "memory", predicted_ms=_ms(total),

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.simulator.run import SimulationResult, run_simulation, write_run_dir
-from servelab.sweeps.sweep import (DONE_MARKER, POINT_ERRORS, RAY_INSTALL_HINT, RUNS_DIR, PointOutcome,
+from servelab.sweeps.sweep import (POINT_ERRORS, RAY_INSTALL_HINT, RUNS_DIR, PointOutcome,
                                    Progress, SweepError, SweepOutcome, SweepPoint, sweep_lock, commit_point,
                                    is_done, write_sweep_file)
 
@@ -104,6 +104,8 @@ class SweepRunner:
         self._stack: contextlib.ExitStack | None = None
         self._pool: ProcessPoolExecutor | None = None
         self._ray = None
+        self._stored: set[str] = set()
+        """Keys of the points asked of this runner that are stored (run or found done)."""
 
     def __enter__(self) -> "SweepRunner":
         self.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -128,10 +130,10 @@ class SweepRunner:
             self._pool = self._ray = None
             self._stack.close()
         if interrupted:
-            stored = sum(1 for d in self.runs_dir.iterdir() if (d / DONE_MARKER).is_file())
             raise SweepInterrupted(
-                f"interrupted: {stored} point(s) are stored in {self.out_dir}; run the same "
-                "command again to resume (points already stored are not run again)") from None
+                f"interrupted: {len(self._stored)} point(s) of this sweep are stored in "
+                f"{self.out_dir}; run the same command again to resume (points already stored "
+                "are not run again)") from None
 
     def run(self, points: Sequence[SweepPoint], progress: Progress | None = None) -> list[PointOutcome]:
         """Run the points not already stored; one outcome per point, in order. `progress`
@@ -141,6 +143,8 @@ class SweepRunner:
 
         def settle(outcome: PointOutcome) -> None:
             settled[outcome.point.key] = outcome
+            if outcome.status != "failed":
+                self._stored.add(outcome.point.key)
             if progress is not None:
                 progress(outcome, len(settled), len(points))
 

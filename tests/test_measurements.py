@@ -364,5 +364,13 @@ def test_tables_of_several_engine_versions_are_never_pooled(tmp_path):
         ms = load_measurements([tmp_path], "h100-sxm", engine_version=version)
         assert ms.table("gemm")["latency_s"].tolist() == pytest.approx(
             [r["latency"] * 1e-3 for r in rows])
-    with pytest.raises(MeasurementError, match="no measurement"):
-        load_measurements([tmp_path], "h100-sxm", engine_version="0.99.0")
+    with pytest.raises(MeasurementError, match=r"no tables measured inside engine version '0\.14' "
+                                               r".*the versions there: 0\.14\.0, 0\.24\.0"):
+        load_measurements([tmp_path], "h100-sxm", engine_version="0.14")
+
+
+def test_a_table_of_several_engine_versions_is_an_error(tmp_path):
+    gemm_file(tmp_path, [GEMMS[0], {**GEMMS[1], "version": "0.24.0"}])
+    with pytest.raises(MeasurementError, match=r"gemm_perf\.parquet: rows measured inside several "
+                                               r"engine versions \(0\.14\.0, 0\.24\.0\)"):
+        load_measurements([tmp_path], "h100-sxm", engine_version="0.14.0")

@@ -92,3 +92,13 @@ def test_cli_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "servelab", "--help"], check=True,
                          capture_output=True, text=True).stdout
     assert "usage: servelab" in out
+
+
+def test_the_missing_backend_check_names_the_backend_extra():
+    import re
+    import tomllib
+
+    from servelab.backends.cli import BACKEND_MODULES
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["backend"]
+    assert sorted(re.match(r"[A-Za-z0-9_-]+", req).group() for req in extra) == sorted(BACKEND_MODULES)

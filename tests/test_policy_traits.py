@@ -64,3 +64,9 @@ def test_traits_are_read_from_records():
 @pytest.mark.parametrize("policy", policy_names())
 def test_every_policy_declares_known_traits(policy):
     assert set(POLICIES.get(policy).acts_on) <= set(TRAITS)
+
+
+def test_traits_of_no_requests_say_so():
+    empty = WorkloadTraits.of([])
+    assert nothing_to_act_on("fair", empty) == "no requests"
+    assert nothing_to_act_on("priority", empty) == "no requests"

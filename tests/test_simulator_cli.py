@@ -344,7 +344,7 @@ def test_out_holding_another_run_is_refused_unless_forced(tmp_path, trace_file, 
     assert simulate("--trace", str(trace_file), "--out", str(out), "--policy", "sjf") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"servelab simulate: error: --out {out} holds "
-                                                   "another run (its policy differ)")
+                                                   "another run (its policy differs)")
     assert "--force" in err and (out / "config.json").read_text() == before
     assert simulate("--trace", str(trace_file), "--out", str(out), "--policy", "sjf", "--force") == 0
     assert load_config(out / "config.json").policy == "sjf"

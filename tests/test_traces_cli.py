@@ -139,4 +139,4 @@ def test_output_cut_short_by_its_reader_ends_quietly(traces_dir):
     assert proc.stdout.readline().startswith("trace: ")
     proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err

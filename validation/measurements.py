@@ -108,6 +108,7 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
     sources: dict[str, list[str]] = {}
     dropped: dict[str, int] = {}
     versions: dict[str, list[Path]] = {}
+    skipped: set[str] = set()
     seen_any = False
     for folder in folders:
         root = Path(folder)
@@ -120,6 +121,7 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
             seen_any = True
             version = _engine_version(path) if reader is _read_aiconfigurator else None
             if engine_version is not None and version not in (None, engine_version):
+                skipped.add(version)
                 continue
             table, project = reader(path, spec, drop_bad_rows, dropped)
             if table is None:
@@ -141,6 +143,10 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
                                f"(expected aiconfigurator *_perf.parquet or Vidur *.mlp.csv / "
                                f"*.all_reduce.csv files)")
     tables = {fam: _dedupe(Table.concat(fam, ts), drop_bad_rows, dropped) for fam, ts in parts.items()}
+    if engine_version is not None and not versions and skipped:
+        raise MeasurementError(f"no tables measured inside engine version {engine_version!r} under "
+                               f"{', '.join(map(str, folders))}; the versions there: "
+                               f"{', '.join(sorted(skipped))}")
     if not any(len(t) for t in tables.values()):
         raise MeasurementError(f"no measurements for {spec.name} under "
                                f"{', '.join(map(str, folders))} (the tables found name other GPUs)")
@@ -148,14 +154,18 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
 
 
 def _engine_version(path: Path) -> str | None:
-    """The engine version an aiconfigurator table was measured in (its `version` column)."""
+    """The engine version an aiconfigurator table was measured in (its `version` column;
+    None when it has none). A table of several versions is an error: it would pool them."""
     import pyarrow.parquet as pq
 
     try:
         column = pq.read_table(path, columns=["version"]).column("version").unique().to_pylist()
     except Exception:            # no such column, or a damaged file: the reader says which
         return None
-    return str(column[0]) if len(column) == 1 else None
+    if len(column) > 1:
+        raise MeasurementError(f"{path}: rows measured inside several engine versions "
+                               f"({', '.join(sorted(map(str, column)))}); split it by version")
+    return str(column[0]) if column else None
 
 
 def _recognise(path: Path):
