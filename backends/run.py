@@ -300,19 +300,19 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         live = {r.request_id: with_prompt_tokens(r, spec.vocab_size, config.seed) for r in requests}
         if len(live) != len(requests):
             raise RunSetupError("request ids must be unique")
+        eos = spec.hf_config.get("eos_token_id")
+        described = _describe(config, spec, device, dtype, use_triton, cache_cfg, blocks_source,
+                              scheduler.policy.describe(), eos, len(live))
+        out = Path(out_dir) if out_dir is not None else None
+        if out is not None:   # before the model is built: a refusal costs nothing
+            check_out_dir(out, described["config"], force=force)
         runner = ModelRunner(spec, device=device, dtype=dtype, num_gpu_blocks=num_blocks,
                              num_cpu_blocks=cache_cfg.num_cpu_blocks,
                              num_host_blocks=cache_cfg.num_host_blocks, block_size=block_size,
                              use_triton=use_triton, checkpoint=config.checkpoint, seed=config.seed)
-    eos = spec.hf_config.get("eos_token_id")
     executor = RealExecutor(runner, live, config.sampling, replay=config.replay,
                             eos_token_id=eos, seed=config.seed)
-    described = _describe(config, spec, device, dtype, use_triton, cache_cfg, blocks_source,
-                          scheduler.policy.describe(), eos, len(live))
-    out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        with _setup_step():
-            check_out_dir(out, described["config"], force=force)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", described)
 
