@@ -5,6 +5,7 @@ one new file (docs/extending.md)."""
 from servelab.registry import import_submodules
 from servelab.policies.base import (KeyedQueue, Policy, PolicyFlag, SchedulerError, make_policy,
                                     nothing_to_act_on, policy_names, register_policy)
+from servelab.policies.edf import EDFPolicy
 from servelab.policies.fair import FairSharePolicy
 from servelab.policies.fcfs import FCFSPolicy
 from servelab.policies.lpm import LongestPrefixMatchPolicy
@@ -15,7 +16,7 @@ from servelab.policies.scheduler import Scheduler
 from servelab.policies.sjf import OutputLengthPredictor, SJFPolicy
 
 __all__ = [
-    "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
+    "EDFPolicy", "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
     "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
     "Scheduler", "SchedulerError", "build_scheduler", "make_policy", "make_preemption",
     "nothing_to_act_on", "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",

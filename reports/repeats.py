@@ -1,8 +1,9 @@
 """Policies whose runs repeat another policy's, and why: a report ranks distinct runs only.
 
 On a workload with one tenant, one priority and no shared prefixes, fair share, priority
-and lpm admit exactly as FCFS does (`servelab.traits`, `Policy.acts_on`), so their runs
-are the same runs. Ranking them, or drawing a fairness figure per policy, would tell a reader that
+and lpm order the waiting queue exactly as FCFS does (`servelab.traits`, `Policy.acts_on`);
+unless their preemption victims differ, their runs are the same runs, which is what
+`repeated_policies` checks. Ranking them, or drawing a fairness figure per policy, would tell a reader that
 "the policy does not matter" when the workload gave the policies nothing to act on.
 
     repeats = repeated_policies(points)   # {"priority": "fcfs", "fair": "fcfs"}

@@ -1,13 +1,15 @@
 """What a workload offers a policy to act on, and when a policy has nothing there.
 
-Priority scheduling orders by priority, fair share by tenant, lpm by cached prefix. On a
-workload with one priority, one tenant or no shared prefixes each admits requests exactly
-as FCFS does, and a comparison that ranks them ranks identical runs. A policy declares the
+Priority scheduling orders by priority, fair share by tenant, lpm by cached prefix, edf by
+TTFT deadline. On a workload with one priority, one tenant, no shared prefixes or one TTFT
+SLO each orders its waiting queue exactly as FCFS does (only a preemption victim may still
+differ: priority's is the latest arrival, FCFS's the latest admitted), and a comparison
+that ranks them mostly ranks identical runs. A policy declares the
 traits its order depends on (`Policy.acts_on`); `servelab.policies.nothing_to_act_on`
 says, in words, when a workload lacks every one of them, and the reports say which
 traits a workload lacks.
 
-    traits = WorkloadTraits.of(records)          # anything with .tenant, .priority, .cached_tokens
+    traits = WorkloadTraits.of(records)   # anything with .tenant, .priority, .cached_tokens, .slo_ttft_ms
     traits.lacks(PRIORITIES)                      # "every request has priority 0", or None
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 TENANTS = "tenants"
 PRIORITIES = "priorities"
 SHARED_PREFIXES = "shared prefixes"
-TRAITS = (TENANTS, PRIORITIES, SHARED_PREFIXES)
+TTFT_SLOS = "TTFT SLOs"
+TRAITS = (TENANTS, PRIORITIES, SHARED_PREFIXES, TTFT_SLOS)
 
 
 @dataclass(frozen=True)
@@ -28,16 +31,19 @@ class WorkloadTraits:
     shared_prefixes: bool
     """Some request found part of its prompt in the prefix cache (so prefix caching was on
     and prompts shared prefixes)."""
+    ttft_slos: frozenset = frozenset()
+    """The requests' own TTFT SLOs in ms (None for a request without one)."""
 
     @classmethod
     def of(cls, records: Iterable) -> "WorkloadTraits":
         """From per-request records (`servelab.records.RequestRecord` or alike)."""
-        tenants, priorities, shared = set(), set(), False
+        tenants, priorities, slos, shared = set(), set(), set(), False
         for r in records:
             tenants.add(r.tenant)
             priorities.add(r.priority)
+            slos.add(r.slo_ttft_ms)
             shared = shared or bool(r.cached_tokens)
-        return cls(frozenset(tenants), frozenset(priorities), shared)
+        return cls(frozenset(tenants), frozenset(priorities), shared, frozenset(slos))
 
     def lacks(self, trait: str) -> str | None:
         """Why this workload gives `trait` nothing to act on, or None when it does."""
@@ -48,6 +54,11 @@ class WorkloadTraits:
             return (None if len(self.priorities) > 1 else
                     f"every request has priority {next(iter(self.priorities))}"
                     if self.priorities else "no requests")
+        if trait == TTFT_SLOS:
+            return (None if len(self.ttft_slos) > 1 else
+                    "no request has a TTFT SLO of its own" if self.ttft_slos == {None} else
+                    f"every request has the TTFT SLO {next(iter(self.ttft_slos))} ms"
+                    if self.ttft_slos else "no requests")
         if trait == SHARED_PREFIXES:
             return None if self.shared_prefixes else (
                 "no prompt found a cached prefix (prefix caching off, or no shared prefixes)")

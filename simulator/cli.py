@@ -201,7 +201,7 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     idle = nothing_to_act_on(config.policy, WorkloadTraits.of(result.requests))
     if idle is not None:
         lines.append(f"note: {config.policy} has nothing to act on in this workload ({idle}): "
-                     "it admits requests exactly as fcfs does")
+                     "it orders waiting requests as fcfs does")
     lines.append(f"wrote {out}/config.json, summary.json, requests.{output_format}, "
                  f"steps.{output_format}")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from servelab.policies import nothing_to_act_on, policy_names
 from servelab.policies.base import POLICIES
@@ -31,11 +31,14 @@ def _plain(reqs: list[Request]) -> list[Request]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_a_policy_with_nothing_to_act_on_runs_exactly_as_fcfs(w):
+    """Without preemption (whose victim rules differ: priority's is the latest arrival,
+    FCFS's the latest admitted) the runs are identical."""
     reqs, sched, cache, policy, options = w
     cache = replace(cache, enable_prefix_caching=False, num_host_blocks=0)
     fcfs = simulate(_plain(reqs), sched, cache, "fcfs")
+    assume(not any(r.num_preemptions for r in fcfs.records))
     traits = WorkloadTraits.of(fcfs.records)
-    for name in ("priority", "fair", "lpm"):
+    for name in ("priority", "fair", "lpm", "edf"):
         assert nothing_to_act_on(name, traits) is not None
         opts = options if name == policy else None
         assert _timeline(simulate(_plain(reqs), sched, cache, name, opts)) == _timeline(fcfs), name
@@ -47,7 +50,8 @@ def test_reasons_name_what_the_workload_lacks():
     assert nothing_to_act_on("fair", lone) == "one tenant (chat)"
     assert "prefix caching off" in nothing_to_act_on("lpm", lone)
     assert nothing_to_act_on("fcfs", lone) is None and nothing_to_act_on("sjf", lone) is None
-    rich = WorkloadTraits(frozenset({"chat", "batch"}), frozenset({0, 1}), shared_prefixes=True)
+    rich = WorkloadTraits(frozenset({"chat", "batch"}), frozenset({0, 1}), shared_prefixes=True,
+                          ttft_slos=frozenset({50.0, None}))
     assert all(nothing_to_act_on(p, rich) is None for p in policy_names())
 
 
@@ -57,8 +61,8 @@ def test_traits_are_read_from_records():
     records = [RequestRecord(0, 0.0, 10, 5, "finished", tenant="a", priority=1, cached_tokens=0),
                RequestRecord(1, 0.0, 10, 5, "finished", tenant="b", priority=1, cached_tokens=16)]
     traits = WorkloadTraits.of(records)
-    assert traits == WorkloadTraits(frozenset({"a", "b"}), frozenset({1}), True)
-    assert traits.missing() == ["every request has priority 1"]
+    assert traits == WorkloadTraits(frozenset({"a", "b"}), frozenset({1}), True, frozenset({None}))
+    assert traits.missing() == ["every request has priority 1", "no request has a TTFT SLO of its own"]
 
 
 @pytest.mark.parametrize("policy", policy_names())

@@ -27,7 +27,7 @@ def workloads(draw):
     chunk = draw(st.sampled_from([None, 1, 3, 8, 32]))
     budget = draw(st.integers(4, 96))
     max_model_len = draw(st.sampled_from([32, 64, 256]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm", "edf"]))
     options = {}
     if policy == "priority":
         options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 1.0]))}
@@ -63,6 +63,7 @@ def workloads(draw):
             ids = ids + tuple(range(1000 * (i + 1), 1000 * (i + 1) + prompt - len(ids)))
         reqs.append(Request(i, t, prompt, out, n=draw(st.sampled_from([1, 1, 1, 2, 3])),
                             priority=draw(st.integers(0, 3)), tenant=draw(st.sampled_from("abc")),
+                            slo_ttft_ms=draw(st.sampled_from([None, 20.0, 500.0])),
                             prompt_token_ids=ids))
     return reqs, sched, cache, policy, options
 

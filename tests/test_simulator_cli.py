@@ -362,6 +362,6 @@ def test_a_policy_with_nothing_to_act_on_says_so(tmp_path, traces_dir, capsys):
     assert simulate(*common, "--out", str(tmp_path / "p"), "--policy", "priority") == 0
     out = capsys.readouterr().out
     assert ("note: priority has nothing to act on in this workload (every request has priority 0): "
-            "it admits requests exactly as fcfs does") in out
+            "it orders waiting requests as fcfs does") in out
     assert simulate(*common, "--out", str(tmp_path / "f"), "--policy", "sjf") == 0
     assert "nothing to act on" not in capsys.readouterr().out

@@ -1,0 +1,51 @@
+"""Earliest deadline first (policies/edf.py): the order it admits in, what it does for SLO
+attainment near capacity, and when it has nothing to act on."""
+from __future__ import annotations
+
+import json
+
+from servelab.cli import main
+from servelab.policies import nothing_to_act_on
+from servelab.traits import WorkloadTraits
+
+from sched_harness import make_requests, simulate
+from servelab.config import SchedulerConfig
+
+
+def test_admits_the_earliest_ttft_deadline_first():
+    """One sequence at a time; while request 0 runs (1 s), 1-3 arrive and are admitted by
+    deadline (arrival + SLO; 10 s without one): 3 (0.3 + 0.1), then 1 (0.1 + 1), then 2
+    (0.2 + 10)."""
+    reqs = make_requests([(0.0, 8, 100), (0.1, 8, 2, {"slo_ttft_ms": 1000.0}), (0.2, 8, 2),
+                          (0.3, 8, 2, {"slo_ttft_ms": 100.0})])
+    run = simulate(reqs, SchedulerConfig(max_num_seqs=1), policy="edf",
+                   policy_options={"default_slo_ms": 10_000.0})
+    assert run.admitted == [0, 3, 1, 2]
+    fcfs = simulate(make_requests([(0.0, 8, 100), (0.1, 8, 2, {"slo_ttft_ms": 1000.0}), (0.2, 8, 2),
+                                   (0.3, 8, 2, {"slo_ttft_ms": 100.0})]),
+                    SchedulerConfig(max_num_seqs=1), policy="fcfs")
+    assert fcfs.admitted == [0, 1, 2, 3]
+
+
+def test_near_capacity_edf_meets_more_slos_than_fcfs(tmp_path):
+    """The default workload (interactive requests with a tight TTFT SLO, batch ones with a
+    loose one) at 24 req/s, just past where FCFS holds: ordering by deadline keeps far more
+    requests within their SLOs (Jackson's rule); measured 7.85 against 4.74 req/s of goodput."""
+    goodput = {}
+    for policy in ("fcfs", "edf"):
+        out = tmp_path / policy
+        assert main(["simulate", "--trace", "default", "--num-requests", "3000", "--rate", "24",
+                     "--policy", policy, "--out", str(out)]) == 0
+        goodput[policy] = json.loads((out / "summary.json").read_text())["request_goodput"]
+    assert goodput["edf"] > 1.3 * goodput["fcfs"]
+
+
+def test_one_ttft_slo_for_every_request_gives_it_nothing_to_act_on():
+    from servelab.records import RequestRecord
+
+    same = [RequestRecord(i, 0.0, 10, 5, "finished", slo_ttft_ms=500.0) for i in range(3)]
+    assert nothing_to_act_on("edf", WorkloadTraits.of(same)) == "every request has the TTFT SLO 500.0 ms"
+    none = [RequestRecord(i, 0.0, 10, 5, "finished") for i in range(3)]
+    assert nothing_to_act_on("edf", WorkloadTraits.of(none)) == "no request has a TTFT SLO of its own"
+    mixed = same + [RequestRecord(9, 0.0, 10, 5, "finished", slo_ttft_ms=50.0)]
+    assert nothing_to_act_on("edf", WorkloadTraits.of(mixed)) is None
