@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from servelab.traits import WorkloadTraits
+from servelab.reports.columns import column
 from servelab.reports.comparison import ReportPoint
+from servelab.traits import TRAIT_COLUMNS, WorkloadTraits
 
 
 SAME_TO = 1e-9
@@ -53,7 +54,8 @@ def repeats_text(repeats: dict[str, str], points: Sequence[ReportPoint]) -> str 
     shown once, as fcfs.' (None when every policy ran differently)."""
     if not repeats:
         return None
-    missing = WorkloadTraits.of(r for p in points for r in p.requests).missing()
+    missing = WorkloadTraits.of_columns(*(
+        [v for p in points for v in column(p.requests, name)] for name in TRAIT_COLUMNS)).missing()
     why = (f"this workload: {'; '.join(missing)}" if missing else
            "at these rates nothing waited long enough for them to reorder it")
     sentences = []

@@ -22,6 +22,8 @@ PRIORITIES = "priorities"
 SHARED_PREFIXES = "shared prefixes"
 TTFT_SLOS = "TTFT SLOs"
 TRAITS = (TENANTS, PRIORITIES, SHARED_PREFIXES, TTFT_SLOS)
+TRAIT_COLUMNS = ("tenant", "priority", "slo_ttft_ms", "cached_tokens")
+"""The request-record fields `WorkloadTraits.of_columns` reads, in its argument order."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,18 @@ class WorkloadTraits:
 
     @classmethod
     def of(cls, records: Iterable) -> "WorkloadTraits":
-        """From per-request records (`servelab.records.RequestRecord` or alike)."""
-        tenants, priorities, slos, shared = set(), set(), set(), False
-        for r in records:
-            tenants.add(r.tenant)
-            priorities.add(r.priority)
-            slos.add(r.slo_ttft_ms)
-            shared = shared or bool(r.cached_tokens)
-        return cls(frozenset(tenants), frozenset(priorities), shared, frozenset(slos))
+        """From per-request records (`servelab.records.RequestRecord` or alike); for a
+        columnar table, `of_columns` reads the four columns without making records."""
+        records = list(records)
+        return cls.of_columns(*([getattr(r, name) for r in records] for name in TRAIT_COLUMNS))
+
+    @classmethod
+    def of_columns(cls, tenants: Iterable[str], priorities: Iterable[int],
+                   slo_ttft_ms: Iterable[float | None],
+                   cached_tokens: Iterable[int | None]) -> "WorkloadTraits":
+        """From the requests' columns (None where a request has no value)."""
+        return cls(frozenset(tenants), frozenset(priorities), any(map(bool, cached_tokens)),
+                   frozenset(slo_ttft_ms))
 
     def lacks(self, trait: str) -> str | None:
         """Why this workload gives `trait` nothing to act on, or None when it does."""

@@ -177,9 +177,9 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     import numpy as np
 
     from servelab.policies import nothing_to_act_on
-    from servelab.reports.columns import floats
+    from servelab.reports.columns import column, floats
     from servelab.reports.health import format_reasons, overload, rejection_reasons
-    from servelab.traits import WorkloadTraits
+    from servelab.traits import TRAIT_COLUMNS, WorkloadTraits
     from servelab.reports.slo import slo_attainment
 
     s, config = result.summary, result.config
@@ -198,7 +198,8 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     sign = overload(result.requests, result.steps)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
-    idle = nothing_to_act_on(config.policy, WorkloadTraits.of(result.requests))
+    idle = nothing_to_act_on(config.policy, WorkloadTraits.of_columns(
+        *(column(result.requests, name) for name in TRAIT_COLUMNS)))
     if idle is not None:
         lines.append(f"note: {config.policy} has nothing to act on in this workload ({idle}): "
                      "it orders waiting requests as fcfs does")
