@@ -66,9 +66,9 @@ def register(subparsers) -> None:
     b.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
                    help="virtual: time advances by measured step durations, idle gaps skipped; "
                         "wall: real time, arrivals waited for (default %(default)s)")
-    b.add_argument("--gpu-memory-utilization", type=_top_p, default=0.9, metavar="F",
+    b.add_argument("--gpu-memory-utilization", type=_top_p, default=None, metavar="F",
                    help="fraction of GPU memory the run may use when --kv-blocks is not given "
-                        "(default %(default)s)")
+                        "(default: the engine's, 0.9)")
     b.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 = greedy (default %(default)s)")
     b.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default)")
@@ -96,6 +96,17 @@ def _recorded(args: argparse.Namespace) -> dict:
             continue
         out[key] = "off" if value == float("inf") else value
     return out
+
+
+def _device_memory(device: str) -> tuple[int, str]:
+    """The device's memory in bytes and its name, which some engine defaults depend on
+    (`EnginePreset.batch_defaults`); (0, "cpu") on the CPU, where vLLM, unable to query a
+    GPU, takes its small-GPU defaults."""
+    import torch
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return 0, "cpu"   # no CUDA: the run itself reports it
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return props.total_memory, props.name
 
 
 BACKEND_MODULES = ("torch", "triton", "transformers", "safetensors")
@@ -141,8 +152,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     from servelab.backends.model import sliding_window
     window = sliding_window(spec)
+    memory, name = _device_memory(device)
     opts = configs_from_args(args, default_max_model_len=min(
-        spec.max_position_embeddings, window or spec.max_position_embeddings))
+        spec.max_position_embeddings, window or spec.max_position_embeddings),
+        device_memory_bytes=memory, device_name=name)
     if opts.scheduler.preemption == "swap" and not opts.cache["num_cpu_blocks"]:
         print("servelab run: note: --preemption swap without --cpu-kv-blocks: every "
               "preemption falls back to recompute", file=sys.stderr)
@@ -164,7 +177,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             policy=opts.policy, policy_options=opts.policy_options,
             sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
             replay=args.replay, clock=args.clock, seed=args.seed,
-            gpu_memory_utilization=args.gpu_memory_utilization, trace=trace,
+            gpu_memory_utilization=opts.gpu_memory_utilization, trace=trace,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
             save_outputs=args.save_outputs, cli_args=_recorded(args),
             output_format=args.output_format, kv_offload_gb=opts.kv_offload_gb)

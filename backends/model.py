@@ -1,10 +1,11 @@
 """A Llama-family decoder over a paged KV cache, and the runner that owns model and cache.
 
-Covers Llama 2/3/3.1, Mistral and Qwen2 (attention bias on q/k/v): RMSNorm, RoPE (plain or
-Llama-3.1 "llama3" frequency scaling), grouped-query attention, SwiGLU MLP, tied or separate
-LM head. The forward pass takes a flattened batch with no padding — prefill chunks first,
-then decode tokens — so a step costs what its tokens cost, whatever mix of sequences
-they come from. Attention reads and writes the paged cache through
+Covers Llama 2/3/3.1, Mistral, Qwen2 (attention bias on q/k/v) and Qwen3 (an RMSNorm over
+each head of q and k before RoPE, as transformers' `Qwen3Attention` does): RMSNorm, RoPE
+(plain or Llama-3.1 "llama3" frequency scaling), grouped-query attention, SwiGLU MLP, tied
+or separate LM head. The forward pass takes a flattened batch with no padding — prefill
+chunks first, then decode tokens — so a step costs what its tokens cost, whatever mix of
+sequences they come from. Attention reads and writes the paged cache through
 `servelab.backends.kernels` (Triton or the PyTorch reference).
 
 Numerics follow Hugging Face transformers: norms in fp32, residual adds in the model
@@ -149,14 +150,19 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.qkv_proj = Linear(spec.hidden_size, q + 2 * kv, spec.attention_bias, **where)
         self.o_proj = Linear(q, spec.hidden_size, o_proj_has_bias(spec), **where)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **where) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **where) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         num_tokens = x.shape[0]
-        q = _apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -241,7 +247,8 @@ def sliding_window(spec: ModelSpec) -> int | None:
     """The attention window the config asks for, if any (full attention is all we run)."""
     cfg = spec.hf_config
     window = cfg.get("sliding_window")
-    if spec.architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if spec.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") \
+            and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None
 

@@ -69,8 +69,9 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def o_proj_has_bias(spec: ModelSpec) -> bool:
-    """Llama's `attention_bias` covers q, k, v and o; Qwen2's covers q, k and v only."""
-    return spec.attention_bias and spec.architecture == "LlamaForCausalLM"
+    """Llama's and Qwen3's `attention_bias` cover q, k, v and o (transformers'
+    `LlamaAttention`, `Qwen3Attention`); Qwen2's covers q, k and v only."""
+    return spec.attention_bias and spec.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,10 @@ def hf_weight_layout(spec: ModelSpec) -> dict[str, WeightSlot]:
         layout[f"{attn}o_proj.weight"] = WeightSlot(f"{attn}o_proj.weight", 0, (h, q))
         if o_proj_has_bias(spec):
             layout[f"{attn}o_proj.bias"] = WeightSlot(f"{attn}o_proj.bias", 0, (h,))
+        if spec.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                layout[f"{attn}{norm}.weight"] = WeightSlot(f"{attn}{norm}.weight", 0,
+                                                            (spec.head_dim,))
         layout[f"{mlp}gate_proj.weight"] = WeightSlot(f"{mlp}gate_up_proj.weight", 0, (inter, h))
         layout[f"{mlp}up_proj.weight"] = WeightSlot(f"{mlp}gate_up_proj.weight", inter, (inter, h))
         layout[f"{mlp}down_proj.weight"] = WeightSlot(f"{mlp}down_proj.weight", 0, (h, inter))

@@ -35,8 +35,9 @@ SERVELAB = [sys.executable, "-m", "servelab"]
 
 
 def case_args(trace: Path, num_requests: int | None) -> list[str]:
+    # --engine servelab: prefix caching off unless asked for, as the case was first measured
     args = ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
-            "--policy", "fcfs", "--max-num-batched-tokens", "8192"]
+            "--engine", "servelab", "--policy", "fcfs", "--max-num-batched-tokens", "8192"]
     return args + (["--num-requests", str(num_requests)] if num_requests else [])
 
 

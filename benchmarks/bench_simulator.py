@@ -45,9 +45,11 @@ SERVELAB = [sys.executable, "-m", "servelab"]
 
 
 def azure_args(azure: Path) -> list[str]:
+    # --engine servelab: the case as first measured (chunks capped at 512 tokens, no prefix
+    # cache), so that counts and times compare across versions and with docs/performance.md
     return ["simulate", "--trace", str(azure), "--model", "llama-2-7b", "--gpu", "a100-80gb",
-            "--policy", "fcfs", "--block-size", "16", "--max-num-seqs", "128",
-            "--max-num-batched-tokens", "4096"]
+            "--engine", "servelab", "--policy", "fcfs", "--block-size", "16",
+            "--max-num-seqs", "128", "--max-num-batched-tokens", "4096"]
 
 
 def synthetic_trace(path: Path, requests: int, rate: float) -> None:
@@ -68,7 +70,7 @@ def synthetic_trace(path: Path, requests: int, rate: float) -> None:
 
 def synthetic_args(trace: Path) -> list[str]:
     return ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
-            "--policy", "fcfs", "--block-size", "16", "--max-num-seqs", "128",
+            "--engine", "servelab", "--policy", "fcfs", "--block-size", "16", "--max-num-seqs", "128",
             "--max-num-batched-tokens", "4096", "--output-format", "parquet"]
 
 

@@ -110,7 +110,13 @@ def _what_was_run(c: Comparison) -> list:
     count = f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,} to {counts[-1]:,}"
     chunk = f"chunked prefill of {sched['chunked_prefill']} tokens" if sched["chunked_prefill"] \
         else "no chunked prefill"
+    cost = derived.get("cost_model", {})
+    priced = f"engine {cfg.get('engine') or 'servelab'}" + (
+        f" (kernels: {cost['calibration']}, measured inside vLLM "
+        f"{cost['calibration_engine_version']})" if cost.get("calibration_engine_version")
+        and "gpu" not in swept else "")
     settings = [  # (the axis that would vary it, the words)
+        ("engine", priced),
         ("model", f"model {cfg['model']}"), ("gpu", f"GPU {cfg['gpu']}"),
         ("tp", f"tensor parallelism {cfg['tp']}"), (None, f"{cfg['replicas']} replica(s)"),
         (None, f"{derived.get('kv_blocks_per_replica', cfg['kv_blocks']):,} KV blocks per replica"

@@ -15,3 +15,17 @@ for gpu in a100-80gb h100-sxm; do
 done
 "$SL" calibrate --from-measurements "$DATA" --gpu l40s --drop-bad-rows --engine-version 0.14.0 \
     --data-version "$VERSION" --fallback "$OUT/a100-80gb.json" --out "$OUT/l40s.json"
+# Newer engines (profiles named <gpu>.vllm-<major.minor>, chosen by --engine): H100 keeps
+# Vidur's element-wise fit, which its folder search finds; B200 carries that family from
+# the H100 profile of the same engine, the RTX PRO 6000 (a PCIe card with GDDR memory, no
+# element-wise tables) from L40S's.
+V24="aiconfigurator aiconfigurator-vllm-0.24.0 tables (vLLM 0.24.0)"
+"$SL" calibrate --from-measurements "$DATA" --gpu h100-sxm --drop-bad-rows --engine-version 0.24.0 \
+    --data-version "$V24, vidur 7d47513" --out "$OUT/h100-sxm.vllm-0.24.json"
+"$SL" calibrate --from-measurements "$DATA/aiconfigurator-vllm-0.24.0" --gpu b200 --drop-bad-rows \
+    --engine-version 0.24.0 --data-version "$V24" --fallback "$OUT/h100-sxm.vllm-0.24.json" \
+    --out "$OUT/b200.vllm-0.24.json"
+"$SL" calibrate --from-measurements "$DATA/aiconfigurator-vllm-0.19.0" --gpu rtx-pro-6000 \
+    --drop-bad-rows --engine-version 0.19.0 \
+    --data-version "aiconfigurator aiconfigurator-vllm-0.19.0 tables (vLLM 0.19.0)" \
+    --fallback "$OUT/l40s.json" --out "$OUT/rtx-pro-6000.vllm-0.19.json"

@@ -310,7 +310,10 @@ def _run_args(plan: Plan, trace: Path) -> list[str]:
             "--max-num-seqs", str(plan.max_num_seqs),
             "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
             "--chunked-prefill", str(plan.chunked_prefill),
-            "--max-model-len", str(plan.max_model_len), "--seed", "0"]
+            "--max-model-len", str(plan.max_model_len), "--seed", "0",
+            # servelab's engine defaults (no prefix cache, 1% watermark): the runs of the
+            # first H200 check (docs/gpu-results.md), so that the next one compares with it
+            "--engine", "servelab"]
 
 
 def section_fidelity(r: Runner, sec: SectionResult, end: float) -> None:

@@ -44,6 +44,11 @@ class Parser(argparse.ArgumentParser):
 _NEGATIVE = re.compile(r"-\.?\d")
 
 
+_COMMAND_LINES = frozenset({"--vllm-args"})
+"""Options whose value is a command line of another program: `--vllm-args --enforce-eager`
+passes "--enforce-eager" as the value (argparse would take it for an option)."""
+
+
 def join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """Write `--flag -5,8` as `--flag=-5,8` when --flag takes a value, so that a negative
     value reaches the flag's validator ("expected a finite number > 0, got '-5'") instead
@@ -51,7 +56,7 @@ def join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> li
     takes_value = _value_options(parser)
     out = []
     for token in argv:
-        if out and out[-1] in takes_value and _NEGATIVE.match(token):
+        if out and out[-1] in takes_value and (_NEGATIVE.match(token) or out[-1] in _COMMAND_LINES):
             out[-1] = f"{out[-1]}={token}"
         else:
             out.append(token)

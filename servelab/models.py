@@ -3,6 +3,10 @@
 A model is described by the fields of its Hugging Face `config.json`, so a user adds a
 model by pointing at a config.json; the catalog is a folder of such files shipped with
 servelab (`servelab/data/models/<name>.json`).
+
+Dense decoders only: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (no bias, an RMSNorm
+over each head of q and of k before RoPE: transformers' `Qwen3Attention.q_norm/k_norm`,
+vLLM's `vllm/model_executor/models/qwen3.py`). Mixture-of-experts configs are refused.
 """
 from __future__ import annotations
 
@@ -11,7 +15,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+"""Architectures that RMS-normalise every head of q and k (weights [head_dim]) before RoPE."""
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""config.json fields that only mixture-of-experts models carry (Qwen3-MoE, Mixtral,
+DeepSeek)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,8 @@ class ModelSpec:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -39,7 +51,7 @@ class ModelSpec:
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -51,6 +63,11 @@ class ModelSpec:
     def from_hf_config(cls, config: dict, name: str | None = None) -> "ModelSpec":
         archs = config.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
+        moe = [f for f in _MOE_FIELDS if config.get(f)]
+        if moe or "Moe" in arch:
+            raise ValueError(f"{arch} is a mixture-of-experts model ({', '.join(moe) or 'experts'} "
+                             f"in its config), which servelab does not model yet; dense "
+                             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; servelab runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -74,6 +91,7 @@ class ModelSpec:
                 attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 architecture=arch,
+                qk_norm=arch in QK_NORM_ARCHITECTURES,
                 hf_config=dict(config),
             )
         except KeyError as exc:

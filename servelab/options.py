@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 from servelab.cli import CLIError
 from servelab.config import BATCHING_MODES, STEP_COMPOSITIONS, CacheConfig, SchedulerConfig
+from servelab.engines import BUDGET, DEFAULT_ENGINE, EnginePreset, engine_names, get_preset
 
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
@@ -53,6 +54,11 @@ class SchedulerOptions(NamedTuple):
     kv_offload_gb: float = 0.0
     """--kv-offload-gb: GiB of CPU memory per replica for the prefix cache's CPU tier; the
     caller turns it into `num_host_blocks` (it depends on the model's KV bytes)."""
+    engine: EnginePreset | None = None
+    """The --engine preset whose defaults filled the flags not given."""
+    gpu_memory_utilization: float | None = None
+    """--gpu-memory-utilization, or the engine's default (None where the command has no
+    such flag)."""
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -98,10 +104,12 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def chunk_tokens(text: str) -> int | None:
-    """TOKENS (>= 1) or 'off' (None: chunked prefill disabled)."""
-    if text.strip().lower() == "off":
-        return None
+def chunk_tokens(text: str) -> int | str:
+    """TOKENS (>= 1), 'off' (chunked prefill disabled) or 'budget' (one prefill may take
+    the whole step token budget, as vLLM V1 allows)."""
+    word = text.strip().lower()
+    if word in ("off", BUDGET):
+        return word
     return positive_int(text)
 
 
@@ -116,21 +124,26 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     from servelab.memory import block_manager_names
     from servelab.policies import policy_classes, preemption_names
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=positive_int, default=_SCHED_DEFAULTS["max_num_seqs"],
-                   metavar="N", help="most sequences in one step (default %(default)s)")
-    s.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
-                   default=_SCHED_DEFAULTS["max_num_batched_tokens"],
-                   help="token budget of one step (default %(default)s)")
-    s.add_argument("--chunked-prefill", type=chunk_tokens, metavar="TOKENS|off",
-                   default=_SCHED_DEFAULTS["chunked_prefill"],
-                   help="largest prefill chunk per sequence and step, or 'off' "
-                        "(default %(default)s)")
+    s.add_argument("--engine", choices=engine_names(), default=DEFAULT_ENGINE,
+                   help="the engine mirrored: its defaults for every flag below not given, and "
+                        "(simulate) the kernel profiles measured inside it; 'servelab' keeps "
+                        "servelab's own defaults (default %(default)s)")
+    s.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   metavar="N", help="most sequences in one step (default: the engine's; vLLM: "
+                                     "1024 on a GPU of >= 70 GiB other than an A100, else 256)")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N", default=None,
+                   help="token budget of one step (default: the engine's; vLLM: 8192 on a GPU "
+                        "of >= 70 GiB other than an A100, else 2048)")
+    s.add_argument("--chunked-prefill", type=chunk_tokens, metavar="TOKENS|budget|off",
+                   default=None,
+                   help="largest prefill chunk per sequence and step, 'budget' (the whole token "
+                        "budget) or 'off' (default: the engine's; vLLM: budget)")
     s.add_argument("--step-composition", choices=STEP_COMPOSITIONS,
                    default=_SCHED_DEFAULTS["step_composition"],
                    help="decode_first (stall-free) or prefill_first (default %(default)s)")
-    s.add_argument("--preemption", choices=preemption_names(), default=_SCHED_DEFAULTS["preemption"],
+    s.add_argument("--preemption", choices=preemption_names(), default=None,
                    help="recompute, or swap to the CPU pool (--cpu-kv-blocks) "
-                        "(default %(default)s)")
+                        "(default: the engine's; vLLM: recompute)")
     s.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence, prompt + output (default: the command's choice, "
                         "e.g. the model's context length)")
@@ -140,8 +153,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
                    help="continuous (iteration-level) or static (default %(default)s)")
 
     c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=positive_int, default=_CACHE_DEFAULTS["block_size"],
-                   metavar="TOKENS", help="tokens per KV block (default %(default)s)")
+    c.add_argument("--block-size", type=positive_int, default=None,
+                   metavar="TOKENS", help="tokens per KV block (default: the engine's; vLLM: 16)")
     c.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
                    help="GPU KV blocks (default: derived from device memory)")
     c.add_argument("--cpu-kv-blocks", type=non_negative_int, metavar="N",
@@ -150,12 +163,13 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     c.add_argument("--block-manager", choices=block_manager_names(),
                    default=_CACHE_DEFAULTS["block_manager"],
                    help="paged, or a contiguous reserve-up-front baseline (default %(default)s)")
-    c.add_argument("--watermark", type=non_negative_float, default=_CACHE_DEFAULTS["watermark"],
+    c.add_argument("--watermark", type=non_negative_float, default=None,
                    metavar="FRACTION",
-                   help="fraction of GPU blocks kept free at admission (default %(default)s)")
-    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_CACHE_DEFAULTS["enable_prefix_caching"],
-                   help="reuse the KV of shared prompt prefixes (default: off)")
+                   help="fraction of GPU blocks kept free at admission (default: the engine's; "
+                        "vLLM: 0; servelab: 0.01)")
+    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of shared prompt prefixes (default: the engine's; vLLM: "
+                        "on; servelab: off)")
     c.add_argument("--kv-offload-gb", type=non_negative_float, default=0.0, metavar="GB",
                    help="CPU memory per replica, GiB, for prefix blocks evicted from the GPU "
                         "(a CPU tier of the prefix cache, LRU; hits are loaded back over "
@@ -207,27 +221,44 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- conversion
 
 
-def configs_from_args(args: argparse.Namespace, *,
-                      default_max_model_len: int | None = None) -> SchedulerOptions:
+def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | None = None,
+                      device_memory_bytes: int = 0, device_name: str = "") -> SchedulerOptions:
     """The scheduler config, cache keyword arguments, policy name and policy options the
-    flags describe. Raises CLIError naming the flag for a value the configs reject, or a
-    policy flag given for another policy."""
+    flags describe, the --engine preset's defaults filling the flags not given (some depend
+    on the device: its memory and name). Raises CLIError naming the flag for a value the
+    configs reject, or a policy flag given for another policy."""
+    engine = get_preset(getattr(args, "engine", None) or DEFAULT_ENGINE)
+    d = engine.defaults(device_memory_bytes, device_name)
+
+    def given_or_default(dest: str, field: str):
+        value = getattr(args, dest, None)
+        return d[field] if value is None else value
+
     max_model_len = args.max_model_len or default_max_model_len or _SCHED_DEFAULTS["max_model_len"]
+    budget = given_or_default("max_num_batched_tokens", "max_num_batched_tokens")
+    chunk = given_or_default("chunked_prefill", "chunked_prefill")
+    chunk = budget if chunk == BUDGET else None if chunk == "off" else chunk
     scheduler = _checked(SchedulerConfig, dict(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill=args.chunked_prefill, step_composition=args.step_composition,
-        preemption=args.preemption, max_model_len=max_model_len,
+        max_num_seqs=given_or_default("max_num_seqs", "max_num_seqs"),
+        max_num_batched_tokens=budget, chunked_prefill=chunk,
+        step_composition=args.step_composition,
+        preemption=given_or_default("preemption", "preemption"), max_model_len=max_model_len,
         waiting_queue_limit=args.waiting_queue_limit, batching=args.batching))
-    cache = dict(block_size=args.block_size, num_gpu_blocks=args.kv_blocks,
-                 num_cpu_blocks=args.cpu_kv_blocks, watermark=args.watermark,
-                 enable_prefix_caching=bool(args.prefix_caching), block_manager=args.block_manager)
+    cache = dict(block_size=given_or_default("block_size", "block_size"),
+                 num_gpu_blocks=args.kv_blocks, num_cpu_blocks=args.cpu_kv_blocks,
+                 watermark=given_or_default("watermark", "watermark"),
+                 enable_prefix_caching=bool(given_or_default("prefix_caching",
+                                                             "enable_prefix_caching")),
+                 block_manager=args.block_manager)
     _checked(CacheConfig, {**cache, "num_gpu_blocks": args.kv_blocks or 1})  # validate early
     offload = getattr(args, "kv_offload_gb", 0.0) or 0.0
     if offload and not cache["enable_prefix_caching"]:
         raise CLIError("--kv-offload-gb: a CPU tier holds prefix-cache blocks and needs "
                        "--prefix-caching")
     return SchedulerOptions(scheduler, cache, args.policy, policy_options_from_args(args),
-                            offload)
+                            offload, engine, given_or_default("gpu_memory_utilization",
+                                                              "gpu_memory_utilization"))
+
 
 
 def policy_options_from_args(args: argparse.Namespace) -> dict:

@@ -17,6 +17,12 @@ A profile holds two layers, fitted from two kinds of measurement:
 
 Packaged profiles (`simulator/data/calibration/<name>.json`) are the defaults: each GPU's
 catalog entry names the one it uses (its own, or the nearest measured architecture's).
+Kernel times move between engine versions (on one H100, vLLM 0.24 against 0.14: BF16 GEMMs
+and attention 0.81-1.07 between the 10th and 90th percentiles, docs/fidelity.md; other
+kernels up to 2.9 times, ../shared/gpu-measurements/README.md), so a kernel-level profile
+names the engine version its tables were measured inside (`engine_version`), and one GPU
+may have a profile per version (`<gpu>.json` for vLLM 0.14.0, `<gpu>.vllm-<major.minor>.json`
+for the others); `profile_for` picks the one that prices a GPU under an engine version.
 `"none"` is the bare roofline: every peak reached, no floors, no overhead.
 """
 from __future__ import annotations
@@ -37,10 +43,10 @@ FORMAT = "servelab.calibration/2"
 OP_CLASSES = ("gemm", "attn_prefill", "attn_decode", "elementwise", "collective", "host_link")
 """The op classes a step's time is split into (see `CostModel.class_times`)."""
 
-PACKAGED_ENGINE_VERSION = "0.14.0"
-"""The vLLM version inside which the kernel tables behind the packaged profiles were
-measured (aiconfigurator 095f58a51's `aiconfigurator-vllm-0.14.0` tables): `servelab
-fidelity` judges the packaged profiles on that version's tables only."""
+ENGINE_VERSIONS = ("0.14.0", "0.19.0", "0.24.0")
+"""The vLLM versions packaged profiles were fitted inside (aiconfigurator's
+`aiconfigurator-vllm-<version>` tables in ../shared/gpu-measurements), oldest first: the
+newest is last. A test checks this against the packaged files."""
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 """CPU work per engine step (scheduling, input preparation, sampling bookkeeping, graph
 launch) that kernel measurements do not see. 1 ms is an assumption for a CUDA-graph
@@ -71,6 +77,10 @@ class CalibrationProfile:
     """Measured device figures replacing catalog ones (GPUSpec field -> value)."""
     model: str | None = None
     """The setup a run-fitted profile was measured on (None for kernel-level profiles)."""
+    engine_version: str | None = None
+    """The vLLM version the kernel tables were measured inside ("0.24.0"): kernel times of
+    one GPU differ between versions. None: unknown (a run-fitted profile of another engine,
+    a hand-written one)."""
     tp: int = 1
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
@@ -88,7 +98,8 @@ class CalibrationProfile:
                        fit_stats=dict(fit_stats), **setup)
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "device": self.device, "model": self.model, "tp": self.tp,
+        return {"format": FORMAT, "device": self.device, "engine_version": self.engine_version,
+                "model": self.model, "tp": self.tp,
                 "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
                 "step_overhead_s": self.step_overhead_s, "scales": dict(self.scales),
                 "kernels": self.kernels.to_dict(), "source": dict(self.source),
@@ -163,27 +174,158 @@ def load_profile(name_or_path: str | Path) -> CalibrationProfile:
     return CalibrationProfile.load(name_or_path)
 
 
-def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | None" = None
-            ) -> CalibrationProfile:
+def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | None" = None,
+            engine_version: str | None = None) -> CalibrationProfile:
     """The profile that prices `gpu`: `calibration` as given (a profile, a file, a packaged
-    name, or "none" for the bare roofline), else the GPU's default (`GPUSpec.calibration`).
+    name, or "none" for the bare roofline), else — with an `engine_version` — the packaged
+    profile `profile_for` picks for that version, else the GPU's default
+    (`GPUSpec.calibration`).
 
     A profile measured on another GPU is accepted only where the catalog says this GPU
-    borrows it (H200 from H100: efficiencies are fractions of each GPU's own peaks)."""
+    borrows it (H200 from H100: efficiencies are fractions of each GPU's own peaks). A
+    chosen profile fitted inside another engine version than `engine_version` is an error
+    (either one unknown, None, is accepted)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if engine_version is not None:
+        version_key(engine_version, "engine version")
     if calibration is None:
+        if engine_version is not None:
+            return profile_for(spec, engine_version)[0]
         return packaged(spec.calibration) if spec.calibration else bare_roofline(spec.name)
     if isinstance(calibration, CalibrationProfile):
-        profile = calibration
+        profile, label = calibration, "the calibration profile given"
     elif str(calibration) == NONE:
         return bare_roofline(spec.name)
     else:
-        profile = load_profile(calibration)
-    if profile.device not in (spec.name, spec.calibration):
+        profile, label = load_profile(calibration), f"calibration profile {calibration}"
+    lender = _borrowed_device(spec)
+    if profile.device not in (spec.name, lender):
+        advice = (f"(whose catalog entry borrows {spec.calibration or 'no profile'}): fit one "
+                  f"for {spec.name}" if lender != spec.name else
+                  f"(which has its own, e.g. {spec.calibration}): leave the calibration out")
         raise ValueError(f"calibration profile is for device {profile.device!r}, not "
-                         f"{spec.name!r} (whose catalog entry borrows "
-                         f"{spec.calibration or 'no profile'}): fit one for {spec.name}")
+                         f"{spec.name!r} {advice}")
+    if engine_version is not None and profile.engine_version is not None \
+            and version_key(profile.engine_version) != version_key(engine_version):
+        raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
+                         f"{profile.engine_version}, not the chosen engine's {engine_version}: "
+                         f"leave the calibration out to use "
+                         f"{packaged_choice(spec, engine_version)[0]}, or choose the engine "
+                         f"version {profile.engine_version}")
     return profile
+
+
+# ------------------------------------------------------------- engine-version resolution
+
+
+def version_key(version: str, what: str = "engine version") -> tuple[int, int, int]:
+    """"0.24" or "0.24.0" -> (0, 24, 0), for comparing versions; ValueError otherwise."""
+    parts = version.split(".") if isinstance(version, str) else []
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{what} must be a version such as 0.24.0, got {version!r}; "
+                         f"packaged profiles exist for {', '.join(ENGINE_VERSIONS)}")
+    numbers = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return numbers[0], numbers[1], numbers[2]
+
+
+def _distance(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return abs(a[0] - b[0]), abs(a[1] - b[1]) if a[0] == b[0] else 0, abs(a[2] - b[2])
+
+
+@cache
+def _packaged_versions() -> dict[str, dict[tuple[int, int, int], str]]:
+    """Device -> {engine version -> packaged name}, for the kernel-level packaged profiles
+    (read once: packaged data does not change)."""
+    index: dict[str, dict[tuple[int, int, int], str]] = {}
+    for name in packaged_names():
+        profile = packaged(name)
+        if profile.engine_version is None:
+            continue
+        key = version_key(profile.engine_version, f"calibration/{name}.json: engine_version")
+        versions = index.setdefault(profile.device, {})
+        if key in versions:
+            raise ValueError(f"calibration/{name}.json and calibration/{versions[key]}.json are "
+                             f"both {profile.device} at vLLM {profile.engine_version}")
+        versions[key] = name
+    return index
+
+
+def _borrowed_device(spec: GPUSpec) -> str | None:
+    """The measured GPU whose kernel parameters the catalog entry borrows (its own name
+    where it has a profile of its own)."""
+    if not spec.calibration:
+        return None
+    if spec.calibration in packaged_names():
+        return packaged(spec.calibration).device
+    return spec.calibration
+
+
+def _nearest(versions: dict[tuple[int, int, int], str], want: tuple[int, int, int]
+             ) -> tuple[int, int, int]:
+    """The version closest to `want` (major first, then minor, then patch); a tie goes to
+    the newer one."""
+    return min(versions, key=lambda v: (_distance(v, want), tuple(-x for x in v)))
+
+
+def _fmt(key: tuple[int, int, int]) -> str:
+    return ".".join(map(str, key))
+
+
+def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]:
+    """(packaged profile name, one line saying where it comes from): see `profile_for`.
+    "none" where the GPU has no measured profile to use (the bare roofline)."""
+    spec = get_gpu(spec) if isinstance(spec, str) else spec
+    want = version_key(engine_version)
+    index = _packaged_versions()
+    own = index.get(spec.name, {})
+    if want in own:
+        return own[want], f"{spec.name} kernels measured inside vLLM {_fmt(want)}"
+    if own:
+        got = _nearest(own, want)
+        return own[got], (f"carried over: no {spec.name} tables for vLLM {_fmt(want)}; "
+                          f"{spec.name}'s vLLM {_fmt(got)} profile (nearest engine version "
+                          f"measured on this GPU)")
+    lender = _borrowed_device(spec)
+    borrowed = index.get(lender, {}) if lender else {}
+    if want in borrowed:
+        return borrowed[want], (f"carried over: no {spec.name} tables; {lender}'s vLLM "
+                                f"{_fmt(want)} profile ({spec.name} borrows {lender}'s, "
+                                f"the nearest measured architecture)")
+    if borrowed:
+        got = _nearest(borrowed, want)
+        return borrowed[got], (f"carried over: no {spec.name} tables, no {lender} tables for "
+                               f"vLLM {_fmt(want)}; {lender}'s vLLM {_fmt(got)} profile "
+                               f"(nearest engine version measured on the GPU {spec.name} "
+                               f"borrows from)")
+    if spec.calibration:          # a profile of unknown engine version: as the catalog says
+        return spec.calibration, (f"{spec.calibration} (the catalog's profile for {spec.name}; "
+                                  f"engine version unknown)")
+    return NONE, f"bare roofline: no measured kernels for {spec.name}"
+
+
+def profile_for(spec: GPUSpec | str, engine_version: str) -> tuple[CalibrationProfile, str]:
+    """The packaged profile that prices `spec` under vLLM `engine_version`, and one line
+    saying where it comes from. In order:
+
+    1. the GPU's own profile fitted inside that version;
+    2. else the GPU's own profile at the nearest version measured on it. Across engine
+       versions one GPU's kernels moved little at the median (H100, vLLM 0.24 against
+       0.14: 0.94-1.02 for BF16 attention and GEMMs, docs/fidelity.md) but much across
+       architectures at one version (B200's decode attention is priced 65-95% slow at the
+       median by H100's parameters, issue 33), so the GPU's own kernels at another
+       version are the better guess;
+    3. else the profile of the GPU its catalog entry borrows from (`GPUSpec.calibration`:
+       the nearest measured architecture, e.g. h200 -> h100-sxm, rtx-4090 -> l40s) at that
+       version, or at the nearest version measured on that GPU;
+    4. else the bare roofline (a GPU whose catalog entry borrows nothing, e.g. `cpu`).
+
+    "Nearest" compares major, then minor, then patch numbers; a tie goes to the newer
+    version (an engine keeps a kernel backend it adopted more often than it reverts one).
+    Efficiencies are fractions of each GPU's own peaks, so a carried-over profile prices
+    the GPU's own datasheet figures."""
+    name, line = packaged_choice(spec, engine_version)
+    spec = get_gpu(spec) if isinstance(spec, str) else spec
+    return (bare_roofline(spec.name) if name == NONE else packaged(name)), line
 
 
 def _check_profile(p: CalibrationProfile) -> None:
@@ -191,6 +333,8 @@ def _check_profile(p: CalibrationProfile) -> None:
         raise ValueError(f"field 'device' must be a non-empty string, got {p.device!r}")
     if p.model is not None and (not isinstance(p.model, str) or not p.model):
         raise ValueError(f"field 'model' must be a non-empty string or null, got {p.model!r}")
+    if p.engine_version is not None:
+        version_key(p.engine_version, "field 'engine_version'")
     if not isinstance(p.kernels, KernelParams):
         raise ValueError(f"field 'kernels' must be a KernelParams, got {type(p.kernels).__name__}")
     if isinstance(p.tp, bool) or not isinstance(p.tp, int) or p.tp < 1:

@@ -67,9 +67,13 @@ def register(subparsers) -> None:
                    help="calibration profile for this GPU: a JSON file, a packaged profile name, "
                         "or 'none' for the bare roofline (default: the GPU's packaged profile, "
                         "fitted to measured kernel times; see `servelab cost`)")
-    h.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9, metavar="F",
-                   help="fraction of GPU memory the engine may use (default %(default)s)")
+    h.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
+                   help="fraction of GPU memory the engine may use (default: the engine's; 0.9)")
     add_scheduler_options(p, policies=policy_names())
+    p.add_argument("--vllm-args", metavar="'FLAGS'",
+                   help="a `vllm serve` command line (or its flags), read as the flags above: "
+                        "\"vllm serve meta-llama/Llama-3.1-8B --max-num-seqs 256 -tp 2\"; a flag "
+                        "also given directly must agree; flags servelab cannot model are refused")
 
     c = p.add_argument_group("cluster and simulation")
     c.add_argument("--replicas", type=positive_int, default=1,
@@ -89,9 +93,15 @@ def config_from_args(args: argparse.Namespace):
     from servelab.traces.cli import trace_dir_from
     from servelab.traces.datasets import DATASETS
 
+    from servelab.simulator.gpus import get_gpu
+
+    if getattr(args, "vllm_args", None):
+        args = with_vllm_args(args)
     with user_errors():
         context = None if args.max_model_len else load_model_spec(args.model).max_position_embeddings
-    opts = configs_from_args(args, default_max_model_len=context)
+        gpu = get_gpu(args.gpu)
+    opts = configs_from_args(args, default_max_model_len=context,
+                             device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)
     cache = opts.cache
     with user_errors():
         return SimulationConfig(
@@ -102,8 +112,8 @@ def config_from_args(args: argparse.Namespace):
             num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
             model=_absolute_if_file(args.model), gpu=_absolute_if_file(args.gpu), tp=args.tp,
             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
-            calibration=_absolute_if_file(args.calibration),
-            gpu_memory_utilization=args.gpu_memory_utilization, scheduler=opts.scheduler,
+            calibration=_absolute_if_file(args.calibration), engine=opts.engine.name,
+            gpu_memory_utilization=opts.gpu_memory_utilization, scheduler=opts.scheduler,
             policy=opts.policy, policy_options=opts.policy_options,
             block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
             cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
@@ -111,6 +121,29 @@ def config_from_args(args: argparse.Namespace):
             kv_offload_gb=opts.kv_offload_gb,
             replicas=args.replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward)
+
+
+_VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "replicas": 1, "router": "round-robin",
+                        "weight_dtype": "bf16", "kv_dtype": "bf16", "policy": "fcfs"}
+"""Flags --vllm-args may set whose parser default is not None: a value equal to the default
+counts as not given (so that --vllm-args can set it)."""
+
+
+def with_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the values --vllm-args sets; a flag given both ways must agree."""
+    from servelab.vllm_args import catalog_model, translate
+
+    with user_errors():
+        parsed = translate(args.vllm_args, catalog=catalog_model)
+    out = argparse.Namespace(**vars(args))
+    for dest, value in parsed.values.items():
+        given = getattr(args, dest, None)
+        if given is not None and given != _VLLM_DESTS_DEFAULTS.get(dest) and given != value:
+            flag = "--" + dest.replace("_", "-")
+            raise CLIError(f"{flag} {given} disagrees with --vllm-args, which sets it to {value}")
+        setattr(out, dest, value)
+    out.vllm_notes = parsed.notes
+    return out
 
 
 def _absolute_if_file(value: str | None) -> str | None:
@@ -145,6 +178,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
         sim = build_simulation(config)
+    for note in with_vllm_args(args).vllm_notes if args.vllm_args else ():
+        print(f"servelab simulate: note: {note}", file=sys.stderr)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
     # without a bar (output not a terminal), SimPy runs its own loop: no check per event
     try:
@@ -162,6 +197,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"servelab simulate: error: {describe_check_failure(problem, out)}", file=sys.stderr)
         return 1
+    print(f"engine {config.engine or 'servelab'}; kernels priced by {sim.profile_line}")
     print(format_summary(result, out, args.output_format))
     if not result.summary["completed"]:
         from servelab.reports.health import format_reasons, rejection_reasons

@@ -145,7 +145,8 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf1
     gemms = sum(g.weight_bytes * g.repeat for g in s.gemms)
     embedding = 0 if model.tie_word_embeddings else s.vocab * s.hidden * ACT_BYTES
     norms = (2 * s.num_layers + 1) * s.hidden * ACT_BYTES
-    return gemms + embedding + norms
+    qk_norms = 2 * s.num_layers * s.head_dim * ACT_BYTES if model.qk_norm else 0   # Qwen3
+    return gemms + embedding + norms + qk_norms
 
 
 # --- KV capacity, derived as an engine derives it ------------------------------------------

@@ -11,7 +11,7 @@ import csv
 from pathlib import Path
 
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import resolve
+from servelab.simulator.calibration import packaged_choice, resolve
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
@@ -27,11 +27,19 @@ _REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "
 
 def _setup(opts: dict):
     gpu = get_gpu(opts["gpu"])
-    profile = resolve(gpu, opts.get("calibration"))
+    profile, label = _profile(gpu, opts)
     if profile.gpu_overrides:
         gpu = gpu.with_overrides(**profile.gpu_overrides)
-    label = opts.get("calibration") or (gpu.calibration or "none")
     return gpu, profile, label
+
+
+def _profile(gpu, opts: dict):
+    """(profile, its name): the profile `--calibration` / `--engine-version` choose."""
+    engine_version = opts.get("engine_version")
+    profile = resolve(gpu, opts.get("calibration"), engine_version)
+    name = opts.get("calibration") or (packaged_choice(gpu, engine_version)[0] if engine_version
+                                       else gpu.calibration or "none")
+    return profile, name
 
 
 def _check(kind: str, opts: dict) -> None:
@@ -76,7 +84,8 @@ def _gemm(opts: dict) -> dict:
     compute = flops / (gpu.peak_flops(dtype) * p.compute_eff)
     memory = traffic / (gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
     total = float(K.gemm_time(m, n, k, gpu, p, dtype, in_bytes, in_bytes, out_bytes))
-    return {"kind": "gemm", "gpu": gpu.name, "calibration": label, "m": m, "n": n, "k": k,
+    return {"kind": "gemm", "gpu": gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "m": m, "n": n, "k": k,
             "dtype": dtype, "predicted_ms": _ms(total), "compute_ms": _ms(compute),
             "memory_ms": _ms(memory), "floor_ms": _ms(p.floor_s),
             "shape_ms": _ms(max(0.0, total - p.floor_s - max(compute, memory))),
@@ -92,7 +101,8 @@ def _attention(opts: dict) -> dict:
     kvb = DTYPE_BYTES[opts.get("kv_dtype") or "bf16"]
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
-    out = {"kind": "attention", "gpu": gpu.name, "calibration": label, "phase": phase,
+    out = {"kind": "attention", "gpu": gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "phase": phase,
            "batch": b, "context": c, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
            "kv_dtype": opts.get("kv_dtype") or "bf16"}
     if phase == "prefill":
@@ -134,7 +144,8 @@ def _allreduce(opts: dict) -> dict:
     n = opts["gpus"]
     moved = 2.0 * (n - 1) / n * nbytes
     link = moved / (gpu.interconnect_gbps * 1e9) if n > 1 else 0.0
-    return {"kind": "allreduce", "gpu": gpu.name, "calibration": label, "gpus": n,
+    return {"kind": "allreduce", "gpu": gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "gpus": n,
             "elements": opts["elements"], "dtype": dtype, "bytes": nbytes,
             "algorithm": algorithm, "predicted_ms": _ms(total), "link_ms": _ms(link),
             "bus_gbps": round(moved / total / 1e9, 1) if n > 1 and total > 0 else None}
@@ -169,9 +180,10 @@ def _step(opts: dict) -> dict:
         raise ValueError("--decode: a decoding sequence has a context of at least 1 token")
     if not prefill and not decode:
         raise ValueError("cost step needs --prefill and/or --decode")
+    profile, label = _profile(get_gpu(opts["gpu"]), opts)
     cm = CostModel(opts["model"], opts["gpu"], tp=opts.get("tp") or 1,
                    weight_dtype=opts.get("weight_dtype") or "bf16",
-                   kv_dtype=opts.get("kv_dtype") or "bf16", calibration=opts.get("calibration"))
+                   kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile)
     kv_capacity_blocks(cm.model, cm.gpu, tp=cm.tp, weight_dtype=cm.weight_dtype,
                        kv_dtype=cm.kv_dtype)          # raises when the model does not fit
     shape = BatchShape(
@@ -190,8 +202,8 @@ def _step(opts: dict) -> dict:
                     "per_layer_ms": _ms(op.time_s / layers) if op.per_layer else None,
                     "total_ms": _ms(op.time_s), "share_pct": round(100 * op.time_s / total, 2),
                     "bound": op.bound})
-    label = opts.get("calibration") or (cm.gpu.calibration or "none")
-    return {"kind": "step", "gpu": cm.gpu.name, "calibration": label, "model": cm.model.name,
+    return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "model": cm.model.name,
             "tp": cm.tp, "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
             "per_layer_ms": _ms(sum(op.time_s for op in cm.breakdown(shape).values()
@@ -202,7 +214,8 @@ def _step(opts: dict) -> dict:
 def describe(kind: str, r: dict) -> str:
     """The human-readable answer to `servelab cost KIND`."""
     head = f"{r['predicted_ms']:.4f} ms"
-    where = f"on {r['gpu']} (calibration: {r['calibration']})"
+    engine = f", vLLM {r['engine_version']}" if r.get("engine_version") else ""
+    where = f"on {r['gpu']} (calibration: {r['calibration']}{engine})"
     if kind == "gemm":
         return (f"{head}  GEMM [{r['m']}x{r['k']}] x [{r['k']}x{r['n']}] {r['dtype']} {where}\n"
                 f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "

@@ -32,6 +32,7 @@ from servelab import __version__
 from servelab._validate import check_choice, check_float, check_int, check_known_keys
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.record_table import RecordTable
+from servelab.engines import engine_names, get_preset
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
 
@@ -74,6 +75,12 @@ class SimulationConfig:
     calibration: str | None = None
     """A calibration profile for this GPU (a file, a packaged profile name, or "none" for
     the bare roofline); None: the GPU's packaged profile, fitted to measured kernel times."""
+    engine: str | None = None
+    """An engine preset (`servelab.engines`: vllm-0.24, ...): its engine version picks the
+    packaged profile fitted to kernels measured inside it when `calibration` is None.
+    None: the GPU's catalog profile, as before presets (what `servelab` does too). The
+    preset's scheduler defaults are not applied here: the CLI resolves them into the
+    fields below, which hold every value a run uses."""
     gpu_memory_utilization: float = 0.9
     # --- scheduler and policy -----------------------------------------------------------
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -110,6 +117,8 @@ class SimulationConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{o}.{name} must be a non-empty string or None, got {value!r}")
+        if self.engine is not None:
+            check_choice(o, "engine", self.engine, tuple(engine_names()))
         check_choice(o, "trace_format", self.trace_format, _TRACE_FORMATS)
         check_choice(o, "on_bad_row", self.on_bad_row, ("error", "drop"))
         if self.rate is not None:
@@ -166,8 +175,9 @@ class SimulationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if not self.kv_offload_gb:   # so that configs without a CPU tier read as before
-            del out["kv_offload_gb"]
+        for name in ("kv_offload_gb", "engine"):   # so that configs without them read as before
+            if not out[name]:
+                del out[name]
         out["scheduler"] = self.scheduler.to_dict()
         out["policy_options"] = json.loads(json.dumps(self.policy_options))
         return out
@@ -273,6 +283,7 @@ class Simulation:
         from servelab.policies import build_scheduler
         from servelab.simulator.cost_model import CostModel
         from servelab.simulator.engine import Cluster
+        from servelab.simulator.calibration import resolve
         from servelab.simulator.footprint import kv_capacity_blocks
         from servelab.simulator.gpus import get_gpu
         from servelab.simulator.router import make_router
@@ -281,8 +292,12 @@ class Simulation:
         with _gc_paused():
             trace = load_workload(c)
         model = load_model_spec(c.model)
-        cost = CostModel(model, get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
-                         kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
+        gpu = get_gpu(c.gpu)
+        engine_version = get_preset(c.engine).engine_version if c.engine else None
+        profile = resolve(gpu, c.calibration, engine_version=engine_version)
+        self.profile_name, self.profile_line = _profile_choice(gpu, c.calibration, engine_version)
+        cost = CostModel(model, gpu, tp=c.tp, weight_dtype=c.weight_dtype,
+                         kv_dtype=c.kv_dtype, calibration=profile, block_size=c.block_size)
         self.cost_model = cost
         sched = c.scheduler
         self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else kv_capacity_blocks(
@@ -324,8 +339,11 @@ class Simulation:
             "kv_blocks_source": "configured (kv_blocks)" if self.config.kv_blocks is not None else
                                 "derived from GPU memory",
             "cost_model": {"model": cost.model.name, "gpu": cost.gpu.name, "tp": cost.tp,
-                           "calibration": self.config.calibration or cost.gpu.calibration or "none",
+                           "engine": self.config.engine or "servelab",
+                           "calibration": self.profile_name,
+                           "calibration_source": self.profile_line,
                            "calibration_device": cost.profile.device,
+                           "calibration_engine_version": cost.profile.engine_version,
                            "step_overhead_s": cost.step_overhead_s,
                            "scales": dict(cost.scales),
                            "kernels": cost.kernels.to_dict()},
@@ -355,6 +373,17 @@ class Simulation:
         if problem is not None:
             raise RunCheckError(problem, result)
         return result
+
+
+def _profile_choice(gpu, calibration: str | None, engine_version: str | None) -> tuple[str, str]:
+    """The name of the profile that prices a run, and one line saying why it is that one."""
+    from servelab.simulator.calibration import packaged_choice
+
+    if calibration is not None:
+        return calibration, f"{calibration}, as given (--calibration)"
+    if engine_version is not None:
+        return packaged_choice(gpu, engine_version)
+    return gpu.calibration or "none", f"{gpu.calibration or 'none'}: {gpu.name}'s catalog profile"
 
 
 def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:

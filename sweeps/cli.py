@@ -4,8 +4,8 @@
 
 Every `servelab simulate` flag is accepted and applies to every point. The list flags
 sweep: --policies, --rates (mean request rate, req/s: the trace's arrivals are rescaled to
-it), --block-sizes, --chunk-sizes (tokens or off), --preemptions, --block-managers, --gpus,
---models, --tps. Each point's config is built from the flags exactly as `servelab simulate`
+it), --block-sizes, --chunk-sizes (tokens, budget or off), --preemptions, --block-managers,
+--gpus, --models, --tps, --engines. Each point's config is built from the flags exactly as `servelab simulate`
 builds it (its run directory's config.json reruns it), and a policy flag such as
 --sjf-predictor applies to that policy's points only.
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.cli import CLIError
+from servelab.engines import engine_names
 from servelab.memory import block_manager_names
 from servelab.options import policy_flag_owners
 from servelab.policies import preemption_names
@@ -41,7 +42,7 @@ def _positive_float(text: str) -> float:
     return positive_float(text)
 
 
-def _chunk(text: str) -> int | None:
+def _chunk(text: str) -> int | str:
     from servelab.options import chunk_tokens
     return chunk_tokens(text)
 
@@ -70,13 +71,14 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--block-managers", "block_manager", "--block-manager",
      _one_of(tuple(block_manager_names())), "BM,BM,..."),
     ("--block-sizes", "block_size", "--block-size", _positive_int, "TOKENS,..."),
-    ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|off,..."),
+    ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|budget|off,..."),
     ("--preemptions", "preemption", "--preemption",
      _one_of(tuple(preemption_names())), "MODE,MODE,..."),
     ("--routers", "router", "--router", _one_of(tuple(ROUTERS)), "R,R,..."),
+    ("--engines", "engine", "--engine", _one_of(tuple(engine_names())), "E,E,..."),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
-AXIS_ORDER = ("model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
+AXIS_ORDER = ("engine", "model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
               "preemption", "router", "policy", "rate")
 
 
@@ -124,7 +126,7 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
     simulate_cli.register(_ParserSlot(p))   # adds --out DIR and every simulate flag
     g = p.add_argument_group("sweep (comma-separated lists; each replaces its single flag)")
     notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
-             "chunked_prefill": " (token counts or off)"}
+             "chunked_prefill": " (token counts, budget or off)"}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:
         g.add_argument(flag, dest=f"sweep_{axis}", type=_list_of(parse), default=None, metavar=metavar,
                        help=f"values of {single} to sweep{notes.get(axis, '')}")

@@ -277,7 +277,7 @@ def test_cli_writes_a_complete_run_directory(tmp_path):
     out = tmp_path / "run"
     assert run_cli("--model", "tiny-llama", "--trace", str(trace), "--out", str(out),
                    "--block-size", "4", "--kv-blocks", "12", "--policy", "fair",
-                   "--tenant-weights", "a=2,b=1", "--seed", "5") == 0
+                   "--tenant-weights", "a=2,b=1", "--seed", "5", "--no-prefix-caching") == 0
     assert {p.name for p in out.iterdir()} == {"config.json", "summary.json", "requests.csv",
                                                "steps.csv", "outputs.jsonl"}
     summary = read_json(out / "summary.json")

@@ -200,7 +200,7 @@ def test_cli_kv_offload_gb_serves_hits_from_the_cpu_tier(tmp_path, capsys):
      "argument --kv-offload-gb: expected a finite number >= 0, got '-1'"),
     (["--prefix-caching", "--kv-offload-gb", "lots"],
      "argument --kv-offload-gb: expected a number, got 'lots'"),
-    (["--kv-offload-gb", "1"], "--kv-offload-gb: a CPU tier holds prefix-cache blocks and needs "
+    (["--no-prefix-caching", "--kv-offload-gb", "1"], "--kv-offload-gb: a CPU tier holds prefix-cache blocks and needs "
                                "--prefix-caching"),
     (["--prefix-caching", "--kv-offload-gb", "1e9"],
      r"--kv-offload-gb 1e\+09: tiny-llama in float32 on cpu needs .* GiB of host memory "

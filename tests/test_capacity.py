@@ -182,7 +182,7 @@ def test_a_capacity_whose_run_had_not_settled_is_flagged(tmp_path):
     runs = tmp_path / "runs"
     for rate in (3.0, 40.0):
         assert main(["simulate", "--trace", "default", "--num-requests", "300", "--rate", f"{rate:g}",
-                     "--out", str(runs / f"r{rate:g}")]) == 0
+                     "--engine", "servelab", "--out", str(runs / f"r{rate:g}")]) == 0
 
     def warning(rate: float):
         held = Probe(rate, f"r{rate:g}", 0.95, True)

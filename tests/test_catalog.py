@@ -19,6 +19,7 @@ SHAPES = {
     "llama-3.1-70b": (80, 8192, 64, 8, 128, 28672, 128256),
     "mistral-7b": (32, 4096, 32, 8, 128, 14336, 32000),
     "qwen2.5-7b": (28, 3584, 28, 4, 128, 18944, 152064),
+    "qwen3-32b": (64, 5120, 64, 8, 128, 25600, 151936),
     "tiny-llama": (2, 64, 4, 2, 16, 128, 256),
 }
 
@@ -26,7 +27,7 @@ SHAPES = {
 PUBLISHED_PARAMS = {
     "llama-2-7b": 6.74e9, "llama-2-13b": 13.02e9, "llama-2-70b": 68.98e9,
     "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "mistral-7b": 7.24e9,
-    "qwen2.5-7b": 7.62e9,
+    "qwen2.5-7b": 7.62e9, "qwen3-32b": 32.8e9,
 }
 
 # (max_position_embeddings, rope_theta, rms_norm_eps) of the published config.json files
@@ -34,7 +35,8 @@ ROPE_AND_NORM = {
     "llama-2-7b": (4096, 10000.0, 1e-5), "llama-2-13b": (4096, 10000.0, 1e-5),
     "llama-2-70b": (4096, 10000.0, 1e-5), "llama-3.1-8b": (131072, 500000.0, 1e-5),
     "llama-3.1-70b": (131072, 500000.0, 1e-5), "mistral-7b": (32768, 10000.0, 1e-5),
-    "qwen2.5-7b": (131072, 1000000.0, 1e-6), "tiny-llama": (2048, 10000.0, 1e-5),
+    "qwen2.5-7b": (131072, 1000000.0, 1e-6), "qwen3-32b": (40960, 1000000.0, 1e-6),
+    "tiny-llama": (2048, 10000.0, 1e-5),
 }
 
 
@@ -53,7 +55,8 @@ def test_catalog_entry_loads_with_its_published_shape(name):
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
             m.intermediate_size, m.vocab_size) == SHAPES[name]
     assert (m.max_position_embeddings, m.rope_theta, m.rms_norm_eps) == ROPE_AND_NORM[name]
-    assert m.head_dim * m.num_heads == m.hidden_size
+    if name != "qwen3-32b":   # Qwen3-32B: 64 heads of 128 = 8192 wide, hidden 5120
+        assert m.head_dim * m.num_heads == m.hidden_size
     assert not m.tie_word_embeddings
 
 
@@ -72,6 +75,8 @@ def test_architectures_and_biases():
     assert load_model_spec("qwen2.5-7b").architecture == "Qwen2ForCausalLM"
     assert load_model_spec("qwen2.5-7b").attention_bias  # Qwen2 has a QKV bias
     assert load_model_spec("mistral-7b").architecture == "MistralForCausalLM"
+    qwen3 = load_model_spec("qwen3-32b")
+    assert qwen3.architecture == "Qwen3ForCausalLM" and qwen3.qk_norm and not qwen3.attention_bias
     for name in ("llama-2-7b", "llama-3.1-8b", "mistral-7b", "tiny-llama"):
         assert not load_model_spec(name).attention_bias
     assert _raw("llama-3.1-8b")["rope_scaling"]["rope_type"] == "llama3"
@@ -115,6 +120,8 @@ DATASHEET = {
     "a100-80gb": (312, None, 2039, 80, 600, 32),
     "l40s": (362, 733, 864, 48, None, 32),
     "b200": (2250, 4500, 7700, 180, 1800, 64),
+    "rtx-pro-6000": (467.8, 935.6, 1597, 96, None, 64),
+    "rtx-4090": (165.2, 330.3, 1008, 24, None, 32),
 }
 
 

@@ -40,12 +40,12 @@ def test_each_point_is_the_config_simulate_builds_from_the_same_flags():
     axes, points = compare("--policies", "fcfs,sjf", "--rates", "10,20.5", "--chunk-sizes", "256,off",
                            "--sjf-predictor", "noisy", "--seed", "3", "--slo-ttft-ms", "500",
                            "--max-num-seqs", "64")
-    assert axes == {"chunked_prefill": (256, None), "policy": ("fcfs", "sjf"), "rate": (10.0, 20.5)}
+    assert axes == {"chunked_prefill": (256, "off"), "policy": ("fcfs", "sjf"), "rate": (10.0, 20.5)}
     assert len(points) == 8
     for point in points:
         labels = dict(point.labels)
         flags = ["--policy", labels["policy"], "--rate", f"{labels['rate']}", "--chunked-prefill",
-                 "off" if labels["chunked_prefill"] is None else str(labels["chunked_prefill"]),
+                 str(labels["chunked_prefill"]),
                  "--seed", "3", "--slo-ttft-ms", "500", "--max-num-seqs", "64"]
         if labels["policy"] == "sjf":   # a policy flag applies to its own policy's points only
             flags += ["--sjf-predictor", "noisy"]

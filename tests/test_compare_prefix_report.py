@@ -66,6 +66,7 @@ def test_findings_compare_lpm_and_prefix_affinity_with_the_others(sweep):
 def test_no_section_without_a_prefix_cache(tmp_path):
     out = tmp_path / "plain"
     assert main(["compare", "--trace", "default", "--num-requests", "30", "--kv-blocks", "400",
+                 "--no-prefix-caching",
                  "--policies", "fcfs", "--workers", "1", "--out", str(out)]) == 0
     assert prefix_section(load_comparison(out)) == []
     assert "Prefix caching" not in (out / "report.md").read_text()

@@ -38,7 +38,7 @@ def sweep(tmp_path_factory) -> Path:
     status = main(["compare", "--trace", "default", "--num-requests", "40", "--model", "llama-2-7b",
                    "--kv-blocks", "1000", "--rates", ",".join(f"{r:g}" for r in RATES),
                    "--block-managers", ",".join(MANAGERS), "--slo-ttft-ms", "2000",
-                   "--workers", "2", "--out", str(out)])
+                   "--engine", "servelab", "--workers", "2", "--out", str(out)])
     assert status == 0
     return out
 
@@ -390,3 +390,12 @@ def test_a_narrow_latency_range_is_drawn_linear_from_zero():
                      breaks={}, target=0.9)
     ttft = fig.axes[0]
     assert ttft.get_yscale() == "linear" and ttft.get_ylim()[0] == 0
+
+
+def test_the_report_names_the_engine_and_the_kernels_that_priced_it(sweep, tmp_path):
+    assert "Every point: engine servelab (kernels: h100-sxm, measured inside vLLM 0.14.0); model" in (sweep / "report.md").read_text()
+    out = tmp_path / "vllm"
+    assert main(["compare", "--trace", "default", "--num-requests", "10", "--policies", "fcfs",
+                 "--workers", "1", "--out", str(out)]) == 0
+    assert ("engine vllm-0.24 (kernels: h100-sxm.vllm-0.24, measured inside vLLM 0.24.0)"
+            in (out / "report.md").read_text())

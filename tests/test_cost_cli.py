@@ -61,7 +61,8 @@ def test_gemm_is_the_cost_models_gemm_at_that_shape(capsys, llama8b):
     rc, out, _ = cost(capsys, "gemm", "--gpu", GPU, "--m", 512, "--n", o_proj.n, "--k", o_proj.k)
     first = out.splitlines()[0]
     assert rc == 0 and first == (f"{r['predicted_ms']:.4f} ms  GEMM [512x{o_proj.k}] x "
-                                 f"[{o_proj.k}x{o_proj.n}] bf16 on h100-sxm (calibration: h100-sxm)")
+                                 f"[{o_proj.k}x{o_proj.n}] bf16 on h100-sxm (calibration: h100-sxm, "
+                                 f"vLLM 0.14.0)")
 
 
 def test_fp8_gemm_uses_the_fp8_parameters_and_peak(capsys):
@@ -142,7 +143,8 @@ def test_step_is_the_cost_models_step_time(capsys, llama8b):
 
 def test_json_keys_per_kind(capsys):
     gemm = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 1, "--n", 4096, "--k", 4096)
-    assert set(gemm) == {"kind", "gpu", "calibration", "m", "n", "k", "dtype", "predicted_ms",
+    assert set(gemm) == {"kind", "gpu", "calibration", "engine_version", "m", "n", "k", "dtype",
+                         "predicted_ms",
                          "compute_ms", "memory_ms", "floor_ms", "shape_ms", "bound", "flops",
                          "bytes", "achieved_tflops", "achieved_gbps"}
     assert (gemm["kind"], gemm["bound"], gemm["flops"]) == ("gemm", "memory", 2 * 4096 * 4096)
@@ -259,12 +261,36 @@ def assert_one_line_error(rc, out, err, *fragments):
     (["gemm", "--m", "1", "--n", "1", "--k", "1", "--out", "x.csv"], ["--out needs --points"]),
     (["gemm", "--m", "1", "--n", "1", "--k", "1", "--calibration", "a100-80gb"],
      ["calibration profile is for device 'a100-80gb'"]),
+    (["gemm", "--m", "1", "--n", "1", "--k", "1", "--calibration", "h100-sxm",
+      "--engine-version", "0.24.0"],
+     ["calibration profile h100-sxm was fitted to kernels measured inside vLLM 0.14.0",
+      "h100-sxm.vllm-0.24"]),
+    (["gemm", "--m", "1", "--n", "1", "--k", "1", "--engine-version", "latest"],
+     ["engine version must be a version such as 0.24.0"]),
 ])
 def test_impossible_requests_are_one_line_errors(capsys, tmp_path, monkeypatch, argv, fragments):
     monkeypatch.chdir(tmp_path)
     kind, *rest = argv
     assert_one_line_error(*cost(capsys, kind, "--gpu", GPU, *rest), *fragments)
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_an_engine_version_picks_its_profile_and_every_answer_names_it(capsys):
+    """--engine-version prices with the profile `profile_for` picks; text and JSON say which
+    profile and which vLLM version, for a kernel and for a whole step."""
+    argv = ("gemm", "--gpu", GPU, "--m", 64, "--n", 4096, "--k", 4096)
+    old, new = cost_json(capsys, *argv), cost_json(capsys, *argv, "--engine-version", "0.24.0")
+    assert (old["calibration"], old["engine_version"]) == ("h100-sxm", "0.14.0")
+    assert (new["calibration"], new["engine_version"]) == ("h100-sxm.vllm-0.24", "0.24.0")
+    expected = float(K.gemm_time(64, 4096, 4096, get_gpu(GPU),
+                                 resolve(GPU, engine_version="0.24.0").kernels.gemm))
+    assert new["predicted_ms"] == pytest.approx(expected * 1e3, abs=1e-6)
+    assert new["predicted_ms"] != old["predicted_ms"]
+    rc, out, _ = cost(capsys, *argv, "--engine-version", "0.24.0")
+    assert rc == 0 and "(calibration: h100-sxm.vllm-0.24, vLLM 0.24.0)" in out.splitlines()[0]
+    step = cost_json(capsys, "step", "--gpu", "h200", "--model", "llama-3.1-8b",
+                     "--decode", "8:100", "--engine-version", "0.24.0")
+    assert (step["calibration"], step["engine_version"]) == ("h100-sxm.vllm-0.24", "0.24.0")
 
 
 def test_a_model_that_fits_at_a_higher_tp_is_priced(capsys):

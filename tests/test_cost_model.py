@@ -268,8 +268,8 @@ def test_gpus_without_measurements_borrow_a_named_profile():
             continue
         assert spec.calibration in packaged_names(), name
         profile = resolve(spec)
-        assert profile.device == spec.calibration
-        if spec.calibration != name:     # carried over: the catalog says why
+        assert profile is packaged(spec.calibration)
+        if profile.device != name:       # carried over: the catalog says why
             assert "carried over" in spec.source or "No public kernel measurements" in spec.source
     # H200 prices with H100's kernel parameters against its own, faster HBM
     h100 = CostModel("llama-3.1-8b", "h100-sxm")
@@ -281,10 +281,10 @@ def test_gpus_without_measurements_borrow_a_named_profile():
 def test_packaged_profiles_say_where_they_come_from():
     for name in packaged_names():
         profile = packaged(name)
-        assert profile.device == name
+        assert name.split(".")[0] == profile.device
         assert profile.source["kernels.gemm"].startswith("aiconfigurator")
-        assert "vllm 0.14.0" in profile.source["kernels.gemm"].lower()
-        assert "095f58a51" in profile.source["data"]
+        assert f"vllm {profile.engine_version}" in profile.source["kernels.gemm"].lower()
+        assert "aiconfigurator" in profile.source["data"]
         assert "assumption" in profile.source["step_overhead_s"]
         assert profile.fit_stats["holdout_fraction"] > 0
         assert profile.fit_stats["gemm.heldout_mape_pct"] > 0
@@ -411,7 +411,22 @@ def test_more_work_never_takes_less_time(setup, p, what, which, extra):
         swaps += extra
     elif what == "more copies":
         copies += extra
-    assert cm.step_time(step(chunks, contexts, swaps, copies)) >= cm.step_time(step(*p))
+    more, less = step(chunks, contexts, swaps, copies), step(*p)
+    if _crosses_custom_allreduce_limit(cm, less, more):
+        # the engine switches all-reduce algorithm by message size (vLLM: custom kernel up to
+        # 8 MiB, NCCL's ring above), and on B200 the ring just above is priced faster than
+        # the custom kernel just below: every other op class still never gets cheaper
+        more_t, less_t = cm.class_times(more), cm.class_times(less)
+        assert all(more_t[c] >= less_t[c] for c in more_t if c != "collective")
+        return
+    assert cm.step_time(more) >= cm.step_time(less)
+
+
+def _crosses_custom_allreduce_limit(cm: CostModel, less: BatchShape, more: BatchShape) -> bool:
+    """Whether the step's all-reduce (bf16 activations) outgrows the custom kernel's limit."""
+    limit = cm.kernels.collective.custom_max_bytes
+    per_token = cm.model.hidden_size * 2
+    return cm.tp > 1 and less.num_tokens * per_token <= limit < more.num_tokens * per_token
 
 
 @settings(max_examples=200, deadline=None)

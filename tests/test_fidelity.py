@@ -37,14 +37,16 @@ def section(markdown: str, title: str) -> str:
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity") / "fidelity.md"
     rc = main(["fidelity", "--measurements", str(real_measurements()), "--out", str(out),
-               "--gpu", "h100-sxm"])
+               "--gpu", "h100-sxm", "--engine-version", "0.14.0"])
     assert rc == 0
     return out
 
 
 def test_fidelity_report_has_bare_and_fitted_tables_per_family(report):
     text = report.read_text()
-    assert "## h100-sxm" in text and "## a100-80gb" not in text and "## l40s" not in text
+    assert "## h100-sxm, vLLM 0.14.0" in text and "## a100-80gb" not in text and "## l40s" not in text
+    assert "vLLM 0.24.0" not in text         # --engine-version 0.14.0: the 0.24 profile is not judged
+    assert "judged on the tables measured inside vLLM 0.14.0" in text
     for name in FITTED_FAMILIES:
         body = section(text, name)
         assert "| band | n | bare | fitted | fitted, no glitches |" in body
@@ -151,6 +153,7 @@ def test_calibrate_json_and_fallback_on_synthetic_tables(synthetic_gemms, tmp_pa
     assert report["gemm"]["params"]["floor_s"] == pytest.approx(5e-6, rel=0.01)
     profile = CalibrationProfile.load(out)
     assert profile.kernels.attn_decode == packaged("a100-80gb").kernels.attn_decode
+    assert profile.engine_version == "0.14.0"        # the one version the tables carry
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert re.search(r"^  attn_decode +no measurements on h100-sxm: carried from the a100-80gb "
@@ -177,3 +180,27 @@ def test_calibrate_refuses_a_holdout_outside_0_1(synthetic_gemms, tmp_path, caps
               "--out", str(tmp_path / "p.json"), "--holdout", "1"])
     assert exc.value.code == 2
     assert "argument --holdout: expected a number in [0, 1), got '1'" in capsys.readouterr().err
+
+
+def test_engine_ratios_compare_the_shapes_both_versions_measured(tmp_path):
+    """newer / older latency percentiles per family, on matching shapes only; and the
+    report's section that shows them."""
+    from pathlib import Path
+
+    from servelab.validation.fidelity import engine_ratios, render
+    from servelab.validation.measurements import load_measurements
+
+    old = [{"m": m, "n": 4096, "k": 4096, "latency": 0.01 * m} for m in (1, 2, 4, 8, 16)]
+    new = [{**r, "latency": r["latency"] * f, "version": "0.24.0"}
+           for r, f in zip(old, (0.5, 1.0, 1.0, 1.0, 2.0))]
+    new.append({"m": 32, "n": 4096, "k": 4096, "latency": 99.0, "version": "0.24.0"})  # unmatched
+    write_aic(tmp_path / "old" / "h100_sxm" / "gemm_perf.parquet", old)
+    write_aic(tmp_path / "new" / "h100_sxm" / "gemm_perf.parquet", new)
+    ratios = engine_ratios(load_measurements([tmp_path / "old"], "h100-sxm"),
+                           load_measurements([tmp_path / "new"], "h100-sxm"))
+    assert set(ratios) == {"gemm"}
+    r = ratios["gemm"]
+    assert r["n"] == 5 and r["p50"] == pytest.approx(1.0)
+    assert r["p10"] == pytest.approx(0.7) and r["p90"] == pytest.approx(1.6)
+    text = render([], Path("fidelity.md"), [], ratios={("h100-sxm", "0.14.0", "0.24.0"): ratios})
+    assert "| h100-sxm | vLLM 0.24.0 / 0.14.0 | gemm | 5 | 0.70 | 1.00 | 1.60 |" in text

@@ -194,6 +194,29 @@ def test_decode_attention_fit_recovers_known_predictions():
     assert (fit.params.split_floor_s, fit.params.mha_block_gbps) == (0.0, 0.0)
 
 
+def test_decode_fit_picks_the_kernel_path_the_measurements_show():
+    """A Blackwell GPU may run FlashAttention 2's two decode paths (vLLM 0.14 on older
+    GPUs) or one split-KV path for every head layout (TRT-LLM's decode in vLLM 0.24 on
+    B200): data made by the one-path kernel is fitted by that alternative, exactly."""
+    fam = FAMILIES["attn_decode"]
+    b200 = get_gpu("b200")
+    truth = K.DecodeAttentionParams(
+        floor_s=9e-6, seq_head_s=2e-9, work_item_s=8e-9, q_head_s=2e-10, memory_eff=0.89,
+        head_stream_gbps=1500.0, batch_saturation=3.0, l2_gain=1.4)
+    rows = list(itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 512, 2048, 8192, 32768),
+                                  ((32, 8), (64, 8), (32, 32), (40, 8))))
+    table = decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+    table.columns["latency_s"] = fam.predict(table, b200, truth)
+    mask = holdout_mask(table, 0.3, seed=0)
+    fit = fit_family(fam, table, b200, mask, K.DecodeAttentionParams())
+    assert fit.stats["heldout"]["mape_pct"] < 0.05
+    assert (fit.params.split_floor_s, fit.params.mha_block_gbps) == (0.0, 0.0)
+    # and the choice matters: the two-path model alone cannot price it
+    two_paths = fit_family(replace(fam, alternatives=lambda gpu: ()), table, b200, mask,
+                           K.DecodeAttentionParams())
+    assert two_paths.stats["heldout"]["mape_pct"] > 20 * fit.stats["heldout"]["mape_pct"]
+
+
 # --- calibrate: the profile and its provenance ------------------------------------------------
 
 

@@ -374,3 +374,23 @@ def test_a_table_of_several_engine_versions_is_an_error(tmp_path):
     with pytest.raises(MeasurementError, match=r"gemm_perf\.parquet: rows measured inside several "
                                                r"engine versions \(0\.14\.0, 0\.24\.0\)"):
         load_measurements([tmp_path], "h100-sxm", engine_version="0.14.0")
+
+
+def test_sliding_window_rows_are_left_out_and_the_engine_version_is_recorded(tmp_path):
+    """vLLM 0.24 tables measure sliding-window attention at the same shapes as full
+    attention (a `window_size` column): merged as repeats, a 128-token window's time would
+    halve a long context's. Only window 0 (full attention) is read, and counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = write_aic(tmp_path / "h100_sxm" / "generation_attention_perf.parquet",
+                     [decode_row(latency=0.30, version="0.24.0"),
+                      decode_row(latency=0.01, version="0.24.0")])
+    table = pq.read_table(path)
+    pq.write_table(table.append_column("window_size", pa.array([0, 128], pa.int64())), path)
+    ms = load_measurements([tmp_path], "h100-sxm")
+    assert ms.table("attn_decode")["latency_s"].tolist() == pytest.approx([3e-4])
+    assert ms.dropped == {"sliding-window attention rows (window_size > 0; not modelled)": 1}
+    assert ms.engine_version == "0.24.0"
+    gemm_file(tmp_path / "vidur-like", folder="h100_sxm", drop=("version",))
+    assert load_measurements([tmp_path / "vidur-like"], "h100-sxm").engine_version is None

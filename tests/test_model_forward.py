@@ -2,7 +2,8 @@
 
 Each architecture gets a 2-layer model (hidden 64, 4 heads, 2 kv heads, head_dim 16,
 vocab 256) built by transformers from a seed, with norms and biases perturbed so that
-every tensor matters, saved with save_pretrained and loaded by the runner. Tolerance:
+every tensor matters (Qwen3's per-head q/k norms included), saved with save_pretrained and
+loaded by the runner. Tolerance:
 fp32 on both sides, 1e-4 absolute on logits (observed differences are ~1e-6).
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ VARIANTS = {
     "llama-bias-tied": ("LlamaConfig", "LlamaForCausalLM",
                         {"attention_bias": True, "tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 1000000.0}),
+    "qwen3-bias": ("Qwen3Config", "Qwen3ForCausalLM", {"attention_bias": True}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
 }
 
@@ -139,7 +142,7 @@ def serve_greedy(runner: ModelRunner, prompts: list[list[int]], start_steps: lis
 
 @pytest.mark.parametrize("variant, block_size", [
     ("llama", 4), ("llama", 16), ("llama3-rope", 4), ("llama-bias-tied", 4), ("qwen2", 4),
-    ("qwen2", 16), ("mistral", 4)])
+    ("qwen2", 16), ("qwen3", 4), ("qwen3", 16), ("qwen3-bias", 4), ("mistral", 4)])
 def test_chunked_paged_mixed_batches_match_hf_generate(checkpoints, variant, block_size):
     folder, hf = checkpoints(variant)
     runner = make_runner(folder, block_size=block_size, num_gpu_blocks=48)
@@ -195,3 +198,33 @@ def test_rope_config_reads_the_transformers_v4_spelling():
     with pytest.raises(ValueError, match="'yarn' is not supported"):
         yarn = {"rope_type": "yarn", "factor": 2.0}
         rope_config(ModelSpec.from_hf_config({**config, "rope_scaling": yarn}))
+
+
+def test_qwen3_per_head_qk_norm_changes_the_output(checkpoints):
+    """The q/k norms are loaded and applied: with their weights reset to 1 the logits move."""
+    folder, hf = checkpoints("qwen3")
+    runner = make_runner(folder)
+    assert runner.spec.qk_norm and runner.model.model.layers[0].self_attn.q_norm is not None
+    ids = prompt(7, 11)
+    seq = SeqWork(ids, 0, [3, 8, 1], is_prefill=True)
+
+    def logits():
+        meta = build_attention_metadata([seq], runner.block_size, runner.device, use_triton=False)
+        with torch.inference_mode():
+            return runner.model.compute_logits(
+                runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_cache))
+
+    before = logits()
+    with torch.no_grad():
+        for layer in runner.model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(1.0)
+            layer.self_attn.k_norm.weight.fill_(1.0)
+    assert not torch.allclose(before, logits(), atol=1e-3)
+
+
+def test_moe_configs_are_refused_with_one_line():
+    from servelab.models import ModelSpec
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128, **TINY}
+    with pytest.raises(ValueError, match="^Qwen3MoeForCausalLM is a mixture-of-experts model"):
+        ModelSpec.from_hf_config(config)

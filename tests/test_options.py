@@ -20,16 +20,52 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_defaults_are_the_configs_defaults():
-    opts = configs_from_args(parse())
+def test_the_servelab_engines_defaults_are_the_configs_defaults():
+    opts = configs_from_args(parse("--engine", "servelab"))
     assert opts.scheduler == SchedulerConfig()
     blocks = CacheConfig().num_gpu_blocks
     assert CacheConfig(**{**opts.cache, "num_gpu_blocks": blocks}) == CacheConfig()
     assert opts.cache["num_gpu_blocks"] is None  # derived by the command
     assert (opts.policy, opts.policy_options) == ("fcfs", {})
     assert configs_from_args(parse(), default_max_model_len=2048).scheduler.max_model_len == 2048
+    assert opts.gpu_memory_utilization == 0.9 and opts.engine.name == "servelab"
     assert configs_from_args(parse("--max-model-len", "64"),
                              default_max_model_len=2048).scheduler.max_model_len == 64
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("memory_gib, name, tokens, seqs", [
+    (80, "h100-sxm", 8192, 1024),      # vLLM: >= 70 GiB and not an A100
+    (96, "rtx-pro-6000", 8192, 1024),
+    (80, "a100-80gb", 2048, 256),      # an A100 keeps the small budget (vLLM PR #17885)
+    (48, "l40s", 2048, 256),
+    (0, "cpu", 2048, 256),             # device unknown: vLLM's fallback
+])
+def test_a_vllm_engine_gives_vllms_defaults_for_the_device(memory_gib, name, tokens, seqs):
+    opts = configs_from_args(parse("--engine", "vllm-0.24"), device_memory_bytes=memory_gib * GIB,
+                             device_name=name)
+    s = opts.scheduler
+    assert (s.max_num_batched_tokens, s.max_num_seqs) == (tokens, seqs)
+    assert s.chunked_prefill == tokens            # one prefill may take the whole budget
+    assert s.preemption == "recompute"
+    assert opts.cache["enable_prefix_caching"] is True and opts.cache["watermark"] == 0.0
+    assert opts.cache["block_size"] == 16 and opts.gpu_memory_utilization == 0.9
+
+
+def test_flags_given_override_the_engines_defaults():
+    opts = configs_from_args(parse("--max-num-batched-tokens", "4096", "--no-prefix-caching",
+                                   "--watermark", "0.02"), device_memory_bytes=80 * GIB,
+                             device_name="h100-sxm")
+    assert opts.engine.name == "vllm-0.24"        # the default engine
+    assert (opts.scheduler.max_num_batched_tokens, opts.scheduler.chunked_prefill) == (4096, 4096)
+    assert opts.scheduler.max_num_seqs == 1024
+    assert opts.cache["enable_prefix_caching"] is False and opts.cache["watermark"] == 0.02
+    capped = configs_from_args(parse("--chunked-prefill", "512"))
+    assert capped.scheduler.chunked_prefill == 512
+    budget = configs_from_args(parse("--engine", "servelab", "--chunked-prefill", "budget"))
+    assert budget.scheduler.chunked_prefill == budget.scheduler.max_num_batched_tokens == 2048
 
 
 def test_every_flag_reaches_its_config_field():

@@ -98,7 +98,7 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--tenant-weights", "a=1", "--policy", "priority"], "--tenant-weights applies to --policy fair"),
     (["--tp", "3"], "tp=3 must divide"),
     (["--calibration", "/nonexistent/profile.json"], "cannot read calibration profile"),
-    (["--kv-offload-gb", "4"], "needs --prefix-caching"),
+    (["--no-prefix-caching", "--kv-offload-gb", "4"], "needs --prefix-caching"),
     (["--prefix-caching", "--kv-offload-gb", "300"], "more than its 1 x h100-sxm can have: 256 GiB"),
     (["--prefix-caching", "--kv-offload-gb", "200", "--cpu-kv-blocks", "40000"],
      "+ 78.1 GiB swap pool needs 278.1 GiB"),

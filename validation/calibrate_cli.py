@@ -69,7 +69,8 @@ def register(subparsers) -> None:
     f = subparsers.add_parser(
         "fidelity", help="report the cost model's error on held-out measured kernel times",
         description="Judge each packaged calibration profile (and the bare roofline) on the "
-                    "measurements its fit held out, per kernel family and size band, plus "
+                    "measurements its fit held out, inside the engine version it was fitted "
+                    "to, per kernel family and size band, plus "
                     "checks on data no fit saw; write Markdown and plots.")
     f.add_argument("--measurements", action="append", required=True, metavar="DIR",
                    help="folder of measurement tables (as for calibrate); repeatable")
@@ -77,7 +78,10 @@ def register(subparsers) -> None:
                    help="report to write; plots go to a folder named after it "
                         "(default %(default)s)")
     f.add_argument("--gpu", action="append", metavar="G",
-                   help="only this GPU's packaged profile (repeatable; default: all)")
+                   help="only this GPU's packaged profiles (repeatable; default: all)")
+    f.add_argument("--engine-version", action="append", metavar="V",
+                   help="only the packaged profiles fitted inside this engine version, e.g. "
+                        "0.24.0 (repeatable; default: all)")
     f.set_defaults(func=_cmd_fidelity)
 
 
@@ -86,9 +90,12 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     try:
         command = " ".join(["servelab fidelity", *(f"--measurements {m}" for m in args.measurements),
-                            *(f"--gpu {g}" for g in args.gpu or ()), f"--out {args.out}"])
+                            *(f"--gpu {g}" for g in args.gpu or ()),
+                            *(f"--engine-version {v}" for v in args.engine_version or ()),
+                            f"--out {args.out}"])
         path = write_report(args.measurements, args.out, args.gpu,
-                            progress=lambda line: print(line, file=sys.stderr), command=command)
+                            progress=lambda line: print(line, file=sys.stderr), command=command,
+                            engine_versions=args.engine_version)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(f"wrote {path}")

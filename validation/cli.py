@@ -3,11 +3,21 @@
     servelab validate --run runs/real-fcfs --out runs/val                 # default model's error
     servelab validate --run runs/real-fcfs --fit --out runs/val           # calibrate, held-out error
     servelab validate --run runs/real-fcfs --run runs/real-sjf --fit --simulate --out runs/val
+    servelab validate --real-requests ../shared/real-runs/llmservingsim-vllm-0.19/*/* \
+        --out docs/real-runs.md                                          # whole vLLM runs
 
-OUT gets validation.json (every figure), calibration.json (with --fit: a profile that
-`servelab simulate --calibration` and `compare --calibration` load), three plots, and with
---simulate a replay run directory per real run. A CPU run's peaks are probed on this
-machine (`--probe`, on by default for CPU runs): validate on the machine that ran them.
+With --run, OUT gets validation.json (every figure), calibration.json (with --fit: a
+profile that `servelab simulate --calibration` and `compare --calibration` load), three
+plots, and with --simulate a replay run directory per real run. A CPU run's peaks are
+probed on this machine (`--probe`, on by default for CPU runs): validate on the machine
+that ran them.
+
+--real-requests takes recorded runs of vLLM itself (per-request timestamps, no step
+records: `validation/real_runs.py`) and replays each through the simulator with the
+engine's own config; OUT is then a Markdown report with its figures in a folder beside
+it. It lives here, not in a command of its own, because it answers the same question —
+how far the simulator is from real runs — and shares --out and --calibration; the
+options that read step records (--fit and the rest) are refused with it.
 
 Importing this module is cheap; the handler imports numpy, torch and the simulator.
 """
@@ -26,6 +36,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+_STEP_RECORD_OPTIONS = {"gpu": None, "fit": False, "train_fraction": 0.5, "split_seed": 0,
+                        "loss": "l1", "simulate": False, "probe": None,
+                        "max_mape": 15.0, "max_total_error": 10.0, "strict": False}
+"""Options that read a servelab run's step records, with their defaults: given another
+value with --real-requests, they are refused."""
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "validate", help="per-step and end-to-end error of the cost model against real runs",
@@ -33,10 +50,16 @@ def register(subparsers) -> None:
                     "report the error; --fit calibrates the model on a training split and "
                     "reports held-out error; --simulate replays the runs' requests through the "
                     "simulator and compares request-level metrics and policy rankings.")
-    p.add_argument("--run", action="append", required=True, metavar="DIR",
-                   help="a real run directory; repeat for several runs of one setup (e.g. the "
-                        "same trace under different policies)")
-    p.add_argument("--out", required=True, metavar="DIR", help="where to write the results")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", action="append", metavar="DIR",
+                        help="a real run directory (servelab run); repeat for several runs of "
+                             "one setup (e.g. the same trace under different policies)")
+    source.add_argument("--real-requests", nargs="+", metavar="RUN_DIR",
+                        help="recorded vLLM runs (vllm_requests.jsonl + vllm_meta.json each): "
+                             "replay their requests with the engine's config and compare "
+                             "TTFT, TPOT and E2E per request; --out names the report (FILE.md)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where to write the results (with --real-requests: FILE.md)")
     p.add_argument("--gpu", metavar="G",
                    help="catalog GPU to price with (default: mapped from the run's device)")
     p.add_argument("--calibration", metavar="FILE",
@@ -45,25 +68,30 @@ def register(subparsers) -> None:
     p.add_argument("--fit", action="store_true",
                    help="fit per-class scales and step overhead on a training split; report held-out "
                         "error and write OUT/calibration.json")
-    p.add_argument("--train-fraction", type=_fraction, default=0.5, metavar="F",
+    p.add_argument("--train-fraction", type=_fraction, metavar="F",
+                   default=_STEP_RECORD_OPTIONS["train_fraction"],
                    help="share of steps to fit on (default %(default)s)")
-    p.add_argument("--split-seed", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--split-seed", type=non_negative_int, metavar="N",
+                   default=_STEP_RECORD_OPTIONS["split_seed"],
                    help="seed of the train/held-out permutation (default %(default)s)")
-    p.add_argument("--loss", choices=("l1", "l2"), default="l1",
+    p.add_argument("--loss", choices=("l1", "l2"), default=_STEP_RECORD_OPTIONS["loss"],
                    help="what --fit minimises over relative step errors: l1 = mean absolute "
                         "(the MAPE reported; robust to steps slowed by a busy host), l2 = mean "
                         "square (default %(default)s)")
     p.add_argument("--simulate", action="store_true",
                    help="replay each run's requests in the simulator with the calibration and "
                         "compare TTFT/TPOT/E2E percentiles, throughput and policy rankings")
-    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction,
+                   default=_STEP_RECORD_OPTIONS["probe"],
                    help="measure this CPU's matmul rate and copy bandwidth as the cpu entry's "
                         "peaks (default: on for CPU runs)")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the error plots (default: on)")
-    p.add_argument("--max-mape", type=positive_float, default=15.0, metavar="PCT",
+    p.add_argument("--max-mape", type=positive_float, metavar="PCT",
+                   default=_STEP_RECORD_OPTIONS["max_mape"],
                    help="warn above this step MAPE (held-out with --fit) (default %(default)s)")
-    p.add_argument("--max-total-error", type=positive_float, default=10.0, metavar="PCT",
+    p.add_argument("--max-total-error", type=positive_float, metavar="PCT",
+                   default=_STEP_RECORD_OPTIONS["max_total_error"],
                    help="warn when summed step time, or a replay's throughput, is off by more "
                         "(default %(default)s)")
     p.add_argument("--strict", action="store_true",
@@ -71,7 +99,33 @@ def register(subparsers) -> None:
     p.set_defaults(func=_cmd_validate)
 
 
+def _cmd_real_requests(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from servelab.validation.real_runs_report import write_report
+
+    given = [f"--{name.replace('_', '-')}" for name, default in _STEP_RECORD_OPTIONS.items()
+             if getattr(args, name) != default]
+    if given:
+        raise CLIError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --run "
+                       "(servelab run directories), not to --real-requests")
+    calibration = ["--calibration", shlex.quote(args.calibration)] if args.calibration else []
+    command = " ".join(["servelab validate --real-requests",
+                        *map(shlex.quote, args.real_requests), *calibration,
+                        "--out", shlex.quote(args.out)])
+    try:
+        write_report(args.real_requests, args.out, command, calibration=args.calibration,
+                     plots=args.plots, progress=lambda line: print(line, file=sys.stderr))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    print(f"-> {args.out}")
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
+    if args.real_requests:
+        return _cmd_real_requests(args)
     from servelab.validation.validate import (ValidateOptions, catalog_gpu, load_real_run,
                                              validate)
 

@@ -2,14 +2,17 @@
 
     servelab fidelity --measurements ../shared/gpu-measurements --out docs/fidelity.md
 
-For every GPU with a packaged profile and measurements, every kernel family and size band:
+For every packaged profile — each GPU at each engine version it was measured inside, judged
+on that version's tables only — every kernel family and size band:
 MAPE, median signed error and worst case of the bare roofline and of the fitted profile,
 side by side, on the points the profile's fit held out (its split is recorded in the
 profile and reproduced here). Then checks on data the fit never saw at all: FP8 KV-cache
 attention with BF16-fitted parameters, Vidur's per-layer operator totals (another, eager
 engine; only its element-wise operators were fitted, on a seeded part of its points, so
 the totals are reported on the held-out points) and Vidur's NCCL all-reduce. Plots of
-predicted against measured go beside the Markdown file.
+predicted against measured go beside the Markdown file. Where one GPU was measured inside
+several engine versions, the report ends with how its kernel times moved between them
+(`engine_ratios`).
 """
 from __future__ import annotations
 
@@ -20,12 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import (PACKAGED_ENGINE_VERSION, CalibrationProfile, packaged,
-                                            packaged_names)
+from servelab.simulator.calibration import (CalibrationProfile, packaged, packaged_names,
+                                            version_key)
 from servelab.simulator.gpus import GPUSpec, get_gpu
 from servelab.validation.kernel_fit import (
     FAMILIES, Family, error_stats, family_table, holdout_mask, judge)
-from servelab.validation.measurements import MeasurementSet, Table, load_measurements
+from servelab.validation.measurements import MeasurementSet, Table, key_columns, load_measurements
 
 TARGETS = {"gemm": 10.0, "attn_prefill": 15.0, "attn_decode": 15.0, "collective": 15.0}
 """Held-out MAPE targets per family (%, every band); the Vidur per-layer totals: 20%."""
@@ -43,6 +46,8 @@ class GpuReport:
     """check name -> {band: stats} for data the fit never saw."""
     points: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
     """family -> (measured, bare, fitted) seconds of the held-out rows, for the plot."""
+    name: str = ""
+    """The packaged profile's name (`simulator/data/calibration/<name>.json`)."""
 
 
 def evaluate_gpu(ms: MeasurementSet, profile: CalibrationProfile) -> GpuReport:
@@ -147,7 +152,38 @@ def _vidur_checks(ms, gpu, profile, fraction, seed) -> dict:
     return out
 
 
+RATIO_FAMILIES = ("attn_decode", "attn_prefill", "gemm")
+"""The families `engine_ratios` compares (BF16 rows, full attention, as fitted)."""
+
+
+def engine_ratios(old: MeasurementSet, new: MeasurementSet) -> dict[str, dict[str, float]]:
+    """Per family: how many shapes both sets measured, and the 10th, 50th and 90th
+    percentiles of new / old latency over them (one GPU, two engine versions)."""
+    out = {}
+    for name in RATIO_FAMILIES:
+        fam = FAMILIES[name]
+        a, b = family_table(old, fam), family_table(new, fam)
+        if not len(a) or not len(b):
+            continue
+        keys = key_columns(a.family)
+        before = dict(zip(zip(*(a[c].tolist() for c in keys)), a["latency_s"].tolist()))
+        ratios = [t / before[k] for k, t in zip(zip(*(b[c].tolist() for c in keys)),
+                                                 b["latency_s"].tolist()) if k in before]
+        if ratios:
+            p10, p50, p90 = np.quantile(ratios, [0.1, 0.5, 0.9])
+            out[name] = {"n": len(ratios), "p10": float(p10), "p50": float(p50), "p90": float(p90)}
+    return out
+
+
 # ------------------------------------------------------------------------------ writing
+
+
+def _engine(profile: CalibrationProfile) -> str:
+    return f"vLLM {profile.engine_version}" if profile.engine_version else "an unknown engine"
+
+
+def _title(r: GpuReport) -> str:
+    return f"{r.gpu}, {_engine(r.profile)}"
 
 
 def _cell(stats: dict) -> str:
@@ -156,7 +192,9 @@ def _cell(stats: dict) -> str:
     return f"{stats['mape_pct']:.1f} / {stats['median_pct']:+.1f} / {stats['worst_pct']:+.0f}"
 
 
-def render(reports: list[GpuReport], out: Path, plots: list[str], command: str = COMMAND) -> str:
+def render(reports: list[GpuReport], out: Path, plots: list[str], command: str = COMMAND,
+           ratios: dict[tuple[str, str, str], dict] | None = None) -> str:
+    """The Markdown report; `ratios`: (GPU, old version, new version) -> `engine_ratios`."""
     lines = [
         "# Cost-model fidelity against measured kernel times",
         "",
@@ -177,8 +215,9 @@ def render(reports: list[GpuReport], out: Path, plots: list[str], command: str =
     ]
     for r in reports:
         src = r.profile.source
-        lines += [f"## {r.gpu}", "",
-                  f"Profile `simulator/data/calibration/{r.gpu}.json`; data: {src.get('data', '?')}.", ""]
+        lines += [f"## {_title(r)}", "",
+                  f"Profile `simulator/data/calibration/{r.name or r.gpu}.json`, judged on the "
+                  f"tables measured inside {_engine(r.profile)}; data: {src.get('data', '?')}.", ""]
         for name, (bare, fitted) in r.families.items():
             target = TARGETS.get(name)
             lines += [f"### {name}" + (f" (target: held-out MAPE <= {target:.0f}% in every band)"
@@ -198,6 +237,18 @@ def render(reports: list[GpuReport], out: Path, plots: list[str], command: str =
             for label, st in stats.items():
                 lines.append(f"| {label} | {st.get('n', 0)} | {_cell(st)} |")
             lines.append("")
+    if ratios:
+        lines += ["## Kernel times across engine versions", "",
+                  "The same GPU's kernels measured inside two vLLM versions, on the shapes both",
+                  "tables hold (BF16, full attention): percentiles of the newer time over the older.",
+                  "A profile fitted inside one version prices the other this far off.", "",
+                  "| GPU | newer / older | family | shapes | p10 | p50 | p90 |",
+                  "|---|---|---|---|---|---|---|"]
+        for (gpu, old, new), by_family in ratios.items():
+            for name, r in by_family.items():
+                lines.append(f"| {gpu} | vLLM {new} / {old} | {name} | {r['n']} | {r['p10']:.2f} | "
+                             f"{r['p50']:.2f} | {r['p90']:.2f} |")
+        lines.append("")
     lines += ["## Plots", ""] + [f"![{p}]({out.stem}/{p})" for p in plots] + [""]
     return "\n".join(lines)
 
@@ -218,11 +269,11 @@ def plot(reports: list[GpuReport], folder: Path) -> list[str]:
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("measured (ms)")
-            ax.set_title(f"{r.gpu}: {title} (held-out points)")
+            ax.set_title(f"{_title(r)}: {title} (held-out points)")
         axes[0].set_ylabel("predicted (ms)")
         axes[1].legend(markerscale=4, fontsize=8, loc="upper left")
         fig.tight_layout()
-        name = f"{r.gpu}_predicted_vs_measured.png"
+        name = f"{r.name or r.gpu}_predicted_vs_measured.png"
         fig.savefig(folder / name, dpi=110)
         plt.close(fig)
         names.append(name)
@@ -230,17 +281,34 @@ def plot(reports: list[GpuReport], folder: Path) -> list[str]:
 
 
 def write_report(measurement_dirs: list[str | Path], out: str | Path,
-                 gpus: list[str] | None = None, progress=print, command: str = COMMAND) -> Path:
+                 gpus: list[str] | None = None, progress=print, command: str = COMMAND,
+                 engine_versions: list[str] | None = None) -> Path:
+    """Judge every packaged profile (of the GPUs in `gpus` and the engine versions in
+    `engine_versions`; default all) on the tables of its own GPU and engine version, and
+    write the Markdown report and its plots."""
     out = Path(out)
     reports = []
-    for name in gpus or packaged_names():
+    chosen = [get_gpu(g).name for g in gpus] if gpus else None
+    loaded: dict[str, dict[str, MeasurementSet]] = {}
+    for name in packaged_names():
         profile = packaged(name)
-        progress(f"{name}: loading measurements and judging the packaged profile")
-        ms = load_measurements(measurement_dirs, name, drop_bad_rows=True,
-                               engine_version=PACKAGED_ENGINE_VERSION)
-        reports.append(evaluate_gpu(ms, profile))
+        if chosen is not None and profile.device not in chosen:
+            continue
+        if engine_versions and profile.engine_version not in engine_versions:
+            continue
+        progress(f"{name}: loading {profile.device}'s measurements inside "
+                 f"{_engine(profile)} and judging the packaged profile")
+        ms = load_measurements(measurement_dirs, profile.device, drop_bad_rows=True,
+                               engine_version=profile.engine_version)
+        loaded.setdefault(profile.device, {})[profile.engine_version or "?"] = ms
+        reports.append(replace(evaluate_gpu(ms, profile), name=name))
+    ratios = {}
+    for gpu, by_version in loaded.items():
+        versions = sorted((v for v in by_version if v != "?"), key=version_key)
+        for newer in versions[1:]:
+            ratios[(gpu, versions[0], newer)] = engine_ratios(by_version[versions[0]],
+                                                              by_version[newer])
     out.parent.mkdir(parents=True, exist_ok=True)
     plots = plot(reports, out.parent / out.stem)
-    out.write_text(render(reports, out, plots, command))
+    out.write_text(render(reports, out, plots, command, ratios))
     return out
-

@@ -35,6 +35,10 @@ class Family:
     fixed: Callable[[GPUSpec], dict] = lambda gpu: {}
     """Parameters set, not fitted, on a GPU (a kernel property such as which attention
     kernel its architecture runs); a fixed name is dropped from `fitted`."""
+    alternatives: Callable[[GPUSpec], tuple[dict, ...]] = lambda gpu: ()
+    """Other kernel paths an engine may run on this GPU, each a whole set of `fixed` values
+    used instead of the default one; each is fitted too and the lowest loss on the training rows wins (which
+    kernel a GPU runs depends on the engine version as well as the architecture)."""
     starts: tuple[dict, ...] = ({},)
     """Starting points to try (each overrides some starting values); the best fit wins."""
     size_axes: tuple[str, ...] = ()
@@ -115,10 +119,26 @@ def _prefill_fixed(gpu: GPUSpec) -> dict:
     return {"packs_gqa": 1.0 if gpu.architecture in FA3_ARCHITECTURES else 0.0}
 
 
+_ONE_SPLIT_KV_PATH = {"split_floor_s": 0.0, "mha_block_gbps": 0.0}
+"""FlashAttention 3's decode: one split-KV kernel path for every head layout."""
+
+
 def _decode_fixed(gpu: GPUSpec) -> dict:
-    if gpu.architecture in FA3_ARCHITECTURES:     # one split-KV kernel path for every layout
-        return {"split_floor_s": 0.0, "mha_block_gbps": 0.0}
+    if gpu.architecture in FA3_ARCHITECTURES:
+        return dict(_ONE_SPLIT_KV_PATH)
     return {"batch_saturation": 1.0}
+
+
+def _prefill_alternatives(gpu: GPUSpec) -> tuple[dict, ...]:
+    """Newer engines run kernels that pack query heads on other GPUs too (vLLM 0.24 on
+    B200: FlashInfer's TRT-LLM kernels)."""
+    return () if gpu.architecture in FA3_ARCHITECTURES else ({"packs_gqa": 1.0},)
+
+
+def _decode_alternatives(gpu: GPUSpec) -> tuple[dict, ...]:
+    """As for prefill: FlashAttention 3's one split-KV path for every head layout (TRT-LLM
+    decode on B200)."""
+    return () if gpu.architecture in FA3_ARCHITECTURES else (dict(_ONE_SPLIT_KV_PATH),)
 
 
 def _attention_rows(t: Table) -> np.ndarray:
@@ -151,10 +171,11 @@ FAMILIES: dict[str, Family] = {
         "attn_prefill", "attn_prefill", _attention_rows,
         {"floor_s": (1e-7, 1e-3, 1e-5), "compute_eff": (*FRACTION, 0.55),
          "memory_eff": (0.01, 1.0, 0.5), "padded_tile_pairs": (1.0, 1e5, 5000.0),
-         "critical_path": (1e-3, 5.0, 0.5), "l2_gain": (1.0, 4.0, 1.2)},
+         "critical_path": (1e-3, 5.0, 0.5), "l2_gain": (1.0, 4.0, 1.2),
+         "pair_head_s": (1e-17, 1e-11, 1e-14)},
         _prefill_predict,
         lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS), PREFILL_BANDS,
-        fixed=_prefill_fixed, size_axes=("batch", "tokens")),
+        fixed=_prefill_fixed, alternatives=_prefill_alternatives, size_axes=("batch", "tokens")),
     "attn_decode": Family(
         "attn_decode", "attn_decode", _attention_rows,
         {"floor_s": (1e-7, 1e-3, 1e-5), "split_floor_s": (1e-8, 1e-4, 4e-6),
@@ -163,7 +184,8 @@ FAMILIES: dict[str, Family] = {
          "head_stream_gbps": (1.0, 1e4, 300.0), "batch_saturation": (1.0, 256.0, 8.0),
          "mha_block_gbps": (0.1, 1e3, 20.0), "l2_gain": (1.0, 4.0, 1.2)},
         _decode_predict,
-        lambda t: _decode_band(t), DECODE_BANDS, fixed=_decode_fixed, size_axes=("batch", "context"),
+        lambda t: _decode_band(t), DECODE_BANDS, fixed=_decode_fixed,
+        alternatives=_decode_alternatives, size_axes=("batch", "context"),
         starts=tuple({"head_stream_gbps": r, "batch_saturation": b}
                      for r in (300.0, 1000.0) for b in (1.5, 12.0))),
     "collective": Family(

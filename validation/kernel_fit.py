@@ -156,7 +156,8 @@ def family_table(ms: MeasurementSet, fam: Family) -> Table:
 def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
                base: object, max_points: int | None = None) -> FamilyFit:
     """Least squares on log(predicted/measured) over the rows not held out, from each of
-    the family's starting points; the lowest robust loss wins. `max_points` fits on a
+    the family's starting points and for each kernel path it may run (`Family.fixed`, then
+    `Family.alternatives`); the lowest robust loss wins. `max_points` fits on a
     seeded sample of that many training rows (a quick look; the judgement still uses
     every held-out row)."""
     from scipy.optimize import least_squares
@@ -168,16 +169,33 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
         usable = np.zeros(len(table), dtype=bool)
         usable[chosen] = True
     train = table.select(usable)
-    fixed = fam.fixed(gpu)
-    base = replace(base, **fixed)
-    names = [n for n in fam.fitted if n not in fixed]
-    lo = np.log([fam.fitted[n][0] for n in names])
-    hi = np.log([fam.fitted[n][1] for n in names])
     y = np.log(train["latency_s"])
+    best, best_params = None, None
+    for fixed in (fam.fixed(gpu), *fam.alternatives(gpu)):
+        names = [n for n in fam.fitted if n not in fixed]
+        lo = np.log([fam.fitted[n][0] for n in names])
+        hi = np.log([fam.fitted[n][1] for n in names])
+        params = _parameters(replace(base, **fixed), names)
 
+        def residuals(x: np.ndarray, params=params) -> np.ndarray:
+            return np.log(fam.predict(train, gpu, params(x))) - y
+
+        for start in fam.starts:
+            x0 = np.log([start.get(n, fam.fitted[n][2]) for n in names])
+            x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+            solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1",
+                                     f_scale=0.05, max_nfev=3000)
+            if best is None or solution.cost < best.cost:
+                best, best_params = solution, params(solution.x)
+    return judge(fam, table, gpu, best_params, heldout)
+
+
+def _parameters(base, names: list[str]):
+    """x (log values of `names`) -> a copy of `base` with them, kept inside their domains
+    despite rounding at a bound."""
     def params(x: np.ndarray):
         values = dict(zip(names, np.exp(x).tolist()))
-        for n in names:     # keep values inside their domains despite rounding at a bound
+        for n in names:
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
             if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation"):
@@ -185,19 +203,7 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
             if n == "wave_quantization":
                 values[n] = min(1.0, values[n])
         return replace(base, **values)
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        return np.log(fam.predict(train, gpu, params(x))) - y
-
-    best = None
-    for start in fam.starts:
-        x0 = np.log([start.get(n, fam.fitted[n][2]) for n in names])
-        x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
-        solution = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
-                                 max_nfev=3000)
-        if best is None or solution.cost < best.cost:
-            best = solution
-    return judge(fam, table, gpu, params(best.x), heldout)
+    return params
 
 
 def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) -> FamilyFit:
@@ -271,7 +277,7 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
               "gpu": ms.gpu, **provenance}
     if data_version:
         source["data"] = data_version
-    profile = CalibrationProfile(device=ms.gpu, kernels=kernels,
+    profile = CalibrationProfile(device=ms.gpu, kernels=kernels, engine_version=ms.engine_version,
                                  step_overhead_s=DEFAULT_STEP_OVERHEAD_S, source=source,
                                  fit_stats=_rounded(stats))
     return KernelFit(profile, fits)

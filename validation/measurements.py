@@ -16,7 +16,9 @@ row came from, so a bad row is reported as "FILE: row N: ...". Bad input — a m
 column, a latency that is not a positive number, an unknown dtype, the same point twice —
 is an error naming the file and the row, unless `drop_bad_rows` is set: then bad rows are
 dropped, repeated measurements of one point are merged into their median, and the counts
-are reported (`MeasurementSet.dropped`).
+are reported (`MeasurementSet.dropped`). Sliding-window attention rows (a `window_size`
+above 0, in the vLLM 0.24 tables) are always left out and counted: the model prices full
+attention, and those rows share every other key column with the full-attention ones.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from servelab.simulator.calibration import PACKAGED_ENGINE_VERSION
+from servelab.simulator.calibration import ENGINE_VERSIONS
 from servelab.simulator.gpus import GPUSpec, get_gpu
 
 GEMM_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16",
@@ -82,6 +84,9 @@ class MeasurementSet:
     """Per family: which files and project the rows came from (for a profile's provenance)."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Rows dropped or merged, by reason (only with drop_bad_rows)."""
+    engine_version: str | None = None
+    """The engine version the aiconfigurator tables were measured inside (one at most: they
+    are never pooled); None where no table says (Vidur's tables)."""
 
     def table(self, family: str) -> Table:
         return self.tables.get(family) or Table(family, {}, [])
@@ -136,8 +141,8 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
                           for v, where in sorted(versions.items()))
         raise MeasurementError(f"{spec.name}: tables measured inside several engine versions "
                                f"({found}); they are never pooled: choose one with "
-                               f"--engine-version (the packaged profiles use "
-                               f"{PACKAGED_ENGINE_VERSION})")
+                               f"--engine-version (packaged profiles exist for "
+                               f"{', '.join(ENGINE_VERSIONS)})")
     if not seen_any:
         raise MeasurementError(f"no measurement tables found under {', '.join(map(str, folders))} "
                                f"(expected aiconfigurator *_perf.parquet or Vidur *.mlp.csv / "
@@ -150,7 +155,8 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
     if not any(len(t) for t in tables.values()):
         raise MeasurementError(f"no measurements for {spec.name} under "
                                f"{', '.join(map(str, folders))} (the tables found name other GPUs)")
-    return MeasurementSet(spec.name, tables, {k: "; ".join(v) for k, v in sources.items()}, dropped)
+    return MeasurementSet(spec.name, tables, {k: "; ".join(v) for k, v in sources.items()}, dropped,
+                          next(iter(versions), None))
 
 
 def _engine_version(path: Path) -> str | None:
@@ -206,6 +212,15 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
     mine = [i for i, d in enumerate(data["device"]) if spec.matches_device_name(str(d))]
     if not mine:
         return None, ""
+    windows = data.get("window_size")
+    if windows is not None:      # sliding-window attention reads only its window: not modelled
+        full = [i for i in mine if not windows[i]]
+        if len(full) < len(mine):
+            reason = "sliding-window attention rows (window_size > 0; not modelled)"
+            dropped[reason] = dropped.get(reason, 0) + len(mine) - len(full)
+        mine = full
+        if not mine:
+            return None, ""
     if len(mine) < len(data["device"]):        # a file of several GPUs: only this one's rows
         data = {k: [v[i] for i in mine] for k, v in data.items()}
     version = _one(data.get("version"), "?")

@@ -48,8 +48,15 @@ class PrefillAttentionParams(_Params):
     l2_gain: float = 1.0
     """Bandwidth multiplier on the share of the working set that stays in L2 between
     replays of one kernel (isolated benchmarks only; a forward pass reads from HBM)."""
+    pair_head_s: float = 0.0
+    """Seconds per causal (query, key) pair and query head that do not scale with the head
+    dimension: the softmax's exponential and rescaling, on the SMs' special-function units.
+    Where tensor cores outpace them (Blackwell: FlashAttention 4 and TRT-LLM's kernels are
+    built around it) a head of 64 costs well over half a head of 128. 0: the time is all
+    tensor-core work, linear in the head dimension (the fits of vLLM 0.14's kernels)."""
 
     _fractions = ("compute_eff", "memory_eff")
+    _added = ("pair_head_s",)
 
     def __post_init__(self) -> None:
         self._check()
@@ -76,9 +83,10 @@ def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
                  + kv_row                                     # its own K/V, read by attention
                  + 2.0 * kv_heads * head_dim * act_bytes + kv_row)   # cache write: read, store
     return (p.floor_s,
-            4.0 * head_dim * heads / rate,                    # QKᵀ and PV, 2 FLOPs per MAC
+            4.0 * head_dim * heads / rate + heads * p.pair_head_s,   # QKᵀ, PV; softmax
             4.0 * head_dim * block_heads * p.padded_tile_pairs / rate,
-            p.critical_path * 4.0 * head_dim * TILE_ROWS / (rate / gpu.sm_count),
+            p.critical_path * 4.0 * head_dim * TILE_ROWS / (rate / gpu.sm_count)
+            + p.critical_path * TILE_ROWS * p.pair_head_s * gpu.sm_count,   # (+ 0.0: as before)
             per_token / bw,
             kv_row / bw)
 

@@ -48,6 +48,9 @@ class _Params:
     """Shared checks and (de)serialisation for the parameter dataclasses below."""
 
     _fractions: tuple[str, ...] = ()
+    _added: tuple[str, ...] = ()
+    """Fields added after profiles were first written, whose default is the behaviour
+    before them: a profile file without one reads as that default."""
 
     def _check(self) -> None:
         _check_fields(self)
@@ -64,7 +67,7 @@ class _Params:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(names))}")
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - set(cls._added))
         if missing:   # a silent default would be the bare roofline's value
             raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
         values = {k: (INF if v == "inf" else v) for k, v in data.items()}

@@ -1,0 +1,233 @@
+"""Read a `vllm serve` command line as servelab flags.
+
+    translate("vllm serve meta-llama/Llama-3.1-8B --max-num-seqs 256 -tp 2")
+    # VllmArgs(values={"model": "llama-3.1-8b", "max_num_seqs": 256, "tp": 2}, notes=[])
+
+`values` is keyed by the `servelab simulate` option each flag sets (its argparse dest).
+A flag that changes nothing servelab models (host, port, logging, tokenizer) is accepted
+silently; one servelab models only approximately yields a note; one it cannot model yet
+(pipeline or expert parallelism, speculative decoding, KV transfer) raises ValueError
+naming the flag. Flags are spelled as vLLM accepts them: `--flag value`, `--flag=value`,
+with dashes or underscores (`vllm/utils/argparse_utils.py` FlexibleArgumentParser).
+The meanings follow vLLM's `vllm/engine/arg_utils.py` (EngineArgs.add_cli_args).
+Pure standard library.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class VllmArgs:
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _int(flag: str, text: str, low: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--vllm-args {flag}: expected an integer, got {text!r}") from None
+    if value < low:
+        raise ValueError(f"--vllm-args {flag}: expected an integer >= {low}, got {value}")
+    return value
+
+
+def _fraction(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--vllm-args {flag}: expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"--vllm-args {flag}: expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16",
+           "fp16": "fp16", "float32": "fp32", "float": "fp32"}
+"""--dtype: 'auto' takes the checkpoint's dtype, which for the catalog's models is bf16."""
+_KV_DTYPES = {"auto": None, "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+"""--kv-cache-dtype: 'auto' follows the model dtype (None: --kv-dtype keeps --dtype's)."""
+
+
+def _choice(flag: str, text: str, table: dict[str, Any]) -> Any:
+    if text not in table:
+        raise ValueError(f"--vllm-args {flag} {text}: servelab models {', '.join(table)}")
+    return table[text]
+
+
+def _data_parallel(flag: str, text: str) -> dict:
+    n = _int(flag, text)
+    # vLLM's data-parallel coordinator sends a request to the rank with the fewest waiting
+    # and running requests (vllm/v1/engine/coordinator.py): least-outstanding is the closest.
+    return {"replicas": n, "router": "least-outstanding"} if n > 1 else {}
+
+
+def _long_prefill(flag: str, text: str) -> dict:
+    n = _int(flag, text, low=0)
+    return {"chunked_prefill": n if n else "budget"}
+
+
+def _one(flag: str, text: str, what: str) -> dict:
+    if _int(flag, text) != 1:
+        raise ValueError(f"--vllm-args {flag} {text}: {what} is not modelled yet (issue 34); "
+                         f"servelab runs tensor parallelism (--tp) and replicas (--replicas)")
+    return {}
+
+
+_VALUE_FLAGS: dict[str, Callable[[str, str], dict]] = {
+    "--model": lambda f, t: {"model": t},
+    "--tensor-parallel-size": lambda f, t: {"tp": _int(f, t)},
+    "--data-parallel-size": _data_parallel,
+    "--pipeline-parallel-size": lambda f, t: _one(f, t, "pipeline parallelism"),
+    "--max-num-seqs": lambda f, t: {"max_num_seqs": _int(f, t)},
+    "--max-num-batched-tokens": lambda f, t: {"max_num_batched_tokens": _int(f, t)},
+    "--max-model-len": lambda f, t: {"max_model_len": _int(f, t, low=2)},
+    "--block-size": lambda f, t: {"block_size": _int(f, t)},
+    "--gpu-memory-utilization": lambda f, t: {"gpu_memory_utilization": _fraction(f, t)},
+    "--num-gpu-blocks-override": lambda f, t: {"kv_blocks": _int(f, t)},
+    "--long-prefill-token-threshold": _long_prefill,
+    "--dtype": lambda f, t: {"_dtype": _choice(f, t, _DTYPES)},
+    "--kv-cache-dtype": lambda f, t: {"_kv_dtype": _choice(f, t, _KV_DTYPES)},
+    "--quantization": lambda f, t: {"_quantization": _choice(f, t, {"fp8": "fp8"})},
+    "--scheduling-policy": lambda f, t: {"policy": _choice(f, t, {"fcfs": "fcfs",
+                                                                  "priority": "priority"})},
+}
+_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
+            "-pp": "--pipeline-parallel-size", "-q": "--quantization"}
+_SWITCHES: dict[str, dict] = {
+    "--enable-prefix-caching": {"prefix_caching": True},
+    "--no-enable-prefix-caching": {"prefix_caching": False},
+    "--enable-chunked-prefill": {},   # V1 always chunks prefills
+    "--no-enable-chunked-prefill": {"chunked_prefill": "off"},
+}
+_APPROXIMATED = {
+    "--enforce-eager": "the kernel profiles price CUDA-graph execution; eager mode's extra "
+                       "launch time per step is not modelled",
+    "--swap-space": "vLLM V1 has no swap preemption: ignored (servelab's own is "
+                    "--preemption swap --cpu-kv-blocks N)",
+    "--max-num-partial-prefills": "not modelled: servelab lets every waiting prefill fill the "
+                                  "budget in order",
+    "--max-long-partial-prefills": "not modelled",
+    "--async-scheduling": "not modelled: each step's CPU time is the profile's step overhead",
+    "--no-async-scheduling": "not modelled: each step's CPU time is the profile's step overhead",
+    "--compilation-config": "not modelled: the kernel profiles price the engine's default "
+                            "compilation",
+    "-O": "not modelled: the kernel profiles price the engine's default compilation",
+}
+_NOTE_SWITCHES = frozenset({"--enforce-eager", "--async-scheduling", "--no-async-scheduling"})
+"""Approximated flags that take no value."""
+_UNSUPPORTED = {
+    "--enable-expert-parallel": "expert parallelism is not modelled yet (issue 34)",
+    "--speculative-config": "speculative decoding is not modelled yet (issue 36)",
+    "--kv-transfer-config": "disaggregated prefill/decode is not modelled yet (issue 35)",
+    "--cpu-offload-gb": "weight offload to the CPU is not modelled",
+    "--kv-offloading-size": "use servelab's --kv-offload-gb (a CPU tier of the prefix cache)",
+    "--decode-context-parallel-size": "context parallelism is not modelled",
+    "--enable-lora": "LoRA adapters are not modelled",
+}
+_NO_EFFECT = frozenset({
+    "--host", "--port", "--uds", "--served-model-name", "--api-key", "--tokenizer",
+    "--tokenizer-mode", "--revision", "--tokenizer-revision", "--code-revision",
+    "--download-dir", "--load-format", "--seed", "--max-logprobs", "--generation-config",
+    "--chat-template", "--response-role", "--uvicorn-log-level", "--disable-uvicorn-access-log",
+    "--tool-call-parser", "--reasoning-parser", "--config-format", "--hf-config-path",
+    "--distributed-executor-backend", "--allowed-origins", "--root-path", "--middleware",
+    "--ssl-keyfile", "--ssl-certfile", "--logprobs-mode", "--otlp-traces-endpoint",
+    "--max-parallel-loading-workers", "--model-loader-extra-config", "--hf-overrides",
+    "--override-generation-config", "--structured-outputs-config", "--prefix-caching-hash-algo",
+})
+_NO_EFFECT_SWITCHES = frozenset({
+    "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",
+    "--disable-log-stats", "--enable-auto-tool-choice", "--disable-frontend-multiprocessing",
+    "--disable-fastapi-docs", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+    "--enable-force-include-usage", "--disable-custom-all-reduce", "--headless",
+})
+
+
+def translate(command_line: str, catalog: Callable[[str], str] | None = None) -> VllmArgs:
+    """The servelab option values a `vllm serve` command line (or its flags alone) sets.
+    `catalog` maps the served model (a Hugging Face id or path) to a catalog name."""
+    try:
+        words = shlex.split(command_line)
+    except ValueError as exc:
+        raise ValueError(f"--vllm-args: cannot split the command line ({exc})") from None
+    if words[:2] == ["vllm", "serve"]:
+        words = words[2:]
+    out = VllmArgs()
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("-"):
+            if "model" in out.values:
+                raise ValueError(f"--vllm-args: unexpected word {word!r} (the model is "
+                                 f"{out.values['model']!r} already)")
+            out.values["model"] = word
+            continue
+        flag, _, inline = word.partition("=")
+        if flag.startswith("-O") and flag != "-O":   # -O3: the level attached
+            flag, inline = "-O", flag[2:]
+        flag = _ALIASES.get(flag) or ("--" + flag[2:].replace("_", "-") if flag.startswith("--")
+                                      else flag)
+        if flag in _UNSUPPORTED:
+            raise ValueError(f"--vllm-args {flag}: {_UNSUPPORTED[flag]}")
+        known = (*_VALUE_FLAGS, *_SWITCHES, *_APPROXIMATED, *_NO_EFFECT, *_NO_EFFECT_SWITCHES)
+        if flag not in known:
+            raise ValueError(f"--vllm-args {flag}: not a vLLM flag servelab knows; it reads "
+                             f"{', '.join(sorted([*_VALUE_FLAGS, *_SWITCHES, *_APPROXIMATED]))} "
+                             f"and ignores those that do not change timing (--host, --port, ...)")
+        takes_value = flag in _VALUE_FLAGS or flag in _NO_EFFECT \
+            or (flag in _APPROXIMATED and flag not in _NOTE_SWITCHES)
+        value = inline or None
+        if takes_value and value is None:
+            if i >= len(words):
+                raise ValueError(f"--vllm-args {flag}: expects a value")
+            value = words[i]
+            i += 1
+        if flag in _VALUE_FLAGS:
+            out.values.update(_VALUE_FLAGS[flag](flag, value))
+        elif flag in _SWITCHES:
+            out.values.update(_SWITCHES[flag])
+        elif flag in _APPROXIMATED:
+            out.notes.append(f"--vllm-args {flag}: {_APPROXIMATED[flag]}")
+    _resolve_dtypes(out.values)
+    if "model" in out.values and catalog is not None:
+        out.values["model"] = catalog(out.values["model"])
+    return out
+
+
+def _resolve_dtypes(values: dict) -> None:
+    """--dtype, --quantization and --kv-cache-dtype, whatever their order: FP8 quantization
+    sets the weights' dtype; the KV cache follows --dtype unless --kv-cache-dtype names one."""
+    dtype, quantization = values.pop("_dtype", None), values.pop("_quantization", None)
+    kv_dtype = values.pop("_kv_dtype", None)
+    if quantization or dtype:
+        values["weight_dtype"] = quantization or dtype
+    if kv_dtype or dtype:
+        values["kv_dtype"] = kv_dtype or dtype
+
+
+_CHECKPOINT_SUFFIXES = ("-instruct", "-chat", "-hf", "-base")
+
+
+def catalog_model(served: str) -> str:
+    """The catalog name of a served model: a Hugging Face id ("meta-llama/Llama-3.1-8B" ->
+    "llama-3.1-8b"; an -Instruct or -chat variant has the base model's shapes) or a local
+    path (kept: `--model` reads a config.json folder). Raises ValueError naming the catalog
+    for an id it does not hold."""
+    import os
+
+    from servelab.models import catalog_names
+
+    if os.path.exists(served):
+        return served
+    name = served.rstrip("/").rsplit("/", 1)[-1].lower()
+    names = catalog_names()
+    for suffix in ("", *_CHECKPOINT_SUFFIXES):
+        if name.endswith(suffix) and name[:len(name) - len(suffix)] in names:
+            return name[:len(name) - len(suffix)]
+    raise ValueError(f"--vllm-args: model {served!r} is not in servelab's catalog "
+                     f"({', '.join(names)}); give a local folder holding its config.json")

@@ -1,0 +1,120 @@
+"""Engine presets (`--engine`) and reading a `vllm serve` command line (`--vllm-args`)."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+from servelab.cli import main
+from servelab.engines import DEFAULT_ENGINE, PRESETS, get_preset
+from servelab.vllm_args import catalog_model, translate
+
+
+def test_every_vllm_preset_names_its_engine_version_and_the_default_is_the_newest():
+    versions = {p.name: p.engine_version for p in PRESETS.values()}
+    assert versions == {"vllm-0.14": "0.14.0", "vllm-0.19": "0.19.0", "vllm-0.24": "0.24.0",
+                        "servelab": None}
+    assert DEFAULT_ENGINE == "vllm-0.24"
+    with pytest.raises(ValueError, match="unknown engine 'vllm-9'; known: vllm-0.14"):
+        get_preset("vllm-9")
+
+
+def test_a_vllm_command_line_becomes_servelab_options():
+    parsed = translate("vllm serve meta-llama/Llama-3.1-8B-Instruct --max-num-seqs 256 -tp 2 "
+                       "--max_num_batched_tokens=4096 --host 0.0.0.0 --port 8000 "
+                       "--no-enable-prefix-caching --kv-cache-dtype fp8 --dtype bfloat16 "
+                       "--long-prefill-token-threshold 512 -dp 2 --trust-remote-code",
+                       catalog=catalog_model)
+    assert parsed.values == {
+        "model": "llama-3.1-8b", "max_num_seqs": 256, "tp": 2, "max_num_batched_tokens": 4096,
+        "prefix_caching": False, "chunked_prefill": 512, "replicas": 2,
+        "router": "least-outstanding", "weight_dtype": "bf16", "kv_dtype": "fp8"}
+    assert parsed.notes == []
+
+
+def test_dtypes_resolve_whatever_their_order():
+    assert translate("--kv-cache-dtype auto --dtype float16").values == {
+        "weight_dtype": "fp16", "kv_dtype": "fp16"}
+    assert translate("--dtype bfloat16 --quantization fp8").values == {
+        "weight_dtype": "fp8", "kv_dtype": "bf16"}
+    assert translate("--long-prefill-token-threshold 0").values == {"chunked_prefill": "budget"}
+    assert translate("--no-enable-chunked-prefill").values == {"chunked_prefill": "off"}
+
+
+def test_approximated_flags_give_one_note_each():
+    parsed = translate("--enforce-eager --swap-space 4 -O3")
+    assert [n.split(":")[0] for n in parsed.notes] == [
+        "--vllm-args --enforce-eager", "--vllm-args --swap-space", "--vllm-args -O"]
+    assert parsed.values == {}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--enable-expert-parallel", "expert parallelism is not modelled yet"),
+    ("-pp 2", "pipeline parallelism is not modelled yet"),
+    ("--speculative-config '{\"num_speculative_tokens\": 3}'", "speculative decoding"),
+    ("--frobnicate 3", "--frobnicate: not a vLLM flag servelab knows; it reads"),
+    ("--max-num-seqs", "--max-num-seqs: expects a value"),
+    ("--max-num-seqs many", "expected an integer, got 'many'"),
+    ("--gpu-memory-utilization 1.5", "expected a fraction in (0, 1]"),
+    ("--quantization awq", "--quantization awq: servelab models fp8"),
+    ("m1 m2", "unexpected word 'm2'"),
+    ("--model 'unclosed", "cannot split the command line"),
+])
+def test_flags_servelab_cannot_model_are_refused_in_one_line(line, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        translate(line)
+
+
+def test_served_models_map_to_the_catalog(tmp_path):
+    assert catalog_model("mistralai/Mistral-7B") == "mistral-7b"
+    assert catalog_model("meta-llama/Llama-3.1-70B-Instruct") == "llama-3.1-70b"
+    assert catalog_model(str(tmp_path)) == str(tmp_path)    # a local checkpoint folder
+    with pytest.raises(ValueError, match="'org/Unknown-1B' is not in servelab's catalog"):
+        catalog_model("org/Unknown-1B")
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_simulate_mirrors_the_engine_and_says_which_kernels_price_it(tmp_path, capsys):
+    assert main(["simulate", "--num-requests", "20", "--out", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("engine vllm-0.24; kernels priced by ")
+    config = _config(tmp_path / "v")
+    c, cost = config["config"], config["derived"]["cost_model"]
+    assert c["engine"] == "vllm-0.24"
+    assert (c["scheduler"]["max_num_seqs"], c["scheduler"]["max_num_batched_tokens"]) == (1024, 8192)
+    assert c["scheduler"]["chunked_prefill"] == 8192
+    assert (c["prefix_caching"], c["watermark"]) == (True, 0.0)
+    assert cost["engine"] == "vllm-0.24" and cost["calibration_source"] in out
+
+    assert main(["simulate", "--num-requests", "20", "--engine", "servelab",
+                 "--out", str(tmp_path / "s")]) == 0
+    c = _config(tmp_path / "s")["config"]
+    assert "engine" not in c or c["engine"] == "servelab"
+    assert (c["scheduler"]["chunked_prefill"], c["prefix_caching"], c["watermark"]) == (512, False, 0.01)
+
+
+def test_simulate_reads_a_vllm_command_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["simulate", "--num-requests", "20", "--out", str(out), "--vllm-args",
+                 "vllm serve meta-llama/Llama-3.1-8B --max-num-seqs 64 --enforce-eager"]) == 0
+    assert "note: --vllm-args --enforce-eager" in capsys.readouterr().err
+    c = _config(out)["config"]
+    assert (c["model"], c["scheduler"]["max_num_seqs"]) == ("llama-3.1-8b", 64)
+    assert c["scheduler"]["max_num_batched_tokens"] == 8192       # vLLM's default on an H100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "32", "--vllm-args", "--max-num-seqs 64"],
+     "--max-num-seqs 32 disagrees with --vllm-args, which sets it to 64"),
+    (["--vllm-args", "--enable-expert-parallel"], "expert parallelism is not modelled yet"),
+    (["--engine", "vllm-9"], "invalid choice: 'vllm-9'"),
+])
+def test_bad_engine_input_is_one_line_before_the_run(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) if argv[0] == "--engine" else contextlib.nullcontext():
+        assert main(["simulate", "--num-requests", "5", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and not (tmp_path / "x").exists()

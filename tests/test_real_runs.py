@@ -1,0 +1,259 @@
+"""Recorded vLLM runs replayed whole (`servelab validate --real-requests`): reading and
+checking a run folder, the error metrics on numbers worked by hand, the engine config a
+run's meta maps to, and one replay end to end through the CLI. Synthetic runs are written
+into tmp_path; the public runs of ../shared/real-runs are read when present."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SHARED
+from servelab.cli import main
+from servelab.validation.real_runs import (NotReplayable, catalog_model, error_metrics,
+                                           load_recorded_run, parse_published, replay_run,
+                                           run_gpu, vllm_engine_config)
+
+REAL_RUNS = SHARED / "real-runs" / "llmservingsim-vllm-0.19"
+RTX4090 = "NVIDIA GeForce RTX 4090"
+
+
+def row(i: int, queued: float, prompt: int = 40, output: int = 5, queue: float = 0.0,
+        prefill: float = 0.02, decode: float = 0.04, **extra) -> dict:
+    """A request queued at `queued` s (engine clock; the client clock is 1000 s ahead)."""
+    return {"request_id": f"r{i}", "input_toks": prompt, "output_toks": output,
+            "arrival_time": 1000.0 + queued, "queued_ts": queued,
+            "scheduled_ts": queued + queue, "first_token_ts": queued + queue + prefill,
+            "last_token_ts": queued + queue + prefill + decode, **extra}
+
+
+def write_run(folder: Path, rows: list, model: str = "meta-llama/Llama-3.1-8B",
+              device: str | None = RTX4090, kv_cache: dict | None = None, **kwargs) -> Path:
+    folder.mkdir(parents=True)
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    (folder / "vllm_requests.jsonl").write_text("\n".join(lines) + "\n")
+    meta = {"model": model, "vllm_version": "0.19.0",
+            "engine_kwargs": {"model": model, "tensor_parallel_size": 1, "max_num_seqs": 8,
+                              "max_num_batched_tokens": 64, "max_model_len": None,
+                              "dtype": "bfloat16", "kv_cache_dtype": "auto", **kwargs}}
+    if device:
+        meta["hardware"] = {"device_name": device}
+    if kv_cache:
+        meta["kv_cache"] = kv_cache
+    (folder / "vllm_meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+SUMMARY = """Metric                           vLLM         Sim     Diff%
+-----------------------------------------------------------
+TTFT Mean                        25.0        26.0     +4.0%
+TTFT P99                         40.0        38.0     -5.0%
+
+Latency Median                   60.0        60.6     +1.0%
+"""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def test_rows_are_checked_and_every_dropped_row_counted(tmp_path):
+    rows = [row(0, 10.0, queue=0.5), row(1, 10.25, output=1, decode=0.0),
+            row(2, 10.5, prefill=0.1, decode=0.2),
+            "{not json", {**row(3, 11.0), "input_toks": "many"},
+            {**row(4, 11.0), "first_token_ts": 9.0},          # before it was queued
+            {**row(5, 11.0), "output_toks": 0}, {**row(6, 12.0), "request_id": "r0"}]
+    run = load_recorded_run(write_run(tmp_path / "runs" / "run", rows))
+    assert run.label == "runs/run" and run.source_rows == 8
+    assert {i.reason: i.count for i in run.dropped} == {
+        "not a JSON object": 1, "missing or non-numeric field": 1,
+        "timestamps out of order (queued <= scheduled <= first token <= last token)": 1,
+        "token count not an integer >= 1": 1, "duplicate request_id": 1}
+    assert next(i.example for i in run.dropped if i.reason == "not a JSON object").startswith("line 4:")
+    a, b, c = run.requests
+    assert [r.arrival_s for r in run.requests] == pytest.approx([0.0, 0.25, 0.5])
+    assert (a.queue_ms, a.ttft_ms, a.e2el_ms, a.tpot_ms) == pytest.approx((500, 520, 560, 10))
+    assert b.tpot_ms is None                                  # one output token: no TPOT
+    assert (c.ttft_ms, c.tpot_ms) == pytest.approx((100, 50))
+    assert a.client_lag_ms == pytest.approx(0.0, abs=1e-6)
+
+
+def test_requests_are_put_in_queue_order(tmp_path):
+    run = load_recorded_run(write_run(tmp_path / "runs" / "run", [row(0, 3.0), row(1, 1.0)]))
+    assert [r.request_id for r in run.requests] == ["r1", "r0"]
+    assert [r.arrival_s for r in run.requests] == [0.0, 2.0]
+
+
+def test_a_folder_without_a_run_or_rows_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"not a recorded vLLM run \(.*vllm_meta.json"):
+        load_recorded_run(tmp_path)
+    bad = write_run(tmp_path / "bad", [{**row(0, 1.0), "queued_ts": None}])
+    with pytest.raises(ValueError, match=r"no usable request; 1 missing or non-numeric field "
+                                         r"\(line 1: queued_ts is None\)"):
+        load_recorded_run(bad)
+
+
+def test_published_summary_is_parsed(tmp_path):
+    assert parse_published(SUMMARY) == {
+        "ttft": {"mean": {"real": 25.0, "sim": 26.0, "error_pct": 4.0},
+                 "p99": {"real": 40.0, "sim": 38.0, "error_pct": -5.0}},
+        "e2el": {"p50": {"real": 60.0, "sim": 60.6, "error_pct": 1.0}}}
+    folder = write_run(tmp_path / "runs" / "run", [row(0, 1.0)])
+    (folder / "validation_summary.txt").write_text(SUMMARY)
+    assert load_recorded_run(folder).published["ttft"]["mean"]["error_pct"] == 4.0
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def test_moe_unknown_model_and_unknown_gpu_each_get_one_line(tmp_path):
+    moe = load_recorded_run(write_run(tmp_path / "a" / "moe", [row(0, 1.0)],
+                                      model="Qwen/Qwen3-30B-A3B-Instruct-2507",
+                                      enable_expert_parallel=True, data_parallel_size=2))
+    with pytest.raises(NotReplayable, match=r"^a/moe: Qwen/Qwen3-30B-A3B-Instruct-2507 is a "
+                                            r"mixture-of-experts model;"):
+        catalog_model(moe)
+    unknown = load_recorded_run(write_run(tmp_path / "a" / "odd", [row(0, 1.0)], model="org/Odd-7B"))
+    with pytest.raises(NotReplayable, match=r"^a/odd: model 'org/Odd-7B' has no catalog entry; "
+                                            r"supported: .*Qwen/Qwen3-32B \(qwen3-32b\)"
+                                            r".*meta-llama/Llama-3.1-8B \(llama-3.1-8b\)"):
+        catalog_model(unknown)
+    nogpu = load_recorded_run(write_run(tmp_path / "a" / "x", [row(0, 1.0)], device="Mystery GPU"))
+    with pytest.raises(NotReplayable, match=r"^a/x: cannot tell its GPU \(device_name 'Mystery "
+                                            r"GPU'.*catalog: .*h100-sxm"):
+        run_gpu(nogpu)
+
+
+def test_gpu_from_device_name_or_folder_and_model_from_catalog(tmp_path):
+    by_name = load_recorded_run(write_run(tmp_path / "x" / "a", [row(0, 1.0)],
+                                          model="META-LLAMA/Llama-3.1-8B",
+                                          device="NVIDIA GeForce RTX 4090"))
+    assert (run_gpu(by_name), catalog_model(by_name)) == ("rtx-4090", "llama-3.1-8b")
+    by_folder = load_recorded_run(write_run(tmp_path / "RTXPRO6000" / "Qwen3-32B", [row(0, 1.0)],
+                                            model="Qwen/Qwen3-32B", device=None))
+    assert (run_gpu(by_folder), catalog_model(by_folder)) == ("rtx-pro-6000", "qwen3-32b")
+
+
+def test_engine_config_is_vllm_defaults_overridden_by_the_run(tmp_path):
+    run = load_recorded_run(write_run(
+        tmp_path / "runs" / "run", [row(0, 1.0)], tensor_parallel_size=2, max_num_seqs=32,
+        max_num_batched_tokens=1024, kv_cache_dtype="fp8",
+        kv_cache={"num_gpu_blocks": 777, "block_size": 32, "gpu_memory_utilization": 0.8,
+                  "enable_prefix_caching": False}))
+    c = vllm_engine_config(run, "llama-3.1-8b", "h100-sxm", "t.csv")
+    s = c.scheduler
+    assert (c.engine, c.tp, c.weight_dtype, c.kv_dtype) == ("vllm-0.19", 2, "bf16", "fp8")
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.chunked_prefill) == (32, 1024, 1024)
+    assert (s.preemption, s.step_composition, c.watermark) == ("recompute", "decode_first", 0.0)
+    assert s.max_model_len == 131072                       # the model's, as vLLM derives it
+    assert (c.kv_blocks, c.block_size, c.gpu_memory_utilization, c.prefix_caching) == \
+        (777, 32, 0.8, False)
+    bare = vllm_engine_config(load_recorded_run(write_run(tmp_path / "runs" / "b", [row(0, 1.0)])),
+                              "llama-3.1-8b", "rtx-4090", "t.csv")
+    assert (bare.kv_blocks, bare.block_size, bare.prefix_caching, bare.gpu_memory_utilization) == \
+        (None, 16, True, 0.9)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_error_metrics_on_numbers_worked_by_hand():
+    e = error_metrics([100.0, 200.0, 400.0, np.nan, 50.0], [110.0, 180.0, 400.0, 70.0, np.nan])
+    assert e["n"] == 3                                     # pairs with a NaN on either side left out
+    assert e["mape_pct"] == pytest.approx(20 / 3)          # |+10%|, |-10%|, 0
+    assert e["median_signed_pct"] == pytest.approx(0.0)
+    assert e["real"]["mean"] == pytest.approx(700 / 3) and e["sim"]["mean"] == pytest.approx(230.0)
+    assert e["stat_error_pct"]["mean"] == pytest.approx((230 - 700 / 3) / (700 / 3) * 100)
+    assert (e["real"]["p50"], e["sim"]["p50"]) == (200.0, 180.0)
+    assert e["stat_error_pct"]["p50"] == pytest.approx(-10.0)
+    assert e["real"]["p90"] == pytest.approx(360.0)        # linear: 200 + 0.8 · 200
+    assert error_metrics([np.nan], [1.0]) == {"n": 0}
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _tiny_runs(tmp_path: Path) -> tuple[Path, Path]:
+    rows = [row(i, 0.05 * i, prompt=30 + 7 * i, output=4 + i % 3) for i in range(8)]
+    run = write_run(tmp_path / "RTX4090" / "tiny", rows)
+    (run / "validation_summary.txt").write_text(SUMMARY)
+    moe = write_run(tmp_path / "RTX4090" / "moe", rows[:2], model="Qwen/Qwen3-30B-A3B",
+                    enable_expert_parallel=True)
+    return run, moe
+
+
+def test_replay_matches_requests_one_to_one(tmp_path):
+    run, _ = _tiny_runs(tmp_path)
+    rp = replay_run(load_recorded_run(run))
+    assert rp.rejected == 0 and rp.errors["e2el"]["n"] == 8
+    assert rp.config.model == "llama-3.1-8b" and rp.config.gpu == "rtx-4090"
+    assert np.isfinite(rp.sim["ttft"]).all() and (rp.sim["e2el"] > rp.sim["ttft"]).all()
+    assert rp.derived["formula_kv_blocks"] == rp.derived["kv_blocks_per_replica"]
+
+
+def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, capsys):
+    run, moe = _tiny_runs(tmp_path)
+    out = tmp_path / "docs" / "real.md"
+    assert main(["validate", "--real-requests", str(run), str(moe), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Whole runs") and f"--out {out}`" in text
+    assert "| RTX4090/tiny | " in text and "| TTFT | mean | 25.0 |" not in text
+    assert "- RTX4090/moe: Qwen/Qwen3-30B-A3B is a mixture-of-experts model" in text
+    assert "| first request left out |" in text and "| TTFT | mean |" in text
+    data = json.loads((out.parent / "real" / "real-runs.json").read_text())
+    assert data["runs"]["RTX4090/tiny"]["published"]["ttft"]["mean"]["error_pct"] == 4.0
+    assert list(data["not_replayed"]) == ["RTX4090/moe"]
+    assert sorted(p.name for p in (out.parent / "real").glob("*.png")) == [
+        "RTX4090_tiny_engine.png", "RTX4090_tiny_latency.png"]
+    assert "not replayed: RTX4090/moe" in capsys.readouterr().err
+
+
+def test_cli_refuses_step_record_options_and_non_markdown_out(tmp_path, capsys):
+    run, _ = _tiny_runs(tmp_path)
+    out = str(tmp_path / "r.md")
+    assert main(["validate", "--real-requests", str(run), "--fit", "--out", out]) == 2
+    assert "--fit applies to --run (servelab run directories), not to --real-requests" in \
+        capsys.readouterr().err
+    assert main(["validate", "--real-requests", str(run), "--out", str(tmp_path / "dir")]) == 2
+    assert "expected a Markdown file (FILE.md)" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- public runs
+
+
+@pytest.fixture(scope="module")
+def real_runs() -> dict[str, Path]:
+    if not REAL_RUNS.is_dir():
+        pytest.skip(f"the public real runs are not at {REAL_RUNS} (../shared absent)")
+    return {f"{p.parent.name}/{p.name}": p for p in sorted(REAL_RUNS.glob("*/*"))}
+
+
+def test_public_runs_read_clean_and_agree_with_the_published_real_figures(real_runs):
+    assert len(real_runs) == 4
+    for label, path in real_runs.items():
+        run = load_recorded_run(path)
+        assert (run.source_rows, len(run.requests), run.dropped) == (300, 300, ())
+        mean_ttft = np.mean([r.ttft_ms for r in run.requests])
+        # the same clock and alignment as LLMServingSim's own "vLLM" column
+        assert mean_ttft == pytest.approx(run.published["ttft"]["mean"]["real"], abs=0.1), label
+        assert run_gpu(run) in ("rtx-4090", "rtx-pro-6000")
+    moe = load_recorded_run(real_runs["RTXPRO6000/Qwen3-30B-A3B-Instruct-2507"])
+    with pytest.raises(NotReplayable, match="mixture-of-experts"):
+        catalog_model(moe)
+
+
+def test_public_rtx4090_run_replays_with_its_recorded_engine(real_runs):
+    rp = replay_run(load_recorded_run(real_runs["RTX4090/Llama-3.1-8B"]))
+    c = rp.config
+    assert (c.gpu, c.model, c.tp, c.kv_blocks, c.scheduler.max_num_seqs,
+            c.scheduler.max_model_len) == ("rtx-4090", "llama-3.1-8b", 1, 2588, 256, 32768)
+    assert rp.rejected == 0 and rp.errors["e2el"]["n"] == 300
+
+
+def test_a_setup_the_simulator_refuses_is_not_replayed_rather_than_fatal(tmp_path):
+    big = load_recorded_run(write_run(tmp_path / "RTX4090" / "big", [row(0, 1.0)],
+                                      model="Qwen/Qwen3-32B", device=None))
+    with pytest.raises(NotReplayable, match=r"^RTX4090/big: cannot be replayed as recorded: "
+                                            r"qwen3-32b weights need .* raise tp"):
+        replay_run(big)

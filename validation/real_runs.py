@@ -1,0 +1,423 @@
+"""Whole real vLLM runs replayed through the simulator (`servelab validate --real-requests`).
+
+    runs = [load_recorded_run(p) for p in paths]          # ValueError: one line per bad folder
+    replay = replay_run(runs[0])                          # NotReplayable: one line, e.g. MoE
+    replay.errors["e2el"]["mape_pct"]
+
+A run folder holds `vllm_requests.jsonl` (one request a line: `input_toks`,
+`output_toks`, the client's `arrival_time` and the engine's monotonic `queued_ts`,
+`scheduled_ts`, `first_token_ts`, `last_token_ts`), `vllm_meta.json` (the model, the
+vLLM version, its engine kwargs and, when recorded, the KV-cache block and the device)
+and optionally `validation_summary.txt` (another simulator's published error on the same
+run). The format is LLMServingSim's `bench/` output (casys-kaist/LLMServingSim, commit
+5daddb2); `../shared/real-runs/README.md` describes it.
+
+Checks on every row, each failure dropped and counted by reason (never silently): the
+fields are numbers, lengths are >= 1, request ids are unique, and the engine timestamps
+are ordered queued <= scheduled <= first token <= last token, which is what makes queue
+(scheduled − queued) + prefill (first − scheduled) + decode (last − first) add up to the
+end-to-end latency. Metrics are taken on the engine's clock, as the README says and as
+LLMServingSim does: TTFT = first_token − queued, E2E = last_token − queued, TPOT =
+(E2E − TTFT) / (output − 1). The replay's arrivals are `queued_ts` relative to the first
+request; how far they drift from the client's `arrival_time` is reported.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from servelab.traces.record import RowIssue
+
+__all__ = ["LATENCIES", "NotReplayable", "RealRequest", "RecordedRun", "Replay",
+           "catalog_model", "decode_seconds", "error_metrics", "load_recorded_run",
+           "parse_published", "replay_run", "run_gpu", "vllm_engine_config"]
+
+LATENCIES = ("ttft", "tpot", "e2el")
+"""The per-request latencies compared, named as `vllm bench serve` names them."""
+STATS = ("mean", "p50", "p90", "p99")
+_TIMESTAMPS = ("queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts")
+_PUBLISHED_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99": "p99"}
+_PUBLISHED_METRICS = {"TTFT": "ttft", "TPOT": "tpot", "Latency": "e2el"}
+
+
+class NotReplayable(ValueError):
+    """A run servelab cannot replay (yet); the message is the one line the report shows."""
+
+
+@dataclass(frozen=True, slots=True)
+class RealRequest:
+    request_id: str
+    arrival_s: float
+    """queued_ts relative to the run's first request."""
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: float
+    e2el_ms: float
+    queue_ms: float
+    """scheduled − queued: time before the first step that computed any of it."""
+    client_lag_ms: float | None
+    """(queued − first queued) − (arrival_time − first arrival_time): how much later than
+    the client's clock says the engine saw it; None without arrival_time."""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    path: Path
+    label: str
+    """The folder's last two parts ("RTX4090/Llama-3.1-8B")."""
+    meta: dict[str, Any]
+    requests: tuple[RealRequest, ...]
+    """Kept rows in arrival order (ties by file order)."""
+    source_rows: int
+    dropped: tuple[RowIssue, ...]
+    published: dict[str, dict[str, dict[str, float]]] | None
+    """validation_summary.txt: metric -> stat -> {"real", "sim", "error_pct"}."""
+    timeseries: dict[str, np.ndarray] | None
+    """vllm_timeseries.csv's columns (engine state once a second: t, running, waiting, ...)."""
+
+    @property
+    def model_name(self) -> str:
+        return str(self.meta.get("model") or self.meta.get("engine_kwargs", {}).get("model", "?"))
+
+
+def load_recorded_run(path: str | Path) -> RecordedRun:
+    """Read and check one run folder; ValueError (one line naming the folder) when a file
+    is missing or unreadable, or no row survives the checks."""
+    folder = Path(path)
+    label = "/".join(folder.resolve().parts[-2:])
+    try:
+        meta = json.loads((folder / "vllm_meta.json").read_text(encoding="utf-8"))
+        lines = (folder / "vllm_requests.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"{folder}: not a recorded vLLM run ({exc.filename}: "
+                         f"{exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{folder}/vllm_meta.json: not valid JSON ({exc.msg})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{folder}/vllm_meta.json: expected a JSON object")
+    kept, issues = _check_rows([(n, line) for n, line in enumerate(lines, 1) if line.strip()])
+    if not kept:
+        raise ValueError(f"{folder}/vllm_requests.jsonl: no usable request"
+                         + "".join(f"; {i.count} {i.reason} ({i.example})" for i in issues))
+    kept.sort(key=lambda r: (r["queued_ts"], r["line"]))
+    q0, a0 = kept[0]["queued_ts"], kept[0].get("arrival_time")
+    requests = tuple(RealRequest(
+        request_id=str(r.get("request_id", r["line"])), arrival_s=r["queued_ts"] - q0,
+        prompt_tokens=r["input_toks"], output_tokens=r["output_toks"],
+        ttft_ms=(r["first_token_ts"] - r["queued_ts"]) * 1e3,
+        e2el_ms=(r["last_token_ts"] - r["queued_ts"]) * 1e3,
+        queue_ms=(r["scheduled_ts"] - r["queued_ts"]) * 1e3,
+        client_lag_ms=None if a0 is None or r.get("arrival_time") is None
+        else ((r["queued_ts"] - q0) - (r["arrival_time"] - a0)) * 1e3) for r in kept)
+    summary = folder / "validation_summary.txt"
+    published = parse_published(summary.read_text(encoding="utf-8")) if summary.is_file() else None
+    return RecordedRun(folder, label, meta, requests, len(kept) + sum(i.count for i in issues),
+                       tuple(issues), published or None, _read_timeseries(folder))
+
+
+def _read_timeseries(folder: Path) -> dict[str, np.ndarray] | None:
+    """vllm_timeseries.csv as numeric columns; None when absent or not numeric (it only
+    feeds a figure)."""
+    import csv
+
+    path = folder / "vllm_timeseries.csv"
+    if not path.is_file():
+        return None
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    try:
+        return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]} if rows else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_rows(lines: list[tuple[int, str]]) -> tuple[list[dict], list[RowIssue]]:
+    """The rows (line number, text) that pass every check, and one `RowIssue` per reason
+    for the rest (count, first example)."""
+    kept, issues, seen = [], {}, set()
+
+    def drop(reason: str, n: int, detail: str) -> None:
+        old = issues.get(reason)
+        issues[reason] = RowIssue(reason, 1 + (old.count if old else 0),
+                                  old.example if old else f"line {n}: {detail}")
+
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            drop("not a JSON object", n, exc.msg)
+            continue
+        if not isinstance(row, dict):
+            drop("not a JSON object", n, type(row).__name__)
+            continue
+        bad = [k for k in ("input_toks", "output_toks", *_TIMESTAMPS) if not _number(row.get(k))]
+        if bad:
+            drop("missing or non-numeric field", n, f"{bad[0]} is {row.get(bad[0])!r}")
+            continue
+        if not all(float(row[k]).is_integer() and row[k] >= 1 for k in ("input_toks", "output_toks")):
+            drop("token count not an integer >= 1", n,
+                 f"input_toks {row['input_toks']!r}, output_toks {row['output_toks']!r}")
+            continue
+        times = [row[k] for k in _TIMESTAMPS]
+        if any(b < a for a, b in zip(times, times[1:])):
+            drop("timestamps out of order (queued <= scheduled <= first token <= last token)",
+                 n, ", ".join(f"{k} {row[k]}" for k in _TIMESTAMPS))
+            continue
+        rid = row.get("request_id")
+        if rid is not None and rid in seen:
+            drop("duplicate request_id", n, repr(rid))
+            continue
+        seen.add(rid)
+        if not _number(row.get("arrival_time")):
+            row["arrival_time"] = None
+        row.update(line=n, input_toks=int(row["input_toks"]), output_toks=int(row["output_toks"]))
+        kept.append(row)
+    return kept, list(issues.values())
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_published(text: str) -> dict[str, dict[str, dict[str, float]]]:
+    """LLMServingSim's validation_summary.txt ("TTFT Mean  65456.6  65820.2  +0.6%" per
+    line: its real figure, its simulated figure and their difference, ms) as metric ->
+    stat -> {"real", "sim", "error_pct"}; lines of any other shape are skipped."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    pattern = re.compile(r"^(TTFT|TPOT|Latency) (Mean|Median|P\d+)\s+(\S+)\s+(\S+)\s+([+-]?[\d.]+)%$")
+    for line in text.splitlines():
+        m = pattern.match(line.strip())
+        if m and m.group(2) in _PUBLISHED_STATS:
+            metric, stat = _PUBLISHED_METRICS[m.group(1)], _PUBLISHED_STATS[m.group(2)]
+            out.setdefault(metric, {})[stat] = {"real": float(m.group(3)), "sim": float(m.group(4)),
+                                                "error_pct": float(m.group(5))}
+    return out
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def catalog_model(run: RecordedRun) -> str:
+    """The catalog model whose config.json `_name_or_path` is the run's model
+    (case-insensitive). NotReplayable for a mixture-of-experts run (expert parallelism on,
+    or a Qwen-style "-A3B" active-parameter name) and for a model with no catalog entry."""
+    from importlib import resources
+
+    from servelab.models import catalog_names
+
+    folder = resources.files("servelab") / "data" / "models"
+    known = {}
+    for entry in catalog_names():
+        hf_name = json.loads((folder / f"{entry}.json").read_text()).get("_name_or_path", "")
+        known[hf_name.lower()] = (hf_name, entry)
+    name = run.model_name
+    if name.lower() in known:
+        return known[name.lower()][1]
+    kwargs = run.meta.get("engine_kwargs") or {}
+    if kwargs.get("enable_expert_parallel") or re.search(r"-A\d+(\.\d+)?B\b|moe|mixtral", name, re.I):
+        raise NotReplayable(f"{run.label}: {name} is a mixture-of-experts model; servelab does "
+                            "not model experts yet (the MoE issue), so this run is not replayed")
+    supported = ", ".join(f"{hf} ({entry})" for hf, entry in sorted(known.values()) if "/" in hf)
+    raise NotReplayable(f"{run.label}: model {name!r} has no catalog entry; supported: {supported}")
+
+
+def run_gpu(run: RecordedRun) -> str:
+    """The catalog GPU of a run: `hardware.device_name` in its meta when recorded, else a
+    folder of its path named after a catalog GPU or alias ("RTXPRO6000" = rtx-pro-6000)."""
+    from servelab.simulator.gpus import get_gpu, gpu_for_device_name, gpu_names
+
+    device = (run.meta.get("hardware") or {}).get("device_name")
+    if device and gpu_for_device_name(device):
+        return gpu_for_device_name(device)
+    squash = lambda s: re.sub(r"[^a-z0-9]", "", s.lower())  # noqa: E731
+    names = {squash(a): n for n in gpu_names() for a in (n, *get_gpu(n).aliases)}
+    for part in reversed(run.path.resolve().parts):
+        if squash(part) in names:
+            return names[squash(part)]
+    raise NotReplayable(f"{run.label}: cannot tell its GPU (device_name {device!r}, no folder "
+                        f"named after a catalog GPU); catalog: {', '.join(gpu_names())}")
+
+
+ENGINE = "vllm-0.19"
+"""The engine preset of the recorded runs (vLLM 0.19.0, `vllm_version` in their meta)."""
+
+
+def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
+                       calibration: str | None = None):
+    """The `SimulationConfig` of the engine that ran `run`: what `servelab simulate --engine
+    vllm-0.19 --vllm-args FLAGS` builds from the flags the run's own config names (its
+    engine kwargs: max_num_seqs, max_num_batched_tokens, max_model_len, tensor and data
+    parallel sizes, dtype, kv_cache_dtype; its recorded KV cache: num_gpu_blocks as
+    --num-gpu-blocks-override, block_size, gpu_memory_utilization, enable_prefix_caching).
+    Every other setting is the preset's (`servelab.engines`: vLLM V1's defaults), so the
+    replay is what a user gets who passes the same flags."""
+    from servelab.cli import CLIError, build_parser
+    from servelab.simulator.cli import config_from_args
+
+    argv = ["simulate", "--trace", trace_path, "--trace-format", "servelab", "--model", model,
+            "--gpu", gpu, "--engine", ENGINE, "--out", "unused",
+            "--vllm-args", " ".join(vllm_flags(run))]
+    if calibration is not None:
+        argv += ["--calibration", calibration]
+    try:
+        return config_from_args(build_parser().parse_args(argv))
+    except CLIError as exc:
+        raise NotReplayable(f"{run.label}: {exc}") from None
+
+
+def vllm_flags(run: RecordedRun) -> list[str]:
+    """The `vllm serve` flags the run's `vllm_meta.json` names (None values left out)."""
+    kwargs = run.meta.get("engine_kwargs") or {}
+    cache = run.meta.get("kv_cache") or {}
+    flags = [f"--{name.replace('_', '-')} {kwargs[name]}" for name in (
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
+        "data_parallel_size", "dtype", "kv_cache_dtype") if kwargs.get(name) is not None]
+    flags += [f"--{flag} {cache[key]}" for key, flag in (
+        ("num_gpu_blocks", "num-gpu-blocks-override"), ("block_size", "block-size"),
+        ("gpu_memory_utilization", "gpu-memory-utilization")) if cache.get(key) is not None]
+    if cache.get("enable_prefix_caching") is not None:
+        flags.append("--enable-prefix-caching" if cache["enable_prefix_caching"]
+                     else "--no-enable-prefix-caching")
+    return flags
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class Replay:
+    run: RecordedRun
+    config: Any
+    """The `SimulationConfig` replayed (its trace file was temporary)."""
+    derived: dict[str, Any]
+    """What the simulation derived (`SimulationResult.derived`), plus
+    "formula_kv_blocks": the KV capacity servelab derives from GPU memory for this setup."""
+    real: dict[str, np.ndarray]
+    sim: dict[str, np.ndarray]
+    """Latency -> per-request ms in `run.requests` order (NaN where undefined)."""
+    errors: dict[str, dict[str, Any]]
+    """Latency -> `error_metrics(real, sim)`."""
+    rejected: int
+    preemptions: int
+    timeline: dict[str, np.ndarray]
+    """The simulated engine once a second: "t_s", "running", "waiting" (as vllm_timeseries.csv)."""
+    cost_model: Any
+    """The `CostModel` that priced the replay."""
+
+
+def replay_run(run: RecordedRun, calibration: str | None = None, **overrides: Any) -> Replay:
+    """Replay `run` through the simulator with its engine's config (`vllm_engine_config`),
+    `overrides` replacing fields of that `SimulationConfig` (e.g. kv_blocks=None to derive
+    the KV capacity instead of using the recorded one). NotReplayable when its model or GPU
+    has no catalog entry, its dtypes are not modelled, or the simulator refuses the setup
+    (e.g. weights that leave no room for the KV cache)."""
+    from dataclasses import replace
+
+    from servelab.simulator.footprint import kv_capacity_blocks
+    from servelab.simulator.run import build_simulation
+    from servelab.traces.canonical import write_csv
+    from servelab.traces.record import Trace, TraceRecord
+
+    model, gpu = catalog_model(run), run_gpu(run)
+    trace = Trace(tuple(TraceRecord(r.arrival_s, r.prompt_tokens, r.output_tokens)
+                        for r in run.requests), source=str(run.path), format="servelab")
+    with tempfile.TemporaryDirectory(prefix="servelab-real-run-") as tmp:
+        write_csv(trace, Path(tmp) / "trace.csv")
+        config = replace(vllm_engine_config(run, model, gpu, str(Path(tmp) / "trace.csv"),
+                                            calibration), **overrides)
+        try:
+            simulation = build_simulation(config)
+        except ValueError as exc:   # the inputs: e.g. weights that leave no room for KV
+            raise NotReplayable(f"{run.label}: cannot be replayed as recorded: {exc}") from None
+    result = simulation.run()
+    c = config
+    formula = kv_capacity_blocks(model, gpu, tp=c.tp, block_size=c.block_size,
+                                 gpu_memory_utilization=c.gpu_memory_utilization,
+                                 kv_dtype=c.kv_dtype, weight_dtype=c.weight_dtype,
+                                 max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                                 max_num_seqs=c.scheduler.max_num_seqs)
+    records = sorted(result.requests, key=lambda r: r.request_id)
+    nan = float("nan")
+    real = {"ttft": np.array([r.ttft_ms for r in run.requests]),
+            "tpot": np.array([nan if r.tpot_ms is None else r.tpot_ms for r in run.requests]),
+            "e2el": np.array([r.e2el_ms for r in run.requests])}
+    sim = {m: np.array([nan if getattr(r, f"{m}_ms") is None else getattr(r, f"{m}_ms")
+                        for r in records]) for m in LATENCIES}
+    return Replay(run, config, {**result.derived, "formula_kv_blocks": formula}, real, sim,
+                  {m: error_metrics(real[m], sim[m]) for m in LATENCIES},
+                  sum(r.status != "finished" for r in records),
+                  sum(r.num_preemptions for r in records), _timeline(result.steps),
+                  simulation.cost_model)
+
+
+def _timeline(steps) -> dict[str, np.ndarray]:
+    """Running and waiting requests at each whole second, from the step records."""
+    start = np.array([s.start_s for s in steps])
+    if not len(start):
+        return {"t_s": np.zeros(0), "running": np.zeros(0), "waiting": np.zeros(0)}
+    t = np.arange(1.0, math.floor(start[-1]) + 1.0)
+    at = np.clip(np.searchsorted(start, t, side="right") - 1, 0, len(start) - 1)
+    return {"t_s": t, "running": np.array([steps[i].num_running for i in at]),
+            "waiting": np.array([steps[i].num_waiting for i in at])}
+
+
+def error_metrics(real: Sequence[float], sim: Sequence[float]) -> dict[str, Any]:
+    """Per-request and distribution errors of `sim` against `real` (pairs where both are
+    finite and real > 0): MAPE and the median signed error (%, positive = simulated
+    slower), and mean/p50/p90/p99 of each side with the signed error of each statistic.
+    Percentiles interpolate linearly (numpy's default, LLMServingSim's figures too)."""
+    real, sim = np.asarray(real, dtype=float), np.asarray(sim, dtype=float)
+    keep = np.isfinite(real) & np.isfinite(sim) & (real > 0)
+    r, s = real[keep], sim[keep]
+    if not len(r):
+        return {"n": 0}
+    rel = (s - r) / r * 100
+
+    def stats(x: np.ndarray) -> dict[str, float]:
+        return {"mean": float(x.mean()), **{f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)}}
+
+    real_stats, sim_stats = stats(r), stats(s)
+    return {"n": int(keep.sum()), "mape_pct": float(np.abs(rel).mean()),
+            "median_signed_pct": float(np.median(rel)), "real": real_stats, "sim": sim_stats,
+            "stat_error_pct": {k: (sim_stats[k] - real_stats[k]) / real_stats[k] * 100
+                               for k in STATS}}
+
+
+def decode_seconds(replay: Replay) -> dict[str, np.ndarray] | None:
+    """The real run's pure-decode seconds priced by the replay's cost model: seconds of
+    vllm_timeseries.csv with no prompt tokens, nothing waiting and >= 4 requests running,
+    where the real step time is running / generated tokens per second and each running
+    request's context is KV usage × KV tokens / running. None when the run recorded no
+    timeseries, no KV usage or no KV capacity (nothing to price the steps with)."""
+    from servelab.outputs import BatchShape
+
+    ts, run = replay.run.timeseries, replay.run
+    cache = run.meta.get("kv_cache") or {}
+    need = ("prompt_throughput", "gen_throughput", "running", "waiting", "kv_cache_pct")
+    if ts is None or not all(k in ts for k in need) or not cache.get("num_gpu_blocks"):
+        return None
+    keep = ((ts["prompt_throughput"] == 0) & (ts["waiting"] == 0) & (ts["running"] >= 4)
+            & (ts["gen_throughput"] > 0) & (ts["kv_cache_pct"] > 0))
+    if not keep.any():
+        return None
+    running = ts["running"][keep].astype(int)
+    kv_tokens = ts["kv_cache_pct"][keep] / 100 * cache["num_gpu_blocks"] * cache.get("block_size", 16)
+    context = (kv_tokens / running).astype(int)
+    priced = np.array([replay.cost_model.step_time(BatchShape(num_decode_seqs=int(n),
+                                                              decode_context_sum=int(n * (c + 1))))
+                       for n, c in zip(running, context)])
+    return {"t_s": ts["t"][keep], "running": running, "context": context,
+            "real_ms": running / ts["gen_throughput"][keep] * 1e3, "priced_ms": priced * 1e3}
