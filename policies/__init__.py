@@ -5,10 +5,13 @@ one new file (docs/extending.md)."""
 from servelab.registry import import_submodules
 from servelab.policies.base import (KeyedQueue, Policy, PolicyFlag, SchedulerError, make_policy,
                                     nothing_to_act_on, policy_names, register_policy)
+from servelab.policies.admission_control import AdmissionControl
 from servelab.policies.edf import EDFPolicy
 from servelab.policies.fair import FairSharePolicy
 from servelab.policies.fcfs import FCFSPolicy
 from servelab.policies.lpm import LongestPrefixMatchPolicy
+from servelab.policies.lsf import LeastSlackFirstPolicy
+from servelab.policies.mlfq import MLFQPolicy
 from servelab.policies.preemption import (Preemption, make_preemption, preemption_names,
                                           register_preemption)
 from servelab.policies.priority import PriorityPolicy
@@ -16,8 +19,8 @@ from servelab.policies.scheduler import Scheduler
 from servelab.policies.sjf import OutputLengthPredictor, SJFPolicy
 
 __all__ = [
-    "EDFPolicy", "FCFSPolicy", "FairSharePolicy", "KeyedQueue", "LongestPrefixMatchPolicy",
-    "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
+    "AdmissionControl", "EDFPolicy", "FCFSPolicy", "FairSharePolicy", "KeyedQueue",
+    "LeastSlackFirstPolicy", "LongestPrefixMatchPolicy", "MLFQPolicy", "OutputLengthPredictor", "Policy", "PolicyFlag", "Preemption", "PriorityPolicy", "SJFPolicy",
     "Scheduler", "SchedulerError", "build_scheduler", "make_policy", "make_preemption",
     "nothing_to_act_on", "policy_classes", "policy_names", "preemption_names", "register_policy", "register_preemption",
 ]

@@ -6,7 +6,8 @@ request to admit (`peek`), tells it what happened (`add`, `requeue`, `remove`,
 `on_service`), and asks which running request to give up when memory runs out
 (`victim_key`: the running request with the largest key is preempted first). What a
 policy can do beyond ordering is declared, never guessed: `preemptive` (it may preempt
-running requests for a waiting one), `charges_service` (it accounts each step's
+running requests for a waiting one), `reorders_running` (whom it may preempt changes as
+running requests draw tokens), `charges_service` (it accounts each step's
 service), `reads_prefix_cache` (it orders by what the prefix cache holds), its
 command-line `flags`, the `tenant_weights` it shares service by, and the workload traits
 it `acts_on`.
@@ -21,7 +22,7 @@ import abc
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 from servelab.options import positive_float
 from servelab.registry import Registry
@@ -107,18 +108,19 @@ def _off_is_none(seconds: float) -> float | None:
 
 
 class KeyedQueue:
-    """A priority queue of requests by a static key, with O(log n) push/pop and O(1)
-    lazy removal (removed entries are skipped when they reach the top)."""
+    """A priority queue of requests by key, with O(log n) push/pop and O(1) lazy removal
+    (removed entries are skipped when they reach the top). A request pushed again (after
+    a preemption) may come back with another key: only its latest entry counts."""
 
     __slots__ = ("_heap", "_live")
 
     def __init__(self) -> None:
         self._heap: list[tuple] = []
-        self._live: dict[int, Request] = {}
+        self._live: dict[int, tuple[tuple, Request]] = {}   # id -> (its latest key, request)
 
     def push(self, key: tuple, req: Request) -> None:
         heapq.heappush(self._heap, (key, req.request_id))
-        self._live[req.request_id] = req
+        self._live[req.request_id] = (key, req)
 
     def remove(self, req: Request) -> None:
         self._live.pop(req.request_id, None)
@@ -126,10 +128,10 @@ class KeyedQueue:
     def peek(self) -> Request | None:
         heap, live = self._heap, self._live
         while heap:
-            rid = heap[0][1]
-            req = live.get(rid)
-            if req is not None:
-                return req
+            key, rid = heap[0]
+            entry = live.get(rid)
+            if entry is not None and entry[0] is key:
+                return entry[1]
             heapq.heappop(heap)
         return None
 
@@ -144,7 +146,8 @@ class KeyedQueue:
 
     def ordered(self) -> list[Request]:
         live = self._live
-        return [live[rid] for _, rid in sorted(self._heap) if rid in live]
+        return [entry[1] for key, rid in sorted(self._heap)
+                if (entry := live.get(rid)) is not None and entry[0] is key]
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.ordered())
@@ -169,6 +172,13 @@ class Policy(abc.ABC):
     reads_prefix_cache: ClassVar[bool] = False
     """Does the waiting order depend on what the prefix cache holds (lpm)? Only then does
     the scheduler hand the policy a probe, once (`attach_prefix_probe`)."""
+
+    reorders_running: ClassVar[bool] = False
+    """Does `may_preempt_for` of a running request change as it draws tokens (mlfq's
+    demotion)? Then a `preemptive` instance says how long it stays as it is
+    (`tokens_until_preemptible`), and the simulator's fast-forward ends its runs there.
+    (Victim order may change freely: nothing is preempted within a run of plain decode
+    steps.)"""
 
     flags: ClassVar[tuple[PolicyFlag, ...]] = ()
     """Command-line flags of this policy's options (`servelab simulate`, `run`, `compare`)."""
@@ -257,6 +267,14 @@ class Policy(abc.ABC):
         only of a policy that declares `preemptive`; every request it is shown is
         current."""
         return False
+
+    def tokens_until_preemptible(self, heads: list[Request], running: Iterable[Request]) -> int:
+        """Asked of a preemptive policy that declares `reorders_running`, while requests
+        wait: how many more tokens every one of `running` may draw (one per decode step)
+        before `may_preempt_for(head, r)` could first hold for one of the waiting `heads`
+        (`candidates`) and one `r` of them; 0 if it may hold now."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares reorders_running "
+                                  "but does not say when its running requests reorder")
 
     # --- accounting ----------------------------------------------------------------
     def on_service(self, req: Request, prefill_tokens: int, output_tokens: int) -> None:

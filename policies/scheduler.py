@@ -14,6 +14,11 @@ Step composition (SchedulerConfig.step_composition):
 - prefill_first (vLLM v0 without chunking): if any prefill work can be scheduled, the
   step holds only prefills; decodes run in steps with no prefill.
 
+Admission control: every arrival passes the admission stage first
+(`policies/admission_control.py`, when `SchedulerConfig.admission` has a rule): per-tenant
+queue limits and rates, and shedding by tier; a refused request is rejected with its
+reason, before the policy sees it.
+
 Memory: a request is admitted only if its whole prompt (or, after a recompute
 preemption, prompt + generated tokens) gets blocks (`KVAdmission`); decodes append one
 slot per step. When a running sequence cannot get its slot, the policy's victim is
@@ -35,6 +40,7 @@ from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
 from servelab.policies.admission import KVAdmission
+from servelab.policies.admission_control import AdmissionControl
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.budget import StepBudget
 from servelab.policies.decode_batch import DecodeBatch
@@ -89,13 +95,16 @@ class Scheduler:
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
             and not keep_token_times and not self._charges_service))
         self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
+        # the admission stage before the policy: rate limits and shedding, when configured
+        self._control = AdmissionControl(config.admission) if config.admission.enabled else None
         if policy.reads_prefix_cache:
             policy.attach_prefix_probe(self._kv.cached_tokens)
         self._host_tier = block_manager.num_host_blocks > 0
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, req: Request, now: float) -> bool:
-        """Admission control at arrival. Returns False if the request was rejected (it
+        """Admission control at arrival: a request that can never fit, the waiting-queue
+        limit, then the admission stage. Returns False if the request was rejected (it
         then appears in the next SchedulerOutput.rejected and in the records)."""
         if req.request_id in self._requests:
             raise SchedulerError(f"request {req.request_id} was already added")
@@ -105,6 +114,8 @@ class Scheduler:
         if reason is None and self.config.waiting_queue_limit is not None \
                 and len(self.policy) >= self.config.waiting_queue_limit:
             reason = f"waiting queue full ({self.config.waiting_queue_limit} requests)"
+        if reason is None and self._control is not None:
+            reason = self._control.refusal(req, now)
         if reason is not None:
             self._reject(req, reason, now)
             return False
@@ -334,15 +345,15 @@ class Scheduler:
             return False
         running, policy = self.running, self.policy  # current sequences for the policy
         key, adm, kv = policy.victim_key, self._admit_seq, self._kv
-        victims = sorted((r for r in running.values() if policy.may_preempt_for(head, r)),
-                         key=lambda r: key(r, adm[r.request_id]), reverse=True)
+        victims = [r for r in running.values() if policy.may_preempt_for(head, r)]
         if not victims or not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
             return False
         self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
         preempted = False
-        while running and not kv.would_fit(head):
-            victim = max(running.values(), key=lambda r: key(r, adm[r.request_id]))
-            if not policy.may_preempt_for(head, victim):
+        # the worst victim first, as long as the head does not fit (nothing runs meanwhile,
+        # so the keys stay as they are: one sort, not a max per victim)
+        for victim in sorted(running.values(), key=lambda r: key(r, adm[r.request_id]), reverse=True):
+            if kv.would_fit(head) or not policy.may_preempt_for(head, victim):
                 break
             self._preempt(victim, now, out)
             preempted = True
@@ -430,12 +441,16 @@ class Scheduler:
                 # NEVER, or LATER with nothing running that could free memory.
                 policy.remove(req)
                 kv.forget(req)
+                if self._control is not None:
+                    self._control.left(req)
                 self._reject(req, "needs more KV blocks than the cache holds"
                              if status is AllocStatus.NEVER else
                              "does not fit in an empty KV cache", now, out)
                 continue
             policy.remove(req)
             self._set_running(req)
+            if self._control is not None:
+                self._control.started(req, now)
             seats -= live
             entries = step.plan(req, allocated=True)  # prefix hits cut the work
             step.commit(req, entries)
@@ -446,7 +461,8 @@ class Scheduler:
         if not len(self.policy):
             return False
         candidates = self.policy.candidates(now)
-        if self._may_preempt and candidates:
+        # (a policy that reorders its running requests answered in decode_run_bound)
+        if self._may_preempt and candidates and not self.policy.reorders_running:
             running, policy = self.running, self.policy  # current sequences for the policy
             # a preemptive policy may evict for a candidate once memory runs short
             if any(policy.may_preempt_for(head, r) for head in candidates for r in running.values()):
@@ -567,12 +583,18 @@ class Scheduler:
         be advanced in closed form by `advance_decodes`, with exactly the effect of
         scheduling it step by step. Call it between update() and the next schedule().
         O(block_size + waiting candidates) when every running sequence is batched,
-        otherwise O(running sequences) (see DecodeBatch.run_bound)."""
+        otherwise O(running sequences) (see DecodeBatch.run_bound); O(running sequences)
+        too under a preemptive policy that `reorders_running` while requests wait."""
         self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self._running or limit <= 0:
             return 0
-        return self._batch.run_bound(self._running, self._listed, limit,
-                                     lambda num_seqs: self._admits_while_decoding(now, num_seqs))
+        k = self._batch.run_bound(self._running, self._listed, limit,
+                                  lambda num_seqs: self._admits_while_decoding(now, num_seqs))
+        policy = self.policy
+        if k > 0 and self._may_preempt and policy.reorders_running and len(policy):
+            # the run ends before a running request sinks to where a waiting one may preempt it
+            k = min(k, policy.tokens_until_preemptible(policy.candidates(now), self.running.values()))
+        return k
 
     def advance_decodes(self, num_steps: int) -> None:
         """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have

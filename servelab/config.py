@@ -7,12 +7,48 @@ elsewhere, never written back here.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from servelab._validate import check_choice, check_float, check_int, check_name
 
 STEP_COMPOSITIONS = ("decode_first", "prefill_first")
 BATCHING_MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The admission stage before the policy (`servelab.policies.admission_control`);
+    every rule is off by default."""
+
+    tenant_queue_limit: int | None = None
+    """Reject an arrival while this many requests of its tenant wait to start."""
+    tenant_rate: float | None = None
+    """Token bucket per tenant: admit its arrivals at this many requests/s on average."""
+    tenant_burst: float = 10.0
+    """The bucket's depth: arrivals a tenant may send at once after an idle spell."""
+    shed_from_priority: int | None = None
+    """Shed a request of this priority or a larger value (a lower tier) when its predicted
+    wait exceeds its TTFT SLO; None: never shed."""
+    shed_default_slo_ms: float = 10_000.0
+    """The TTFT SLO shedding judges a request without one of its own by."""
+
+    def __post_init__(self) -> None:
+        o = "AdmissionConfig"
+        if self.tenant_queue_limit is not None:
+            check_int(o, "tenant_queue_limit", self.tenant_queue_limit, 0)
+        if self.tenant_rate is not None:
+            check_float(o, "tenant_rate", self.tenant_rate, 0.0, lo_open=True)
+        check_float(o, "tenant_burst", self.tenant_burst, 1.0)
+        if self.shed_from_priority is not None:
+            check_int(o, "shed_from_priority", self.shed_from_priority)
+        check_float(o, "shed_default_slo_ms", self.shed_default_slo_ms, 0.0, lo_open=True)
+
+    @property
+    def enabled(self) -> bool:
+        return (self.tenant_queue_limit, self.tenant_rate, self.shed_from_priority) != (None,) * 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -35,9 +71,18 @@ class SchedulerConfig:
     """Reject arrivals when this many requests already wait (the HTTP 429 analogue)."""
     batching: str = "continuous"
     """continuous (iteration-level) or static (a batch runs until all members finish)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """The admission stage before the policy (also read from its `to_dict` form)."""
 
     def __post_init__(self) -> None:
         o = "SchedulerConfig"
+        if isinstance(self.admission, dict):   # from config.json
+            try:
+                object.__setattr__(self, "admission", AdmissionConfig(**self.admission))
+            except TypeError as exc:
+                raise ValueError(f"{o}.admission: {exc}") from None
+        if not isinstance(self.admission, AdmissionConfig):
+            raise ValueError(f"{o}.admission must be an AdmissionConfig, got {self.admission!r}")
         check_int(o, "max_num_seqs", self.max_num_seqs, 1)
         check_int(o, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.chunked_prefill is not None:
@@ -50,7 +95,11 @@ class SchedulerConfig:
         check_choice(o, "batching", self.batching, BATCHING_MODES)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As a dict; without `admission` when no rule is on (configs read as before)."""
+        out = asdict(self)
+        if not self.admission.enabled:
+            del out["admission"]
+        return out
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ from dataclasses import fields
 from typing import NamedTuple, Sequence
 
 from servelab.cli import CLIError
-from servelab.config import BATCHING_MODES, STEP_COMPOSITIONS, CacheConfig, SchedulerConfig
+from servelab.config import (BATCHING_MODES, STEP_COMPOSITIONS, AdmissionConfig, CacheConfig,
+                             SchedulerConfig)
 from servelab.engines import BUDGET, DEFAULT_ENGINE, EnginePreset, engine_names, get_preset
 
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
+_ADMISSION_DEFAULTS = {f.name: f.default for f in fields(AdmissionConfig)}
 OUTPUT_FORMATS = ("csv", "parquet")
 """How a run directory's request and step tables are written (`servelab.reports.runio`)."""
 
@@ -42,6 +44,9 @@ _FLAG_OF = {
     "num_cpu_blocks": "--cpu-kv-blocks", "watermark": "--watermark",
     "enable_prefix_caching": "--prefix-caching",
     "block_manager": "--block-manager",
+    "tenant_queue_limit": "--tenant-queue-limit", "tenant_rate": "--tenant-rate",
+    "tenant_burst": "--tenant-burst", "shed_from_priority": "--shed-from-priority",
+    "shed_default_slo_ms": "--shed-default-slo-ms",
 }
 
 class SchedulerOptions(NamedTuple):
@@ -175,6 +180,27 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
                         "(a CPU tier of the prefix cache, LRU; hits are loaded back over "
                         "PCIe); needs --prefix-caching (default 0: none)")
 
+    a = parser.add_argument_group(
+        "admission", "a stage before the policy, for any policy: a refused request is rejected "
+                     "with its reason and counts as missing its SLOs")
+    a.add_argument("--tenant-queue-limit", type=non_negative_int, default=None, metavar="N",
+                   help="reject an arrival while N requests of its tenant wait to start "
+                        "(default: no limit)")
+    a.add_argument("--tenant-rate", type=positive_float, default=None, metavar="REQ_PER_S",
+                   help="token bucket per tenant: admit each tenant's arrivals at this mean rate "
+                        "(default: no limit)")
+    a.add_argument("--tenant-burst", type=_at_least_one, metavar="N",
+                   default=_ADMISSION_DEFAULTS["tenant_burst"],
+                   help="arrivals a tenant may send at once under --tenant-rate "
+                        "(default %(default)s)")
+    a.add_argument("--shed-from-priority", type=int, default=None, metavar="P",
+                   help="shed a request of priority P or a larger value (a lower tier) when its "
+                        "predicted wait exceeds its TTFT SLO (default: never shed)")
+    a.add_argument("--shed-default-slo-ms", type=positive_float, metavar="MS",
+                   default=_ADMISSION_DEFAULTS["shed_default_slo_ms"],
+                   help="TTFT SLO shedding judges a request without its own by "
+                        "(default %(default)s)")
+
     p = parser.add_argument_group("policy")
     p.add_argument("--policy", default="fcfs",
                    choices=list(policies) if policies is not None else list(policy_classes()),
@@ -243,7 +269,8 @@ def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | 
         max_num_batched_tokens=budget, chunked_prefill=chunk,
         step_composition=args.step_composition,
         preemption=given_or_default("preemption", "preemption"), max_model_len=max_model_len,
-        waiting_queue_limit=args.waiting_queue_limit, batching=args.batching))
+        waiting_queue_limit=args.waiting_queue_limit, batching=args.batching,
+        admission=admission_from_args(args)))
     cache = dict(block_size=given_or_default("block_size", "block_size"),
                  num_gpu_blocks=args.kv_blocks, num_cpu_blocks=args.cpu_kv_blocks,
                  watermark=given_or_default("watermark", "watermark"),
@@ -259,6 +286,20 @@ def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | 
                             offload, engine, given_or_default("gpu_memory_utilization",
                                                               "gpu_memory_utilization"))
 
+
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    """The admission stage the flags describe (every rule off where a command has none of
+    its flags)."""
+    given = {name: getattr(args, name) for name in _ADMISSION_DEFAULTS
+             if getattr(args, name, None) is not None}
+    return _checked(AdmissionConfig, given)
+
+
+def _at_least_one(text: str) -> float:
+    value = positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
 
 
 def policy_options_from_args(args: argparse.Namespace) -> dict:

@@ -74,3 +74,12 @@ def test_traits_of_no_requests_say_so():
     empty = WorkloadTraits.of([])
     assert nothing_to_act_on("fair", empty) == "no requests"
     assert nothing_to_act_on("priority", empty) == "no requests"
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_the_property_suites_draw_every_policy_with_its_options(policy):
+    """A policy with flags has options the property suites draw (tests/_policy_options.py),
+    so its guards are exercised; every registered policy is drawn."""
+    from _policy_options import OPTIONS
+
+    assert not POLICIES.get(policy).flags or policy in OPTIONS

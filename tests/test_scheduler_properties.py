@@ -14,6 +14,7 @@ from servelab.policies import PriorityPolicy
 from servelab.policies.admission import KVAdmission
 from servelab.request import Request
 
+from _policy_options import admission_configs, policies
 from sched_harness import FakeExecutor, simulate
 
 SETTINGS = settings(max_examples=200, deadline=None,
@@ -27,22 +28,14 @@ def workloads(draw):
     chunk = draw(st.sampled_from([None, 1, 3, 8, 32]))
     budget = draw(st.integers(4, 96))
     max_model_len = draw(st.sampled_from([32, 64, 256]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm", "edf"]))
-    options = {}
-    if policy == "priority":
-        options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 1.0]))}
-    elif policy == "sjf":
-        options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
-                   "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
-    elif policy == "lpm":
-        options = {"max_wait_s": draw(st.sampled_from([None, 0.05])),
-                   "max_queue": draw(st.sampled_from([2, 128]))}
+    policy, options = draw(policies())
     sched = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=budget,
         chunked_prefill=chunk, step_composition=draw(st.sampled_from(["decode_first", "prefill_first"])),
         preemption=draw(st.sampled_from(["recompute", "swap"])), max_model_len=max_model_len,
         waiting_queue_limit=draw(st.sampled_from([None, None, 3])),
-        batching=draw(st.sampled_from(["continuous", "continuous", "static"])))
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        admission=draw(admission_configs()))
     prefix_caching = draw(st.booleans())
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                         num_cpu_blocks=draw(st.sampled_from([0, 4, 64])),
@@ -64,6 +57,7 @@ def workloads(draw):
         reqs.append(Request(i, t, prompt, out, n=draw(st.sampled_from([1, 1, 1, 2, 3])),
                             priority=draw(st.integers(0, 3)), tenant=draw(st.sampled_from("abc")),
                             slo_ttft_ms=draw(st.sampled_from([None, 20.0, 500.0])),
+                            slo_tpot_ms=draw(st.sampled_from([None, 5.0, 100.0])),
                             prompt_token_ids=ids))
     return reqs, sched, cache, policy, options
 

@@ -18,6 +18,8 @@ from servelab.simulator.cost_model import CostModel
 from servelab.simulator.engine import Cluster
 from servelab.simulator.router import make_router
 
+from _policy_options import admission_configs, policies
+
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TIME_FIELDS = ("arrival_s", "scheduled_s", "first_token_s", "finish_s")
@@ -37,18 +39,7 @@ def cost_model(model: str, gpu: str, block_size: int) -> CostModel:
 @st.composite
 def scenarios(draw):
     block_size = draw(st.sampled_from([1, 4, 16]))
-    policy = draw(st.sampled_from(["fcfs", "priority", "sjf", "fair", "lpm"]))
-    options = {}
-    if policy == "priority":
-        options = {"preemptive": draw(st.booleans()), "aging_rate": draw(st.sampled_from([0.0, 2.0]))}
-    elif policy == "sjf":
-        options = {"predictor": draw(st.sampled_from(["oracle", "noisy", "prompt"])),
-                   "max_wait_s": draw(st.sampled_from([None, 0.05, 1.0]))}
-    elif policy == "lpm":
-        options = {"max_wait_s": draw(st.sampled_from([None, 0.05, 1.0])),
-                   "max_queue": draw(st.sampled_from([3, 128]))}
-    elif policy == "fair":
-        options = {"weights": draw(st.sampled_from([{}, {"a": 2.0, "b": 0.5}]))}
+    policy, options = draw(policies())
     chunk = draw(st.sampled_from([None, 8, 64, 512]))
     sched = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 12)), max_num_batched_tokens=draw(st.sampled_from([16, 64, 256, 2048])),
@@ -56,7 +47,8 @@ def scenarios(draw):
         preemption=draw(st.sampled_from(["recompute", "swap"])),
         max_model_len=draw(st.sampled_from([128, 512, 4096])),
         waiting_queue_limit=draw(st.sampled_from([None, None, 4])),
-        batching=draw(st.sampled_from(["continuous", "continuous", "static"])))
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        admission=draw(admission_configs()))
     manager = draw(st.sampled_from(["paged", "paged", "paged", "contiguous-max", "contiguous-pow2",
                                     "contiguous-oracle"]))
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=draw(st.integers(4, 400)) * 16 // block_size,
@@ -80,7 +72,9 @@ def scenarios(draw):
         reqs.append(dict(request_id=i, arrival_s=t, prompt_len=prompt, output_len=output,
                          max_tokens=output + draw(st.sampled_from([0, 0, 100])),
                          n=draw(st.sampled_from([1, 1, 1, 2, 3])), priority=draw(st.integers(0, 3)),
-                         tenant=draw(st.sampled_from("abc")), prompt_token_ids=ids))
+                         tenant=draw(st.sampled_from("abc")), prompt_token_ids=ids,
+                         slo_ttft_ms=draw(st.sampled_from([None, 50.0, 1000.0])),
+                         slo_tpot_ms=draw(st.sampled_from([None, 20.0]))))
     return reqs, sched, cache, policy, options, replicas, router, model
 
 

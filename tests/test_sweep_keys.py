@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from servelab.config import SchedulerConfig
+from servelab.config import AdmissionConfig, SchedulerConfig
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.sweep import SweepPoint, config_key
 
@@ -33,6 +33,7 @@ CHANGED_SCHEDULER = {
     "max_num_seqs": 7, "max_num_batched_tokens": 4096, "chunked_prefill": None,
     "step_composition": "prefill_first", "preemption": "swap", "max_model_len": 2048,
     "waiting_queue_limit": 3, "batching": "static",
+    "admission": AdmissionConfig(shed_from_priority=1),
 }
 
 
