@@ -7,7 +7,7 @@
 # policy at every capacity found. The report opens with the answer. The search starts from
 # a ladder of rates every policy runs (16, 20, 24 req/s: around where the capacities lie,
 # so that few probes are needed; any other start finds the same, with more probes).
-# Each run replays 4,000 requests (about 190 s of arrivals): long enough for the queue to
+# Each run replays 4,000 requests (about 160 s of arrivals): long enough for the queue to
 # settle at most capacities; the report says where it did not, and how the answer moves
 # with the run's length. The global SLOs are the batch tier's (TTFT 10 s, TPOT 200 ms);
 # requests carry their own, tighter ones for the interactive tenant, which come first.

@@ -174,14 +174,19 @@ def test_gemm_fit_ignores_glitches_in_the_training_rows():
         fam.predict(held, H100, without.params), rel=0.02)
 
 
+def _decode_grid():
+    """Decode shapes: batches 1-256 x contexts 128-32k x four head layouts."""
+    rows = itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 512, 2048, 8192, 32768),
+                             ((32, 8), (64, 8), (32, 32), (40, 8)))
+    return decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+
+
 def test_decode_attention_fit_recovers_known_predictions():
     fam = FAMILIES["attn_decode"]
     truth = replace(K.DecodeAttentionParams(
         floor_s=1.4e-5, seq_head_s=8e-9, work_item_s=1.5e-8, q_head_s=2e-10, memory_eff=0.82,
         head_stream_gbps=600.0, batch_saturation=6.0, l2_gain=1.15), **fam.fixed(H100))
-    rows = list(itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 512, 2048, 8192, 32768),
-                                  ((32, 8), (64, 8), (32, 32), (40, 8))))
-    table = decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+    table = _decode_grid()
     table.columns["latency_s"] = fam.predict(table, H100, truth)
     mask = holdout_mask(table, 0.3, seed=0)
     fit = fit_family(fam, table, H100, mask, K.DecodeAttentionParams())
@@ -203,9 +208,7 @@ def test_decode_fit_picks_the_kernel_path_the_measurements_show():
     truth = K.DecodeAttentionParams(
         floor_s=9e-6, seq_head_s=2e-9, work_item_s=8e-9, q_head_s=2e-10, memory_eff=0.89,
         head_stream_gbps=1500.0, batch_saturation=3.0, l2_gain=1.4)
-    rows = list(itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 512, 2048, 8192, 32768),
-                                  ((32, 8), (64, 8), (32, 32), (40, 8))))
-    table = decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+    table = _decode_grid()
     table.columns["latency_s"] = fam.predict(table, b200, truth)
     mask = holdout_mask(table, 0.3, seed=0)
     fit = fit_family(fam, table, b200, mask, K.DecodeAttentionParams())

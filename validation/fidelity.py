@@ -212,6 +212,9 @@ def render(reports: list[GpuReport], out: Path, plots: list[str], command: str =
         "kind are left out of the fits; the *fitted, no glitches* column leaves them out of",
         "the figure too (how many there are is given per family).",
         "",
+        "Whole runs, the simulator end to end against real vLLM runs request by request, are",
+        "judged in [real-runs.md](real-runs.md) (`servelab validate --real-requests`).",
+        "",
     ]
     for r in reports:
         src = r.profile.source
