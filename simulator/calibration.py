@@ -210,8 +210,8 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
         raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
                          f"{profile.engine_version}, not the chosen engine's {engine_version}: "
                          f"leave the calibration out to use "
-                         f"{packaged_choice(spec, engine_version)[0]}, or choose the engine "
-                         f"version {profile.engine_version}")
+                         f"{packaged_choice(spec, engine_version)[0]}, or choose that engine "
+                         f"(--engine vllm-{'.'.join(profile.engine_version.split('.')[:2])})")
     return profile
 
 

@@ -112,6 +112,9 @@ def test_simulate_reads_a_vllm_command_line(tmp_path, capsys):
      "--max-num-seqs 32 disagrees with --vllm-args, which sets it to 64"),
     (["--vllm-args", "--enable-expert-parallel"], "expert parallelism is not modelled yet"),
     (["--engine", "vllm-9"], "invalid choice: 'vllm-9'"),
+    (["--calibration", "h100-sxm"], "calibration profile h100-sxm was fitted to kernels measured "
+     "inside vLLM 0.14.0, not the chosen engine's 0.24.0: leave the calibration out to use "
+     "h100-sxm.vllm-0.24, or choose that engine (--engine vllm-0.14)"),
 ])
 def test_bad_engine_input_is_one_line_before_the_run(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) if argv[0] == "--engine" else contextlib.nullcontext():
