@@ -151,3 +151,12 @@ def test_compare_into_a_folder_of_another_grid_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"compare: note: {out} held a comparison of another grid (1 point); its report is "
             "replaced by this one's (1 of its stored points are reused") in err
+
+
+def test_engines_sweep_like_any_knob_each_point_with_its_engines_defaults():
+    axes, points = compare("--engines", "vllm-0.24,servelab", "--policies", "fcfs")
+    assert axes["engine"] == ("vllm-0.24", "servelab")
+    by_engine = {p.config.engine: p.config for p in points}
+    assert by_engine == {e: simulate_config("--engine", e, "--policy", "fcfs")
+                         for e in ("vllm-0.24", "servelab")}
+    assert by_engine["vllm-0.24"].prefix_caching and not by_engine["servelab"].prefix_caching
