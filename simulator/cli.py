@@ -90,10 +90,9 @@ def config_from_args(args: argparse.Namespace):
     from servelab.models import load_model_spec
     from servelab.options import configs_from_args
     from servelab.simulator.run import SimulationConfig
+    from servelab.simulator.gpus import get_gpu
     from servelab.traces.cli import trace_dir_from
     from servelab.traces.datasets import DATASETS
-
-    from servelab.simulator.gpus import get_gpu
 
     if getattr(args, "vllm_args", None):
         args = with_vllm_args(args)
@@ -126,7 +125,8 @@ def config_from_args(args: argparse.Namespace):
 _VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "replicas": 1, "router": "round-robin",
                         "weight_dtype": "bf16", "kv_dtype": "bf16", "policy": "fcfs"}
 """Flags --vllm-args may set whose parser default is not None: a value equal to the default
-counts as not given (so that --vllm-args can set it)."""
+counts as not given (so that --vllm-args can set it). tests/test_engines.py keeps these
+equal to the parser's defaults."""
 
 
 def with_vllm_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -121,3 +121,11 @@ def test_bad_engine_input_is_one_line_before_the_run(tmp_path, capsys, argv, mes
         assert main(["simulate", "--num-requests", "5", "--out", str(tmp_path / "x"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and not (tmp_path / "x").exists()
+
+
+def test_the_defaults_vllm_args_may_override_are_the_parsers():
+    from servelab.cli import build_parser
+    from servelab.simulator.cli import _VLLM_DESTS_DEFAULTS
+
+    args = build_parser().parse_args(["simulate", "--out", "unused"])
+    assert {dest: getattr(args, dest) for dest in _VLLM_DESTS_DEFAULTS} == _VLLM_DESTS_DEFAULTS
