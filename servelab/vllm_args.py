@@ -214,18 +214,26 @@ _CHECKPOINT_SUFFIXES = ("-instruct", "-chat", "-hf", "-base")
 
 
 def catalog_model(served: str) -> str:
-    """The catalog name of a served model: a Hugging Face id ("meta-llama/Llama-3.1-8B" ->
-    "llama-3.1-8b"; an -Instruct or -chat variant has the base model's shapes) or a local
-    path (kept: `--model` reads a config.json folder). Raises ValueError naming the catalog
-    for an id it does not hold."""
+    """The catalog name of a served model: a local path is kept (`--model` reads a
+    config.json folder); a Hugging Face id is the catalog entry whose `_name_or_path` it is
+    ("meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"), else the entry named like its last part
+    less an -Instruct, -chat, -hf or -base suffix (a variant has its base model's shapes).
+    Raises ValueError naming the catalog for an id it does not hold."""
+    import json
     import os
+    from importlib import resources
 
     from servelab.models import catalog_names
 
     if os.path.exists(served):
         return served
-    name = served.rstrip("/").rsplit("/", 1)[-1].lower()
     names = catalog_names()
+    folder = resources.files("servelab") / "data" / "models"
+    by_hf_id = {json.loads((folder / f"{n}.json").read_text()).get("_name_or_path", "").lower(): n
+                for n in names}
+    if served.lower() in by_hf_id:
+        return by_hf_id[served.lower()]
+    name = served.rstrip("/").rsplit("/", 1)[-1].lower()
     for suffix in ("", *_CHECKPOINT_SUFFIXES):
         if name.endswith(suffix) and name[:len(name) - len(suffix)] in names:
             return name[:len(name) - len(suffix)]

@@ -174,11 +174,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     from servelab.outdir import check_out_dir
 
+    notes = []
+    if args.vllm_args:   # read once: its values replace the flags', its notes are printed
+        args = with_vllm_args(args)
+        notes, args.vllm_args = args.vllm_notes, None
     config = config_from_args(args)
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
         sim = build_simulation(config)
-    for note in with_vllm_args(args).vllm_notes if args.vllm_args else ():
+    for note in notes:
         print(f"servelab simulate: note: {note}", file=sys.stderr)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
     # without a bar (output not a terminal), SimPy runs its own loop: no check per event

@@ -211,26 +211,24 @@ def parse_published(text: str) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def catalog_model(run: RecordedRun) -> str:
-    """The catalog model whose config.json `_name_or_path` is the run's model
-    (case-insensitive). NotReplayable for a mixture-of-experts run (expert parallelism on,
-    or a Qwen-style "-A3B" active-parameter name) and for a model with no catalog entry."""
-    from importlib import resources
+    """The catalog model the run served (`servelab.vllm_args.catalog_model`: its Hugging
+    Face id). NotReplayable for a mixture-of-experts run (expert parallelism on, or a
+    Qwen-style "-A3B" active-parameter name) and for a model with no catalog entry."""
+    from servelab.models import catalog_names, load_model_spec
+    from servelab.vllm_args import catalog_model as served_model
 
-    from servelab.models import catalog_names
-
-    folder = resources.files("servelab") / "data" / "models"
-    known = {}
-    for entry in catalog_names():
-        hf_name = json.loads((folder / f"{entry}.json").read_text()).get("_name_or_path", "")
-        known[hf_name.lower()] = (hf_name, entry)
     name = run.model_name
-    if name.lower() in known:
-        return known[name.lower()][1]
+    try:
+        return served_model(name)
+    except ValueError:
+        pass
     kwargs = run.meta.get("engine_kwargs") or {}
     if kwargs.get("enable_expert_parallel") or re.search(r"-A\d+(\.\d+)?B\b|moe|mixtral", name, re.I):
         raise NotReplayable(f"{run.label}: {name} is a mixture-of-experts model; servelab does "
                             "not model experts yet (the MoE issue), so this run is not replayed")
-    supported = ", ".join(f"{hf} ({entry})" for hf, entry in sorted(known.values()) if "/" in hf)
+    hf_ids = sorted((load_model_spec(n).hf_config.get("_name_or_path", ""), n)
+                    for n in catalog_names())
+    supported = ", ".join(f"{hf} ({n})" for hf, n in hf_ids if "/" in hf)
     raise NotReplayable(f"{run.label}: model {name!r} has no catalog entry; supported: {supported}")
 
 
