@@ -42,10 +42,11 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
         comparison, unstored = None, str(exc)
     first, first_requests = _first_run(comparison, data["groups"], out_dir)
     target, tolerance = data["attainment_target"], data["tolerance"]
+    criterion = data.get("criterion") or f"{target:.0%} SLO attainment"
     groups = data["groups"]
     colours = plots.policy_colours(g["labels"].get("policy", "") for g in groups)
-    doc: list = [Heading(1, f"Capacity at {target:.0%} SLO attainment: {first['trace']}"),
-                 Text(_answer(groups, target, tolerance, first, data.get("num_requests"))),
+    doc: list = [Heading(1, f"Capacity at {criterion}: {first['trace']}"),
+                 Text(_answer(groups, criterion, tolerance, first, data.get("num_requests"))),
                  _bracket_table(groups), *_failed_probes(groups)]
     tenants = tenants_tightest_first(slo_tiers(first, first_requests))
     for labels, members in _variants(groups).items():
@@ -53,13 +54,14 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
         slug = "_".join(f"{a}-{show_value(v)}" for a, v in labels).replace("/", "-")
         doc.append(Image(f"attainment{'_' + slug if slug else ''}", "SLO attainment vs request rate" + suffix,
                          f"The share of requests within their SLOs at every rate the search probed, per "
-                         f"policy; the dashed line is the {target:.0%} target. A star and a dotted line mark "
+                         "policy" + ("" if target is None else f"; the dashed line is the {target:.0%} target")
+                         + ". A star and a dotted line mark "
                          "each policy's capacity (the last rate that held); the right panel splits the "
                          "attainment by tenant, which shows whose requests a policy gives up first.",
                          attainment_curves({g["labels"].get("policy", "?"): _curve(g, out_dir) for g in members},
                                            target, colours, "SLO attainment vs request rate" + suffix,
                                            tenants=tenants)))
-    doc += [Heading(2, "How it was found"), Text(_method(target, tolerance, data["start_rates"]))]
+    doc += [Heading(2, "How it was found"), Text(_method(criterion, tolerance, data["start_rates"]))]
     doc += [Heading(2, "How the answer depends on run length"), *_run_length(groups, out_dir)]
     notes = [f"{_who(g)}: {n}" for g in groups for n in g["notes"]]
     if notes:
@@ -104,14 +106,14 @@ def _variants(groups: Sequence[Mapping[str, Any]]) -> dict[tuple, list]:
     return out
 
 
-def _answer(groups, target: float, tolerance: float, config: Mapping[str, Any], num_requests) -> str:
+def _answer(groups, criterion: str, tolerance: float, config: Mapping[str, Any], num_requests) -> str:
     """The opening sentence(s): every group's capacity, highest first."""
     sentences = []
     for labels, members in _variants(groups).items():
         ranked = sorted(members, key=lambda g: -(g["capacity"] or 0.0))
         names = [g["labels"].get("policy", "?") for g in ranked]
         where = f"With {describe_labels(dict(labels))}, " if labels else ""
-        head = f"{where}{names[0]} sustains {_amount(ranked[0])} at {target:.0%} SLO attainment"
+        head = f"{where}{names[0]} sustains {_amount(ranked[0])} at {criterion}"
         rest = [f"{name} {_amount(g)}" for name, g in zip(names[1:], ranked[1:])]
         sentences.append(head + "".join(f", {r}" for r in rest) + ".")
     runs = f"{num_requests:,} requests per run" if num_requests else "the whole trace per run"
@@ -170,15 +172,15 @@ def _curve(group: Mapping[str, Any], out_dir: Path) -> CapacityCurve:
                          None if group["broke"] is None else group["broke"]["rate"])
 
 
-def _method(target: float, tolerance: float, start: Sequence[float]) -> str:
+def _method(criterion: str, tolerance: float, start: Sequence[float]) -> str:
     return (f"Every policy ran the same seeded workload, rescaled to each rate probed, starting from "
             f"{', '.join(f'{r:g}' for r in start)} req/s. While every rate held, the next was higher by a "
             "factor 1.1 (squared at each further step), while every rate broke, lower by it; then the "
             "bracket between the last rate that held and the first that broke was bisected (in log "
-            f"space) until it was within {tolerance:.0%}. A rate holds when at least {target:.0%} of all "
-            "requests finish within their SLOs (a request's own SLO first; rejected requests count as "
-            "misses). Each probe is an ordinary run directory under runs/: rerunning the command "
-            "reuses them.")
+            f"space) until it was within {tolerance:.0%}. A rate holds when it meets {criterion} (attainment: "
+            "the share of all requests that finish within their SLOs, a request's own SLO first; rejected "
+            "requests count as misses, and as slower than every finished request in a percentile). Each "
+            "probe is an ordinary run directory under runs/: rerunning the command reuses them.")
 
 
 def _run_length(groups, out_dir: Path) -> list:

@@ -168,7 +168,7 @@ class CapacityCurve:
     """The first rate that broke (None: none broke)."""
 
 
-def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colours: Mapping[str, str],
+def attainment_curves(curves: Mapping[str, CapacityCurve], target: float | None, colours: Mapping[str, str],
                       title: str, tenants: Sequence[str] | None = None) -> Figure:
     """Left: SLO attainment against the request rate per policy (every probe a marker), the
     target as a dashed line, each policy's capacity as a dotted vertical line with a star
@@ -193,7 +193,8 @@ def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colour
                 ax.axvline(c.capacity, color=colour, ls=":", lw=1.6, gid=f"capacity:{policy}")
                 ax.plot([c.capacity], [100 * dict(c.probes)[c.capacity]], "*", color=colour,
                         ms=18 - 2 * i, mec="black", mew=0.8, gid=f"capacitymark:{policy}")
-        ax.axhline(100 * target, color="black", ls="--", lw=1.2, gid="target")
+        if target is not None:   # None: percentile targets decided, no attainment line to draw
+            ax.axhline(100 * target, color="black", ls="--", lw=1.2, gid="target")
         ax.set_title("all requests (star: the capacity, the last rate that held)")
         ax.set_ylabel("requests within their SLOs (%)")
         low = min((100 * v for c in curves.values() for _, v in c.probes), default=100.0)
@@ -205,19 +206,21 @@ def attainment_curves(curves: Mapping[str, CapacityCurve], target: float, colour
                     right.plot(x, [100 * v for v in y], marker="o", ms=3.5, ls=styles[tenant],
                                color=colours[policy], lw=1.6, gid=f"tenant:{policy}:{tenant}")
                     low = min([low, *(100 * v for v in y)])
-            right.axhline(100 * target, color="black", ls="--", lw=1.0)
+            if target is not None:
+                right.axhline(100 * target, color="black", ls="--", lw=1.0)
             right.set_title("per tenant")
             right.legend([Line2D([], [], color="black", ls=styles[t]) for t in tenants], tenants,
                          title="tenant", frameon=False, loc="lower left")
             right.sharey(ax)
-        ax.set_ylim(max(0.0, min(low, 100 * target) - 5), 101.5)
+        ax.set_ylim(max(0.0, min(low, 100 * (target or 1)) - 5), 101.5)
         for a in axes:
             a.set_xlabel("request rate (req/s)")
         handles = [Line2D([], [], color=colours[p], lw=2.5, marker="*" if c.capacity is not None else "o",
                           ms=10, mec="black", mew=0.5,
                           label=f"{p}: {c.capacity:g} req/s" if c.capacity is not None else f"{p}: none held")
                    for p, c in curves.items()]
-        handles.append(Line2D([], [], color="black", ls="--", lw=1.2, label=f"target {target:.0%}"))
+        if target is not None:
+            handles.append(Line2D([], [], color="black", ls="--", lw=1.2, label=f"target {target:.0%}"))
         fig.suptitle(title, y=1 - 0.15 / height)
         _legend_on_top(fig, handles, [h.get_label() for h in handles], y=1 - 0.55 / height)
     return fig

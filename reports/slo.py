@@ -125,3 +125,106 @@ def describe_tier(tier: Tier) -> str:
     who = "everyone" if tier.tenant is None else tier.tenant
     value = f"{tier.slo_ms / 1000:g} s" if tier.slo_ms >= 1000 else f"{tier.slo_ms:g} ms"
     return f"{who} {tier.metric.upper()} {value}"
+
+
+# --------------------------------------------------------------------------- what a run must meet
+PERCENTILES = {50: "median", 90: "p90", 99: "p99"}
+"""The latency percentiles every summary.json holds, by the prefix of its keys."""
+
+
+@dataclass(frozen=True)
+class PercentileTarget:
+    """A bound on one latency percentile over the whole run, e.g. p99 TTFT <= 2000 ms."""
+
+    metric: str
+    """'ttft' or 'tpot'."""
+    percentile: int
+    """50, 90 or 99 (PERCENTILES)."""
+    limit_ms: float
+
+    def __post_init__(self) -> None:
+        if self.metric not in dict(SLO_METRICS):
+            raise ValueError(f"a percentile target bounds ttft or tpot, not {self.metric!r}")
+        if self.percentile not in PERCENTILES:
+            raise ValueError(f"percentile targets take the percentiles a run records "
+                             f"({', '.join(map(str, PERCENTILES))}), not {self.percentile!r}")
+        if not self.limit_ms > 0:
+            raise ValueError(f"a percentile target must be > 0 ms, got {self.limit_ms!r}")
+
+    @property
+    def key(self) -> str:
+        return f"{PERCENTILES[self.percentile]}_{self.metric}_ms"
+
+    def __str__(self) -> str:
+        return f"p{self.percentile} {dict(SLO_METRICS)[self.metric]} <= {self.limit_ms:g} ms"
+
+    def value(self, summary: Mapping[str, Any]) -> float:
+        """The run's percentile, infinite when too many requests were rejected for it to be
+        finite: a rejected request never got a token, so it counts as slower than any
+        finished one (more than 100 - P % rejected puts the P-th percentile among them)."""
+        total = summary["completed"] + summary["rejected"]
+        if not summary["completed"] or summary["rejected"] > total * (100 - self.percentile) / 100:
+            return float("inf")
+        value = summary[self.key]
+        return float("inf") if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """What a run must meet to hold: at least `attainment` of all requests within their
+    SLOs (a request's own first, then --slo-ttft-ms / --slo-tpot-ms; rejected requests
+    count as misses), and every percentile target. None: no attainment target (the
+    percentile targets alone decide).
+
+    A percentile target is read from the summary over finished requests, with rejected
+    requests counted as slower than all of them (`PercentileTarget.value`)."""
+
+    attainment: float | None
+    percentiles: tuple[PercentileTarget, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.attainment is None and not self.percentiles:
+            raise ValueError("SLO targets need an attainment target or a percentile target")
+        if self.attainment is not None and not 0 < self.attainment <= 1:
+            raise ValueError(f"the attainment target must be in (0, 1], got {self.attainment!r}")
+
+    def misses(self, summary: Mapping[str, Any]) -> list[str]:
+        """Each target the run missed, with the value it reached ([] when it held)."""
+        out = []
+        if self.attainment is not None:
+            attained = slo_attainment(summary)
+            if attained < self.attainment:
+                out.append(f"{attained:.1%} of requests within their SLOs (target {self.attainment:.0%})")
+        for t in self.percentiles:
+            value = t.value(summary)
+            if value > t.limit_ms:
+                shown = "unbounded (too many rejected)" if value == float("inf") else f"{value:,.0f} ms"
+                out.append(f"p{t.percentile} {dict(SLO_METRICS)[t.metric]} {shown} > {t.limit_ms:g} ms")
+        return out
+
+    def held(self, summary: Mapping[str, Any]) -> bool:
+        return not self.misses(summary)
+
+    def tightness(self, summary: Mapping[str, Any]) -> float:
+        """How close the run came to its worst target: the largest of value / limit over the
+        percentile targets and (1 - attained) / (1 - target) for attainment; at most 1 when
+        it held, above 1 by how far it missed."""
+        ratios = [t.value(summary) / t.limit_ms for t in self.percentiles]
+        if self.attainment is not None:
+            missed = 1 - slo_attainment(summary)
+            allowed = 1 - self.attainment
+            ratios.append(missed / allowed if allowed else (0.0 if missed <= 0 else float("inf")))
+        return max(ratios)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attainment": self.attainment,
+                "percentiles": [{"metric": t.metric, "percentile": t.percentile, "limit_ms": t.limit_ms}
+                                for t in self.percentiles]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SloTargets":
+        return cls(data["attainment"], tuple(PercentileTarget(**t) for t in data["percentiles"]))
+
+    def __str__(self) -> str:
+        parts = [] if self.attainment is None else [f"{self.attainment:.0%} SLO attainment"]
+        return " and ".join([*parts, *map(str, self.percentiles)])

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "servelab.simulator.cli",
     "servelab.sweeps.cli",
     "servelab.sweeps.capacity_cli",
+    "servelab.sweeps.plan_cli",
     "servelab.backends.cli",
     "servelab.validation.cli",
     "servelab.validation.calibrate_cli",

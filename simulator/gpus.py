@@ -78,6 +78,11 @@ class GPUSpec:
     this GPU in a real run's metadata (and in measurement tables that name the device)."""
     aliases: tuple[str, ...] = field(default=())
     """Other names measurement sets use for this GPU, e.g. as folder names ("h100_sxm")."""
+    price_per_hour_usd: float | None = None
+    """On-demand rent of one GPU for an hour, US dollars: what `servelab plan` minimises
+    (overridable with --gpu-price). None: no public price known (cpu)."""
+    price_source: str = ""
+    """Where the price comes from, and when it was read: cloud prices move."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -89,6 +94,11 @@ class GPUSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"GPUSpec({self.name}).{name} must be a positive number, "
                                  f"got {value!r}")
+        price = self.price_per_hour_usd
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
+                                  or not price > 0):
+            raise ValueError(f"GPUSpec({self.name}).price_per_hour_usd must be a positive number "
+                             f"or null, got {price!r}")
         if isinstance(self.sm_count, float) and not self.sm_count.is_integer():
             raise ValueError(f"GPUSpec({self.name}).sm_count must be an integer, got {self.sm_count!r}")
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.reports.slo import PercentileTarget, SloTargets
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.runner import SweepRunner
 from servelab.sweeps.sweep import PointOutcome, Progress, SweepPoint
@@ -80,6 +81,8 @@ class Probe:
     when the point failed."""
     held: bool
     error: str | None = None
+    misses: tuple[str, ...] = ()
+    """The targets the probe missed, with the values it reached (`SloTargets.misses`)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class Capacity:
     """What the search found for one group."""
 
     labels: Mapping[str, Any]
-    target: float
+    target: float | None
+    """The attainment target (None: percentile targets alone decide)."""
     tolerance: float
     probes: tuple[Probe, ...]
     """Every probe of the group, by rate."""
@@ -129,7 +133,8 @@ class Capacity:
 
     def to_dict(self) -> dict[str, Any]:
         def probe(p: Probe | None) -> dict | None:
-            return None if p is None else {"rate": p.rate, "attainment": p.attainment, "run": p.name}
+            return None if p is None else {"rate": p.rate, "attainment": p.attainment, "run": p.name,
+                                           "misses": list(p.misses)}
         return {"labels": dict(self.labels), "status": self.status, "capacity": self.rate,
                 "held": probe(self.held), "broke": probe(self.broke), "bracket_width": self.width,
                 "notes": list(self.notes),
@@ -154,13 +159,14 @@ class _State:
 
 
 def search_capacity(searches: Sequence[Search], runner: SweepRunner, *, start_rates: Sequence[float],
-                    target: float = DEFAULT_ATTAINMENT, tolerance: float = DEFAULT_TOLERANCE,
-                    progress: Progress | None = None,
+                    target: float | None = DEFAULT_ATTAINMENT, tolerance: float = DEFAULT_TOLERANCE,
+                    percentiles: Sequence[PercentileTarget] = (), progress: Progress | None = None,
                     on_round: Callable[[int, int], None] | None = None) -> list[Capacity]:
     """Find each search's capacity (see the module docstring); one `Capacity` per search,
-    in order. `on_round(round, points)` is called before each round's batch runs."""
-    if not 0 < target <= 1:
-        raise ValueError(f"the attainment target must be in (0, 1], got {target!r}")
+    in order. A rate holds when at least `target` of the requests met their SLOs and every
+    percentile target held (`SloTargets`; target None: the percentiles alone).
+    `on_round(round, points)` is called before each round's batch runs."""
+    targets = SloTargets(target, tuple(percentiles))
     if not 0 < tolerance < 1:
         raise ValueError(f"the tolerance must be in (0, 1), got {tolerance!r}")
     rates = sorted({_rounded(r) for r in start_rates})
@@ -179,21 +185,21 @@ def search_capacity(searches: Sequence[Search], runner: SweepRunner, *, start_ra
             on_round(round_no, len(batch))
         outcomes = runner.run([point for _, point in batch], progress)
         for (st, _), outcome in zip(batch, outcomes):
-            st.probes[outcome.point.config.rate] = _probe(outcome, target)
+            st.probes[outcome.point.config.rate] = _probe(outcome, targets)
         active = [st for st in states if not _done(st, tolerance)]
         per_group = max(1, runner.workers // max(1, len(active)))
         wanted = {id(st): _next_rates(st, tolerance, per_group) for st in active}
     return [_result(st, target, tolerance) for st in states]
 
 
-def _probe(outcome: PointOutcome, target: float) -> Probe:
+def _probe(outcome: PointOutcome, targets: SloTargets) -> Probe:
     from servelab.reports.slo import slo_attainment
 
     rate = outcome.point.config.rate
     if outcome.status == "failed" or outcome.summary is None:
         return Probe(rate, outcome.point.name, None, False, outcome.error or "no summary stored")
-    attained = slo_attainment(outcome.summary)
-    return Probe(rate, outcome.point.name, attained, attained >= target)
+    misses = tuple(targets.misses(outcome.summary))
+    return Probe(rate, outcome.point.name, slo_attainment(outcome.summary), not misses, misses=misses)
 
 
 def _done(st: _State, tolerance: float) -> bool:
@@ -238,7 +244,7 @@ def _between(rate: float, low: float, high: float) -> float | None:
     return None
 
 
-def _result(st: _State, target: float, tolerance: float) -> Capacity:
+def _result(st: _State, target: float | None, tolerance: float) -> Capacity:
     held, broke = st.bracket()
     probes = tuple(sorted(st.probes.values(), key=lambda p: p.rate))
     notes = []
@@ -280,7 +286,7 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
     late = [ok for ok, t in zip(met, arrivals) if t >= middle]
     evidence = []
     late_share = sum(late) / len(late) if late else 1.0
-    if late_share < capacity.target - LATE_ALLOWANCE:
+    if capacity.target is not None and late_share < capacity.target - LATE_ALLOWANCE:
         evidence.append(f"only {late_share:.1%} of the requests arriving in the second half of the run met "
                         f"their SLOs ({capacity.held.attainment:.1%} of all)")
     sign = overload(requests, read_steps(run))
@@ -290,9 +296,11 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
 
 
 def write_capacity_file(out_dir: Path, found: Sequence[Capacity], warnings: Mapping[int, str | None], *,
-                        start_rates: Sequence[float], num_requests: int | None) -> None:
-    """DIR/capacity.json: the settings, and per group its bracket, probes, notes and the
-    steady-state warning (warnings[i] for found[i])."""
+                        start_rates: Sequence[float], num_requests: int | None,
+                        percentiles: Sequence[PercentileTarget] = ()) -> None:
+    """DIR/capacity.json: the settings (the targets, and `criterion`: them in words), and
+    per group its bracket, probes, notes and the steady-state warning (warnings[i] for
+    found[i])."""
     from servelab.reports.runio import write_json
 
     groups = []
@@ -302,6 +310,8 @@ def write_capacity_file(out_dir: Path, found: Sequence[Capacity], warnings: Mapp
         groups.append(entry)
     target = found[0].target if found else DEFAULT_ATTAINMENT
     tolerance = found[0].tolerance if found else DEFAULT_TOLERANCE
+    targets = SloTargets(target, tuple(percentiles))
     write_json(Path(out_dir) / CAPACITY_FILE, {
         "format": CAPACITY_FORMAT, "attainment_target": target, "tolerance": tolerance,
+        "percentile_targets": targets.to_dict()["percentiles"], "criterion": str(targets),
         "start_rates": list(start_rates), "num_requests": num_requests, "groups": groups})

@@ -51,20 +51,67 @@ def register(subparsers) -> None:
     from servelab.sweeps.capacity import DEFAULT_ATTAINMENT, DEFAULT_TOLERANCE
 
     p = subparsers.add_parser(
-        "capacity", help="find the highest request rate each policy serves within its SLOs",
+        "capacity", conflict_handler="resolve",   # add_grid_arguments redefines --replicas
+        help="find the highest request rate each policy serves within its SLOs",
         description="For each policy (and any other swept knob), find the highest request rate at "
                     "which at least --attainment of the requests meet their SLOs, by bracketing "
                     "and bisection on the same seeded workload; then run every policy at every "
                     "capacity found, and write DIR/capacity.json, DIR/index.html and DIR/report.md. "
                     "Every `servelab compare` flag applies.")
     add_grid_arguments(p, rates_help=": rates to start the search from (default: the trace's own rate)")
-    c = p.add_argument_group("capacity")
-    c.add_argument("--attainment", type=_fraction, default=DEFAULT_ATTAINMENT, metavar="F",
-                   help="share of requests that must meet their SLOs (default %(default)s)")
+    c = add_target_arguments(p, "capacity")
     c.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="F",
                    help="stop when the bracket (first broken rate / last held - 1) is at most F "
                         "(default %(default)s)")
-    p.set_defaults(func=functools.partial(_cmd_capacity, parser=p))
+    p.set_defaults(func=functools.partial(_cmd_capacity, parser=p), command_name="capacity")
+
+
+def add_target_arguments(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """--attainment and the percentile targets (`reports.slo.SloTargets`): what a run must
+    meet to hold, for `capacity` and `plan`. Returns the group, for the command's own flags."""
+    from servelab.reports.slo import PERCENTILES, SLO_METRICS
+    from servelab.sweeps.capacity import DEFAULT_ATTAINMENT
+
+    c = p.add_argument_group(title)
+    c.add_argument("--attainment", type=_fraction, default=None, metavar="F",
+                   help=f"share of requests that must meet their SLOs (default {DEFAULT_ATTAINMENT}; "
+                        "not applied when a percentile target is given without it)")
+    for percentile in PERCENTILES:
+        for metric, name in SLO_METRICS:
+            c.add_argument(f"--p{percentile}-{metric}-ms", type=_positive_float, default=None, metavar="MS",
+                           help=f"the run's p{percentile} {name} must be at most MS")
+    c.add_argument("--percentile", type=int, choices=tuple(PERCENTILES), default=None,
+                   help="read --slo-ttft-ms / --slo-tpot-ms as bounds on this percentile of the run "
+                        "instead of per-request SLOs counted by --attainment")
+    return c
+
+
+def slo_targets(args: argparse.Namespace):
+    """The `SloTargets` the flags of `add_target_arguments` ask for."""
+    from servelab.reports.slo import PERCENTILES, SLO_METRICS, PercentileTarget, SloTargets
+    from servelab.sweeps.capacity import DEFAULT_ATTAINMENT
+
+    targets = [PercentileTarget(metric, percentile, limit)
+               for percentile in PERCENTILES for metric, _ in SLO_METRICS
+               if (limit := getattr(args, f"p{percentile}_{metric}_ms")) is not None]
+    if args.percentile is not None:
+        given = [(metric, getattr(args, f"slo_{metric}_ms")) for metric, _ in SLO_METRICS]
+        if all(limit is None for _, limit in given):
+            raise CLIError("--percentile reads --slo-ttft-ms / --slo-tpot-ms as percentile bounds: give one")
+        for metric, limit in given:
+            if limit is None:
+                continue
+            if any(t.metric == metric and t.percentile == args.percentile for t in targets):
+                raise CLIError(f"--p{args.percentile}-{metric}-ms and --percentile {args.percentile} with "
+                               f"--slo-{metric}-ms bound the same percentile: give one")
+            targets.append(PercentileTarget(metric, args.percentile, limit))
+    attainment = args.attainment if args.attainment is not None or targets else DEFAULT_ATTAINMENT
+    return SloTargets(attainment, tuple(targets))
+
+
+def _positive_float(text: str) -> float:
+    from servelab.options import positive_float
+    return positive_float(text)
 
 
 def _start_rates(args, parser, axes) -> list[float]:
@@ -82,18 +129,20 @@ def _start_rates(args, parser, axes) -> list[float]:
     return [float(f"{trace.mean_rate:.3g}")]
 
 
-def _check_slos(args, parser) -> None:
-    """A capacity needs an SLO to miss: a global one, or the requests' own."""
+def check_slos(args, parser, targets, values: dict | None = None) -> None:
+    """A search needs an SLO to miss: a percentile target, a global SLO, or the requests' own
+    (read from the workload `point_config(args, parser, values)` builds)."""
     from servelab.simulator.cli import user_errors
     from servelab.simulator.run import load_workload
 
-    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+    if targets.percentiles or args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
         return
     with user_errors():
-        trace = load_workload(point_config(args, parser, {}))
+        trace = load_workload(point_config(args, parser, values or {}))
     if not any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in trace.records):
-        raise CLIError("a capacity needs an SLO to hold: give --slo-ttft-ms and/or --slo-tpot-ms "
-                       "(the trace's requests carry none of their own)")
+        raise CLIError(f"a {args.command_name} needs an SLO to hold: give --slo-ttft-ms and/or "
+                       "--slo-tpot-ms, or a percentile target such as --p99-ttft-ms (the trace's requests "
+                       "carry no SLO of their own)")
 
 
 def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -104,7 +153,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
     axes = dict(grid_axes(args, parser))
-    _check_slos(args, parser)
+    targets = slo_targets(args)
+    check_slos(args, parser, targets)
     start = _start_rates(args, parser, axes)
     others = {axis: values for axis, values in axes.items() if axis != "rate"}
     searches = []
@@ -116,15 +166,15 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     out = Path(args.out)
     workers = args.workers or default_workers()
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
-          f"req/s to {args.attainment:.0%} SLO attainment, within {args.tolerance:.0%}, "
+          f"req/s to {targets}, within {args.tolerance:.0%}, "
           f"{plural(workers, 'worker')}, into {out}", file=sys.stderr)
     progress = PointProgress(command="capacity",
                              detail=lambda o: f" ({slo_attainment(o.summary):.1%} within SLO)")
     try:
         with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address,
                          output_format=args.output_format) as runner:
-            found = search_capacity(searches, runner, start_rates=start, target=args.attainment,
-                                    tolerance=args.tolerance, progress=progress,
+            found = search_capacity(searches, runner, start_rates=start, target=targets.attainment,
+                                    percentiles=targets.percentiles, tolerance=args.tolerance, progress=progress,
                                     on_round=lambda k, n: setattr(progress, "prefix", f"round {k} "))
             rates = sorted({c.rate for c in found if c.rate is not None}) or [min(start)]
             grid = {**others, "rate": tuple(rates)}
@@ -134,7 +184,7 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             write_sweep_file(out, points, grid)
             warnings = {i: steady_state_warning(c, runner.runs_dir) for i, c in enumerate(found)}
             write_capacity_file(out, found, warnings, start_rates=start,
-                                num_requests=args.num_requests)
+                                num_requests=args.num_requests, percentiles=targets.percentiles)
     except SweepError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:
@@ -172,7 +222,7 @@ def _describe(c) -> str:
                 f"({c.held.attainment:.1%} within SLO): the capacity is higher")
     if c.status == "breaks":
         return (f"{who}: broke at every rate tried, down to {c.broke.rate:g} req/s "
-                f"({c.broke.attainment:.1%} within SLO)")
+                f"({'; '.join(c.broke.misses)})")
     return (f"{who}: {c.held.rate:g} req/s ({c.held.attainment:.1%} within SLO; {c.broke.rate:g} req/s "
-            f"broke at {c.broke.attainment:.1%}; bracket {c.width:.1%})"
+            f"broke: {'; '.join(c.broke.misses)}; bracket {c.width:.1%})"
             + ("" if c.status == "found" else " - not narrowed to the tolerance"))

@@ -5,8 +5,8 @@
 Every `servelab simulate` flag is accepted and applies to every point. The list flags
 sweep: --policies, --rates (mean request rate, req/s: the trace's arrivals are rescaled to
 it), --block-sizes, --chunk-sizes (tokens, budget or off), --preemptions, --block-managers,
---gpus, --models, --tps, --engines. Each point's config is built from the flags exactly as `servelab simulate`
-builds it (its run directory's config.json reruns it), and a policy flag such as
+--gpus, --models, --tps, --engines, --routers; and --replicas takes a list too (--replicas 3,4,5).
+Each point's config is built from the flags exactly as `servelab simulate` builds it (its run directory's config.json reruns it), and a policy flag such as
 --sjf-predictor applies to that policy's points only.
 
 DIR receives runs/<point>/ (the simulate layout, see `sweeps/sweep.py`), sweep.json,
@@ -77,9 +77,14 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--routers", "router", "--router", _one_of(tuple(ROUTERS)), "R,R,..."),
     ("--engines", "engine", "--engine", _one_of(tuple(engine_names())), "E,E,..."),
 )
+#: `simulate` flags that take a comma-separated list here (more than one value sweeps
+#: them): (flag, the sweep axis = the flag's dest, item parser, metavar).
+LIST_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+    ("--replicas", "replicas", _positive_int, "N[,N,...]"),
+)
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
-AXIS_ORDER = ("engine", "model", "gpu", "tp", "block_manager", "block_size", "chunked_prefill",
-              "preemption", "router", "policy", "rate")
+AXIS_ORDER = ("engine", "model", "gpu", "tp", "replicas", "block_manager", "block_size",
+              "chunked_prefill", "preemption", "router", "policy", "rate")
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -109,7 +114,8 @@ class _ParserSlot:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "compare", help="run a grid of simulations (policies x loads x ...) and report on it",
+        "compare", conflict_handler="resolve",   # add_grid_arguments redefines --replicas
+        help="run a grid of simulations (policies x loads x ...) and report on it",
         description="Simulate every combination of the listed policies, request rates and "
                     "other knobs, store one run directory per point under DIR/runs (rerunning "
                     "skips finished points), and write DIR/index.html and DIR/report.md. Every "
@@ -120,11 +126,16 @@ def register(subparsers) -> None:
 
 def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
     """Every `servelab simulate` flag, the sweep lists and the execution flags: what
-    `compare` takes, and `capacity` with it."""
+    `compare` takes, and `capacity` and `plan` with it. `p` must be made with
+    conflict_handler="resolve": the flags of LIST_FLAGS replace simulate's."""
     from servelab.simulator import cli as simulate_cli
 
     simulate_cli.register(_ParserSlot(p))   # adds --out DIR and every simulate flag
     g = p.add_argument_group("sweep (comma-separated lists; each replaces its single flag)")
+    for flag, axis, parse, metavar in LIST_FLAGS:
+        g.add_argument(flag, dest=axis, type=_list_of(parse), default=(p.get_default(axis),), metavar=metavar,
+                       help=f"{flag} as `simulate` takes it, or a list of values to sweep "
+                            f"(default {p.get_default(axis)})")
     notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
              "chunked_prefill": " (token counts, budget or off)"}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:
@@ -155,6 +166,9 @@ def grid_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
             values = (args.rate,)
         if values is not None:
             axes[axis] = values
+    for _, axis, _, _ in LIST_FLAGS:
+        if len(getattr(args, axis)) > 1:
+            axes[axis] = getattr(args, axis)
     for dest, policy in policy_flag_owners().items():
         if getattr(args, dest) != parser.get_default(dest) and policy not in axes["policy"]:
             flag = "--" + dest.replace("_", "-")
@@ -174,6 +188,8 @@ def point_config(args: argparse.Namespace, parser: argparse.ArgumentParser, valu
     from servelab.simulator.cli import config_from_args
 
     ns = argparse.Namespace(**vars(args))
+    for _, axis, _, _ in LIST_FLAGS:
+        setattr(ns, axis, getattr(args, axis)[0])   # one value, or the axis sets it below
     for axis, value in values.items():
         setattr(ns, axis, value)
     for dest, policy in policy_flag_owners().items():

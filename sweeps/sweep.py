@@ -111,7 +111,8 @@ class SweepPoint:
 
 
 _AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
-               "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp"}
+               "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp",
+               "replicas": "x"}
 
 
 def _slug(value: Any) -> str:

@@ -1,0 +1,246 @@
+"""`servelab plan`: how many GPUs, of which kind, in which layout, to serve a traffic
+within its SLOs, at the least cost.
+
+    servelab plan --trace azure-code-2023 --rate-scale 4 --p99-ttft-ms 2000 \\
+        --gpus h100-sxm,h200,a100-80gb --out DIR
+
+A layout is every value of every swept knob but the replica count: GPU kind (--gpus;
+default every catalog GPU with a price), tensor parallelism (--tps; default 1, 2, 4 and 8,
+those the model fits), policy (--policies; default --policy), router (--routers), and
+any other `compare` list. For each layout the search finds the fewest replicas that meet
+the targets at the traffic given (--rate or --rate-scale, default the trace's own), and
+ranks the layouts by cost an hour (--objective cost, prices from the GPU catalog or
+--gpu-price) or by GPUs (--objective gpus); see `sweeps/plan.py` for the search.
+
+DIR receives every run under runs/ (the store `compare` uses: rerunning reuses them),
+plan.json, sweep.json (the finalists) and index.html / report.md opening with the answer.
+When no layout meets the targets within --max-gpus, one line says which target and the
+best reached, and no report is written. Importing this module is cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+from servelab.cli import CLIError
+from servelab.progress import PointProgress
+from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
+from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
+
+DEFAULT_TPS = (1, 2, 4, 8)
+"""Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
+of 8 GPUs, the widest a single vLLM engine spans without pipeline parallelism."""
+FINALISTS = 4
+"""Layouts compared in full at the end of the report (the cheapest found)."""
+OBJECTIVES = ("cost", "gpus")
+
+
+def register(subparsers) -> None:
+    from servelab.sweeps.plan import DEFAULT_MAX_GPUS
+
+    p = subparsers.add_parser(
+        "plan", conflict_handler="resolve",   # add_grid_arguments redefines --replicas
+        help="find the cheapest deployment (GPU kind, TP, replicas, policy) that meets the SLOs",
+        description="For every layout (GPU kind x tensor parallelism x policy x router x any other "
+                    "`compare` list), find the fewest replicas that meet the SLO targets at the given "
+                    "traffic, and rank the layouts by cost an hour (or GPUs). Writes DIR/plan.json, "
+                    "DIR/index.html and DIR/report.md; every run is stored under DIR/runs and reused "
+                    "on a rerun. Every `servelab simulate` flag applies to every run.")
+    add_grid_arguments(p, rates_help=": one rate only (plan sizes a deployment for one traffic)")
+    c = add_target_arguments(p, "plan")
+    c.add_argument("--objective", choices=OBJECTIVES, default="cost",
+                   help="what to minimise: cost an hour (default) or GPUs")
+    c.add_argument("--gpu-price", type=_prices, default={}, metavar="GPU=USD,...",
+                   help="$ per GPU-hour, replacing the catalog's (e.g. h100-sxm=2.5,h200=3.4)")
+    c.add_argument("--max-gpus", type=_positive_int, default=DEFAULT_MAX_GPUS, metavar="N",
+                   help="the most GPUs a layout may use (default %(default)s)")
+    p.set_defaults(func=functools.partial(_cmd_plan, parser=p), command_name="plan", gpu=None, tp=None)
+
+
+def _positive_int(text: str) -> int:
+    from servelab.options import positive_int
+    return positive_int(text)
+
+
+def _prices(text: str) -> dict[str, float]:
+    """GPU=USD,GPU=USD: --gpu-price."""
+    from servelab.options import positive_float
+
+    prices = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected GPU=USD items such as h100-sxm=2.5, got {item!r}")
+        prices[name.strip()] = positive_float(value.strip())
+    return prices
+
+
+def _layout_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """args with every layout knob as a list (a single flag becomes a one-value list, so
+    every layout names its GPU, TP, policy and router), and the GPU and TP lists plan
+    searches by default (see the module docstring)."""
+    from servelab.simulator.gpus import get_gpu, gpu_names
+
+    args = argparse.Namespace(**vars(args))
+    if args.sweep_gpu is None:
+        if args.gpu is not None:
+            args.sweep_gpu, args.gpu = (args.gpu,), None
+        else:
+            priced = tuple(n for n in gpu_names() if get_gpu(n).price_per_hour_usd is not None)
+            args.sweep_gpu = priced
+    if args.sweep_policy is None:   # compare's default is four policies; plan's is --policy
+        args.sweep_policy, args.policy = (args.policy,), parser.get_default("policy")
+    if args.sweep_router is None:   # named in every layout, as the answer names it
+        args.sweep_router, args.router = (args.router,), parser.get_default("router")
+    if args.sweep_tp is None:
+        args.sweep_tp, args.tp = ((args.tp,) if args.tp is not None else DEFAULT_TPS), None
+    return args   # args.gpu / args.tp stay as given: grid_axes refuses --gpu with --gpus
+
+
+def _price_of(gpu: str, args: argparse.Namespace) -> float:
+    from servelab.simulator.gpus import get_gpu
+
+    if args.objective == "gpus":
+        return 1.0
+    spec = get_gpu(gpu)
+    price = args.gpu_price.get(gpu, spec.price_per_hour_usd)
+    if price is None:
+        raise CLIError(f"no price for GPU {gpu}: give --gpu-price {gpu}=USD, or --objective gpus")
+    return price
+
+
+def _layouts(args, parser):
+    """(layouts, skipped): one `Layout` per combination of the swept values but the rate,
+    and the combinations that cannot run at all (the model does not fit), with why."""
+    from servelab.simulator.run import build_simulation
+    from servelab.sweeps.plan import Layout
+
+    axes = dict(grid_axes(args, parser))
+    unknown = sorted(set(args.gpu_price) - set(axes["gpu"]))
+    if unknown:
+        raise CLIError(f"--gpu-price names {', '.join(unknown)}, not among the GPUs planned "
+                       f"({', '.join(axes['gpu'])})")
+    rates = axes.pop("rate")
+    if len(rates) > 1:
+        raise CLIError("plan sizes a deployment for one traffic: give --rate or --rate-scale, not --rates")
+    if "replicas" in axes or args.replicas != (1,):
+        raise CLIError("plan searches the replica count itself: drop --replicas (bound it with --max-gpus)")
+    layouts, skipped, checked = [], [], {}
+    for combo in itertools.product(*axes.values()):
+        values = dict(zip(axes, combo))
+        tp = values["tp"]
+        most = args.max_gpus // tp
+        if most < 1:
+            skipped.append((values, f"TP{tp} needs more than --max-gpus {args.max_gpus}"))
+            continue
+        build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]})
+        config = build(1)
+        machine = (config.model, config.gpu, config.tp, config.weight_dtype, config.kv_dtype, config.engine,
+                   config.block_size, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+        if machine not in checked:
+            try:
+                build_simulation(config)
+                checked[machine] = None
+            except ValueError as exc:
+                checked[machine] = str(exc)
+        if checked[machine] is not None:
+            skipped.append((values, checked[machine]))
+            continue
+        layouts.append(Layout(tuple(values.items()), tp, tp * _price_of(values["gpu"], args), build, most))
+    return layouts, skipped, rates[0]
+
+
+def _config_at(args, parser, values: dict, replicas: int):
+    return point_config(args, parser, {**values, "replicas": replicas})
+
+
+def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from servelab.reports.plan_report import write_plan_report
+    from servelab.sweeps.plan import search_plan, write_plan_file
+    from servelab.sweeps.runner import SweepRunner, default_workers
+    from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
+
+    args = _layout_axes(args, parser)
+    targets = slo_targets(args)
+    check_slos(args, parser, targets, {"gpu": args.sweep_gpu[0], "tp": args.sweep_tp[0]})
+    layouts, skipped, rate = _layouts(args, parser)
+    for values, why in skipped:
+        print(f"plan: skipped {_who(values)}: {why}", file=sys.stderr)
+    if not layouts:
+        raise CLIError("no layout can run: " + "; ".join(f"{_who(v)}: {why}" for v, why in skipped))
+    out = Path(args.out)
+    workers = args.workers or default_workers()
+    traffic = f"{rate:g} req/s" if rate is not None else f"the trace's rate x {args.rate_scale or 1:g}"
+    print(f"plan: {plural(len(layouts), 'layout')} at {traffic} to {targets}, up to {args.max_gpus} GPUs, "
+          f"{plural(workers, 'worker')}, into {out}", file=sys.stderr)
+    progress = PointProgress(command="plan", detail=lambda o: _verdict(o, targets))
+    try:
+        with SweepRunner(out, workers=workers, ray=args.ray, ray_address=args.ray_address,
+                         output_format=args.output_format) as runner:
+            plan = search_plan(layouts, runner, targets=targets, progress=progress,
+                               on_round=lambda k, n: setattr(progress, "prefix", f"round {k} "))
+            unsettled = {i: _unsettled(r, runner.runs_dir) for i, r in enumerate(plan.results)}
+            finalists = [r for r in plan.ranked[:FINALISTS]]
+            points = [SweepPoint(layouts[plan.results.index(r)].build(r.replicas),
+                                 (*r.labels.items(), ("replicas", r.replicas))) for r in finalists]
+            if points:
+                write_sweep_file(out, points)
+            write_plan_file(out, plan, unsettled=unsettled, settings={
+                "objective": args.objective, "rate": rate, "rate_scale": args.rate_scale,
+                "max_gpus": args.max_gpus, "num_requests": args.num_requests,
+                "prices": {g: _price_of(g, args) for g in dict.fromkeys(dict(r.labels)["gpu"] for r in plan.results)}
+                if args.objective == "cost" else {},
+                "skipped": [{"labels": v, "why": why} for v, why in skipped]})
+    except SweepError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot write the plan directory {out}: {exc}") from None
+    failed = [r for r in plan.results if r.status == "failed"]
+    for r in failed:
+        errors = "; ".join(f"{t.replicas} replicas: {t.error}" for t in r.trials if t.error)
+        print(f"plan: {_who(r.labels)}: a run failed ({errors})", file=sys.stderr)
+    if plan.best is None:
+        raise CLIError(_no_answer(plan, args.max_gpus) + f" (runs kept in {out.resolve()})")
+    report = write_plan_report(out)
+    print(report.answer)
+    print(f"report: {report.files.html.resolve()}\n        {report.files.markdown.resolve()}")
+    return 1 if failed else 0
+
+
+def _who(values) -> str:
+    return ", ".join(f"{k}={v}" for k, v in dict(values).items())
+
+
+def _verdict(outcome, targets) -> str:
+    if outcome.summary is None:
+        return ""
+    misses = targets.misses(outcome.summary)
+    return " (met)" if not misses else f" (missed: {'; '.join(misses)})"
+
+
+def _unsettled(result, runs_dir: Path) -> str | None:
+    """Why the run at a layout's answer had not settled (its queue still growing), or None."""
+    from servelab.reports.health import overload
+    from servelab.reports.runio import read_requests, read_steps
+
+    if result.met is None:
+        return None
+    run = runs_dir / result.met.name
+    sign = overload(read_requests(run), read_steps(run))
+    return None if sign is None else sign.evidence()
+
+
+def _no_answer(plan, max_gpus: int) -> str:
+    """No layout met the targets: which target, and the best any layout reached."""
+    from servelab.reports.plan_report import layout_name
+
+    tried = [t for r in plan.results for t in r.trials if t.tightness is not None]
+    if not tried:
+        return "no layout could be run"
+    closest = min(tried, key=lambda t: t.tightness)
+    owner = next(r for r in plan.results if closest in r.trials)
+    return (f"no layout meets {plan.targets} within {max_gpus} GPUs; the closest was "
+            f"{layout_name(owner.labels, closest.replicas)}: {'; '.join(closest.misses)}")

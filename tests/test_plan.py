@@ -1,0 +1,219 @@
+"""Deployment planning: the replica search on synthetic layouts (a fake runner), SLO
+targets as percentiles, `compare --replicas` lists, and `servelab plan` end to end on a
+small workload, whose answer fresh `servelab simulate` runs must confirm (the chosen layout
+meets the target, one replica fewer misses it)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from servelab.cli import main
+from servelab.reports.slo import PercentileTarget, SloTargets
+from servelab.simulator.run import SimulationConfig
+from servelab.sweeps.plan import Layout, search_plan
+from servelab.sweeps.sweep import PointOutcome
+
+BASE = SimulationConfig(trace="default", num_requests=50)
+P99_TTFT_1S = SloTargets(None, (PercentileTarget("ttft", 99, 1000.0),))
+
+
+class FakeRunner:
+    """Stands in for a SweepRunner: a run's p99 TTFT is `latency(gpu, replicas)` ms."""
+
+    def __init__(self, latency, workers: int = 1) -> None:
+        self.latency, self.workers, self.batches = latency, workers, []
+
+    def run(self, points, progress=None):
+        self.batches.append([(p.config.gpu, p.config.replicas) for p in points])
+        out = []
+        for p in points:
+            ms = self.latency(p.config.gpu, p.config.replicas)
+            summary = {"completed": 100, "rejected": 0, "duration": 1.0, "request_goodput": 100.0,
+                       "p99_ttft_ms": ms}
+            out.append(PointOutcome(p, Path("unused") / p.name, "ran", summary))
+        return out
+
+
+def _layout(gpu: str, price: float, most: int = 64) -> Layout:
+    return Layout((("gpu", gpu), ("tp", 1)), 1, price, lambda n, g=gpu: replace(BASE, gpu=g, replicas=n), most)
+
+
+def _needs(counts: dict[str, int]):
+    """p99 TTFT 900 ms from counts[gpu] replicas up, 1500 ms below."""
+    return lambda gpu, n: 900.0 if n >= counts[gpu] else 1500.0
+
+
+def test_the_cheapest_layout_wins_and_each_answer_is_bracketed_by_runs():
+    needs = {"a100-80gb": 11, "h100-sxm": 5, "h200": 3}
+    prices = {"a100-80gb": 2.45, "h100-sxm": 4.76, "h200": 6.35}
+    plan = search_plan([_layout(g, p) for g, p in prices.items()], FakeRunner(_needs(needs)), targets=P99_TTFT_1S)
+    best = plan.best
+    assert dict(best.labels)["gpu"] == "h200" and best.replicas == 3   # $19.05 beats $23.80 and $26.95
+    assert best.cost == pytest.approx(3 * 6.35)
+    assert best.below.replicas == 2 and not best.below.held
+    for r in plan.results:
+        gpu = dict(r.labels)["gpu"]
+        if r.status == "found":
+            assert r.replicas == needs[gpu] and r.below is not None and not r.below.held
+        else:   # stopped once it could not beat the best
+            assert r.status == "pruned" and r.lower_bound > best.cost
+    assert [r.status for r in plan.results] == ["pruned", "pruned", "found"]
+
+
+def test_a_layout_that_ties_the_best_is_still_resolved():
+    plan = search_plan([_layout("h100-sxm", 2.0), _layout("h200", 4.0)],
+                       FakeRunner(_needs({"h100-sxm": 6, "h200": 3})), targets=P99_TTFT_1S)
+    assert [r.status for r in plan.results] == ["found", "found"]
+    assert [r.cost for r in plan.ranked] == [12.0, 12.0]
+
+
+def test_a_layout_that_never_meets_the_target_is_unmet_at_its_most_replicas():
+    plan = search_plan([_layout("h100-sxm", 1.0, most=6)], FakeRunner(_needs({"h100-sxm": 100})),
+                       targets=P99_TTFT_1S)
+    (r,) = plan.results
+    assert r.status == "unmet" and plan.best is None
+    assert [t.replicas for t in r.trials] == [1, 2, 4, 6]
+
+
+def test_a_count_that_misses_above_one_that_met_is_reported():
+    # meets at 2, misses at 3-5 (seeded bursts), meets from 6 up: one round of four
+    # doublings tries 1, 2, 4 and 8
+    latency = lambda gpu, n: 900.0 if n == 2 or n >= 6 else 1500.0
+    plan = search_plan([_layout("h100-sxm", 1.0)], FakeRunner(latency, workers=4), targets=P99_TTFT_1S)
+    (r,) = plan.results
+    assert r.status == "found" and r.replicas == 2
+    assert [(t.replicas, t.held) for t in r.trials] == [(1, False), (2, True), (4, False), (8, True)]
+    assert r.notes and "not monotone: 4 replicas missed although 2 met" in r.notes[0]
+
+
+def test_percentile_targets_count_rejected_requests_as_slowest():
+    target = PercentileTarget("ttft", 99, 1000.0)
+    ok = {"completed": 99, "rejected": 1, "p99_ttft_ms": 800.0, "duration": 1.0, "request_goodput": 99.0}
+    assert target.value(ok) == 800.0
+    assert target.value({**ok, "completed": 98, "rejected": 2}) == float("inf")
+    targets = SloTargets(0.9, (target,))
+    assert targets.held(ok) and targets.tightness(ok) == pytest.approx(0.8)
+    slow = {**ok, "p99_ttft_ms": 1300.0}
+    assert targets.misses(slow) == ["p99 TTFT 1,300 ms > 1000 ms"]
+    assert targets.tightness(slow) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="percentiles a run records"):
+        PercentileTarget("ttft", 95, 1000.0)
+    with pytest.raises(ValueError, match="attainment target or a percentile"):
+        SloTargets(None)
+
+
+# --------------------------------------------------------------------------- the commands
+SMALL = ["--trace", "default", "--num-requests", "300", "--rate", "60"]
+
+
+def _p99_ttft(tmp_path: Path, name: str, *flags: str) -> float:
+    out = tmp_path / name
+    assert main(["simulate", *SMALL, *flags, "--out", str(out)]) == 0
+    return json.loads((out / "summary.json").read_text())["p99_ttft_ms"]
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "p"
+    code = main(["plan", *SMALL, "--p99-ttft-ms", "300", "--gpus", "h100-sxm,h200", "--tps", "1,2",
+                 "--max-gpus", "8", "--workers", "2", "--out", str(out)])
+    return code, out
+
+
+def test_plan_answers_and_fresh_simulations_confirm_it(small_plan, tmp_path, capsys):
+    code, out = small_plan
+    assert code == 0
+    data = json.loads((out / "plan.json").read_text())
+    best = data["layouts"][data["best"]]
+    labels, replicas = best["labels"], best["replicas"]
+    assert replicas > 1   # a case where one replica fewer exists
+    flags = ["--gpu", labels["gpu"], "--tp", str(labels["tp"]), "--policy", labels["policy"]]
+    assert _p99_ttft(tmp_path, "met", *flags, "--replicas", str(replicas)) <= 300
+    assert _p99_ttft(tmp_path, "fewer", *flags, "--replicas", str(replicas - 1)) > 300
+    for g in data["layouts"]:   # nothing found cheaper than the answer
+        assert g["cost"] is None or g["cost"] >= best["cost"] - 1e-9
+        assert g["status"] in ("found", "pruned")
+    report = (out / "report.md").read_text()
+    first = report.splitlines()[2]
+    assert first.startswith(f"{replicas} x {labels['gpu']} (TP{labels['tp']}), fcfs, round-robin: p99 TTFT")
+    assert "$" in first and (out / "figures" / "plan_frontier.png").stat().st_size > 10_000
+    assert "The finalists compared" in report
+
+
+def test_a_rerun_runs_nothing_new(small_plan, capsys):
+    _, out = small_plan
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert main(["plan", *SMALL, "--p99-ttft-ms", "300", "--gpus", "h100-sxm,h200", "--tps", "1,2",
+                 "--max-gpus", "8", "--workers", "2", "--out", str(out)]) == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == runs
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--p99-ttft-ms", "1", "--gpus", "h100-sxm", "--tps", "1", "--max-gpus", "2"],
+     "error: no layout meets p99 TTFT <= 1 ms within 2 GPUs; the closest was 2 x h100-sxm (TP1), fcfs, "
+     "round-robin: p99 TTFT"),
+    (["--p99-ttft-ms", "300", "--gpus", "h100-sxm", "--rates", "10,20"], "one traffic"),
+    (["--p99-ttft-ms", "300", "--gpus", "h100-sxm", "--replicas", "3"], "searches the replica count"),
+    (["--p99-ttft-ms", "300", "--gpus", "h100-sxm", "--gpu-price", "b200=3"], "--gpu-price names b200"),
+    (["--p99-ttft-ms", "300", "--gpus", "h100-sxm", "--gpu-price", "h100-sxm"], "expected GPU=USD"),
+    (["--p99-ttft-ms", "300", "--gpus", "h100-sxm", "--rate", "0"], "--rate"),
+    (["--gpus", "h100-sxm"], "a plan needs an SLO"),
+])
+def test_bad_plans_are_one_line_errors(tmp_path, capsys, flags, message):
+    argv = ["plan", "--trace", str(_plain_trace(tmp_path)), "--num-requests", "40", *flags,
+            "--out", str(tmp_path / "p")]
+    try:
+        code = main(argv)
+    except SystemExit as exc:   # argparse refuses a malformed value itself
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]   # progress lines come first when the runs were made
+    assert message in last and (err.count("\n") == 1 or "round 1" in err), err
+    assert not (tmp_path / "p" / "report.md").exists()
+
+
+def test_a_gpu_without_a_price_needs_one_or_the_gpu_objective(tmp_path, capsys):
+    spec = json.loads(Path(__file__).parents[1].joinpath("simulator/data/gpus/h100-sxm.json").read_text())
+    spec.update(name="my-gpu", price_per_hour_usd=None, aliases=[], device_names=[])
+    path = tmp_path / "my-gpu.json"
+    path.write_text(json.dumps(spec))
+    argv = ["plan", "--trace", str(_plain_trace(tmp_path)), "--num-requests", "40", "--p99-ttft-ms", "5000",
+            "--gpus", str(path), "--tps", "1", "--out", str(tmp_path / "p")]
+    assert main(argv) == 2
+    assert "no price for GPU" in capsys.readouterr().err
+    assert main([*argv, "--objective", "gpus"]) == 0
+    assert "1 x " in capsys.readouterr().out
+
+
+def _plain_trace(tmp_path: Path) -> Path:
+    from servelab.traces import Trace, TraceRecord, write_csv
+    trace = tmp_path / "plain.csv"   # its requests carry no SLO of their own
+    write_csv(Trace(tuple(TraceRecord(0.05 * i, 200, 50) for i in range(40))), trace)
+    return trace
+
+
+def test_compare_sweeps_a_list_of_replica_counts(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["compare", *SMALL, "--policies", "fcfs", "--replicas", "1,3", "--out", str(out)]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["axes"]["replicas"] == [1, 3]
+    replicas = [json.loads((out / "runs" / p["name"] / "config.json").read_text())["config"]["replicas"]
+                for p in sweep["points"]]
+    assert replicas == [1, 3]
+
+
+def test_capacity_holds_a_percentile_target(tmp_path, capsys):
+    out = tmp_path / "cap"
+    assert main(["capacity", *SMALL[:4], "--rate", "30", "--policies", "fcfs", "--p99-ttft-ms", "400",
+                 "--tolerance", "0.1", "--out", str(out)]) == 0
+    data = json.loads((out / "capacity.json").read_text())
+    assert data["criterion"] == "p99 TTFT <= 400 ms" and data["attainment_target"] is None
+    (group,) = data["groups"]
+    held = json.loads((out / "runs" / group["held"]["run"] / "summary.json").read_text())
+    broke = json.loads((out / "runs" / group["broke"]["run"] / "summary.json").read_text())
+    assert held["p99_ttft_ms"] <= 400 < broke["p99_ttft_ms"]
+    assert "Capacity at p99 TTFT <= 400 ms" in (out / "report.md").read_text()
