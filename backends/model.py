@@ -3,7 +3,9 @@
 Covers Llama 2/3/3.1, Mistral, Qwen2 (attention bias on q/k/v) and Qwen3 (an RMSNorm over
 each head of q and k before RoPE, as transformers' `Qwen3Attention` does): RMSNorm, RoPE
 (plain or Llama-3.1 "llama3" frequency scaling), grouped-query attention, SwiGLU MLP, tied
-or separate LM head. The forward pass takes a flattened batch with no padding — prefill
+or separate LM head; mixture-of-experts layers (Mixtral, Qwen3-MoE) route each token to
+its top-k SwiGLU experts (`SparseMoeBlock`). DeepSeek's multi-head latent attention is
+simulation-only. The forward pass takes a flattened batch with no padding — prefill
 chunks first, then decode tokens — so a step costs what its tokens cost, whatever mix of
 sequences they come from. Attention reads and writes the paged cache through
 `servelab.backends.kernels` (Triton or the PyTorch reference).
@@ -105,6 +107,9 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def check_model_supported(spec: ModelSpec) -> None:
     """Raises ValueError for config features this decoder does not implement."""
     cfg = spec.hf_config
+    if spec.mla is not None:
+        raise ValueError(f"{spec.architecture} uses multi-head latent attention, which the real "
+                         "backend does not run (MLA is simulation-only)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     if cfg.get("mlp_bias", False):
@@ -171,23 +176,53 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
 
-    def __init__(self, spec: ModelSpec, **where) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, **where) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, **where)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, **where)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, **where)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, **where)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoeBlock(nn.Module):
+    """Mixtral / Qwen3-MoE experts: the router's softmax (fp32) over the experts, each
+    token's top-k, renormalised to sum to 1 when `norm_topk_prob`, then every expert runs
+    its SwiGLU on the tokens routed to it and adds its output, times the token's weight, in
+    expert order (transformers' `MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`). Costs
+    top-k expert MLPs per token, one small GEMM per expert that any token chose."""
+
     def __init__(self, spec: ModelSpec, **where) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.top_k, self.renormalise = moe.experts_per_token, moe.norm_topk_prob
+        self.gate = Linear(spec.hidden_size, moe.num_experts, False, **where)
+        self.experts = nn.ModuleList(MLP(spec.hidden_size, moe.expert_intermediate_size, **where)
+                                     for _ in range(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)     # [T, k]
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            token, slot = torch.where(chosen == expert)
+            y = self.experts[expert](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int, **where) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **where)
         self.self_attn = Attention(spec, **where)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **where)
-        self.mlp = MLP(spec, **where)
+        routed = spec.moe is not None and index not in spec.moe.dense_layers
+        self.mlp = (SparseMoeBlock(spec, **where) if routed
+                    else MLP(spec.hidden_size, spec.intermediate_size, **where))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -201,7 +236,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(spec.vocab_size, spec.hidden_size, **where)
-        self.layers = nn.ModuleList(DecoderLayer(spec, **where) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, **where) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **where)
 
 
@@ -247,7 +282,7 @@ def sliding_window(spec: ModelSpec) -> int | None:
     """The attention window the config asks for, if any (full attention is all we run)."""
     cfg = spec.hf_config
     window = cfg.get("sliding_window")
-    if spec.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") \
+    if spec.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
             and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None

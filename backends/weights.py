@@ -1,9 +1,12 @@
 """Model weights: where each Hugging Face tensor goes, checkpoint loading, seeded random init.
 
 The model keeps fused projections (`qkv_proj` = q|k|v rows, `gate_up_proj` = gate|up rows)
-so a layer runs two GEMMs where the checkpoint stores five tensors. `hf_weight_layout`
-maps every Hugging Face parameter name to the fused parameter and row range it fills;
-loading and validation are driven by that one table.
+so a layer runs two GEMMs where the checkpoint stores five tensors. A mixture-of-experts
+layer keeps its router as `mlp.gate` and expert j as `mlp.experts.j` with the same fused
+projections, whatever the checkpoint calls them (Mixtral: `block_sparse_moe.experts.j.w1`
+gate, `w3` up, `w2` down; Qwen3-MoE: `mlp.experts.j.gate_proj/up_proj/down_proj`).
+`hf_weight_layout` maps every Hugging Face parameter name to the fused parameter and row
+range it fills; loading and validation are driven by that one table.
 
 Everything that can be wrong with a checkpoint (missing config, unsupported architecture,
 config that disagrees with the spec, missing / unexpected / mis-shaped tensors) is found
@@ -69,9 +72,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def o_proj_has_bias(spec: ModelSpec) -> bool:
-    """Llama's and Qwen3's `attention_bias` cover q, k, v and o (transformers'
-    `LlamaAttention`, `Qwen3Attention`); Qwen2's covers q, k and v only."""
-    return spec.attention_bias and spec.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    """Llama's, Qwen3's and Qwen3-MoE's `attention_bias` cover q, k, v and o (transformers'
+    `LlamaAttention`, `Qwen3Attention`, `Qwen3MoeAttention`); Qwen2's covers q, k and v
+    only."""
+    return spec.attention_bias and spec.architecture in (
+        "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +89,44 @@ class WeightSlot:
     shape: tuple[int, ...]
 
 
+_SWIGLU_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
+"""Per architecture: the checkpoint's name of a MoE layer's module, and of an expert's
+gate, up and down projections (default: "mlp", "gate_proj", "up_proj", "down_proj")."""
+
+
+def _swiglu_slots(hf: str, ours: str, names: tuple[str, str, str], hidden: int,
+                  width: int) -> dict[str, WeightSlot]:
+    """The three tensors of one SwiGLU MLP (`hf` and `ours` end in a dot)."""
+    gate, up, down = names
+    return {f"{hf}{gate}.weight": WeightSlot(f"{ours}gate_up_proj.weight", 0, (width, hidden)),
+            f"{hf}{up}.weight": WeightSlot(f"{ours}gate_up_proj.weight", width, (width, hidden)),
+            f"{hf}{down}.weight": WeightSlot(f"{ours}down_proj.weight", 0, (hidden, width))}
+
+
+def _mlp_layout(spec: ModelSpec, layer: int) -> dict[str, WeightSlot]:
+    """Layer `layer`'s dense MLP, or its router and experts."""
+    h, ours, moe = spec.hidden_size, f"model.layers.{layer}.mlp.", spec.moe
+    if moe is None or layer in moe.dense_layers:
+        return _swiglu_slots(ours, ours, ("gate_proj", "up_proj", "down_proj"), h,
+                             spec.intermediate_size)
+    block, *names = _SWIGLU_NAMES.get(spec.architecture,
+                                      ("mlp", "gate_proj", "up_proj", "down_proj"))
+    hf = f"model.layers.{layer}.{block}."
+    layout = {f"{hf}gate.weight": WeightSlot(f"{ours}gate.weight", 0, (moe.num_experts, h))}
+    for j in range(moe.num_experts):
+        layout.update(_swiglu_slots(f"{hf}experts.{j}.", f"{ours}experts.{j}.", tuple(names), h,
+                                    moe.expert_intermediate_size))
+    return layout
+
+
 def hf_weight_layout(spec: ModelSpec) -> dict[str, WeightSlot]:
     """Every Hugging Face tensor name the model needs, mapped to its slot (model order)."""
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h = spec.hidden_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     layout = {"model.embed_tokens.weight":
               WeightSlot("model.embed_tokens.weight", 0, (spec.vocab_size, h))}
     for i in range(spec.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn = f"model.layers.{i}.self_attn."
         for proj, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
             layout[f"{attn}{proj}_proj.weight"] = WeightSlot(f"{attn}qkv_proj.weight", start,
                                                              (rows, h))
@@ -105,9 +140,7 @@ def hf_weight_layout(spec: ModelSpec) -> dict[str, WeightSlot]:
             for norm in ("q_norm", "k_norm"):
                 layout[f"{attn}{norm}.weight"] = WeightSlot(f"{attn}{norm}.weight", 0,
                                                             (spec.head_dim,))
-        layout[f"{mlp}gate_proj.weight"] = WeightSlot(f"{mlp}gate_up_proj.weight", 0, (inter, h))
-        layout[f"{mlp}up_proj.weight"] = WeightSlot(f"{mlp}gate_up_proj.weight", inter, (inter, h))
-        layout[f"{mlp}down_proj.weight"] = WeightSlot(f"{mlp}down_proj.weight", 0, (h, inter))
+        layout.update(_mlp_layout(spec, i))
         for norm in ("input_layernorm", "post_attention_layernorm"):
             name = f"model.layers.{i}.{norm}.weight"
             layout[name] = WeightSlot(name, 0, (h,))

@@ -2,11 +2,32 @@
 
 A model is described by the fields of its Hugging Face `config.json`, so a user adds a
 model by pointing at a config.json; the catalog is a folder of such files shipped with
-servelab (`servelab/data/models/<name>.json`).
+servelab (`servelab/data/models/<name>.json`; docs/models.md lists them with their
+sources).
 
-Dense decoders only: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (no bias, an RMSNorm
-over each head of q and of k before RoPE: transformers' `Qwen3Attention.q_norm/k_norm`,
-vLLM's `vllm/model_executor/models/qwen3.py`). Mixture-of-experts configs are refused.
+Dense decoders: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (no bias, an RMSNorm over
+each head of q and of k before RoPE: transformers' `Qwen3Attention.q_norm/k_norm`, vLLM's
+`vllm/model_executor/models/qwen3.py`).
+
+Mixture-of-experts decoders carry a `MoESpec`, read as transformers and vLLM read them:
+Mixtral (`num_local_experts`; every layer routes; the expert width is
+`intermediate_size`), Qwen3-MoE (`num_experts`, `moe_intermediate_size`; a layer is dense
+when listed in `mlp_only_layers` or when `(i + 1) % decoder_sparse_step != 0`:
+transformers' `Qwen3MoeDecoderLayer`), and DeepSeek-V2/V3 (`n_routed_experts`,
+`n_shared_experts` of `moe_intermediate_size` each, dense leading layers
+`first_k_dense_replace`, and `moe_layer_freq` as vLLM's `models/deepseek_v2.py` reads it).
+DeepSeek's attention is multi-head latent attention (`MLASpec`).
+
+Not modelled, and why that is honest: the router's scoring (DeepSeek's sigmoid with a
+bias, expert groups `n_group`/`topk_group`, `routed_scaling_factor`) picks experts but
+changes no shape; DeepSeek-V3's multi-token-prediction layer (`num_nextn_predict_layers`,
+weights vLLM loads only as a speculative-decoding draft) is not counted; FP8 block scales
+(1/16384 of the weights) are not counted; a `sliding_window` on Mistral or Mixtral is left
+to the real backend, which refuses sequences past it, and the simulator prices full
+attention, exact within the window. Refused with one line: any other mixture-of-experts
+architecture, a config missing a field its layout needs, and on the new architectures
+per-layer attention types (`layer_types` other than full attention) or Qwen3-MoE's
+`use_sliding_window`.
 """
 from __future__ import annotations
 
@@ -15,13 +36,76 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                       "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                     "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """Architectures that RMS-normalise every head of q and k (weights [head_dim]) before RoPE."""
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json fields that only mixture-of-experts models carry (Qwen3-MoE, Mixtral,
 DeepSeek)."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The experts of every mixture-of-experts layer (all such layers are alike).
+
+    A MoE layer holds a router [num_experts, hidden], `num_experts` routed SwiGLU experts
+    of width `expert_intermediate_size` of which each token uses `experts_per_token`, and
+    `num_shared_experts` experts every token uses (`shared_intermediate_size` wide
+    together). The layers in `dense_layers` have the model's dense SwiGLU MLP instead."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    """Indices of the layers whose MLP is dense (`ModelSpec.intermediate_size` wide)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE
+    and DeepSeek when their config's `norm_topk_prob` says so)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or self.expert_intermediate_size < 1:
+            raise ValueError(f"a mixture-of-experts layer needs experts (got {self.num_experts}) "
+                             f"of width >= 1 (got {self.expert_intermediate_size})")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token must be in [1, {self.num_experts}], got "
+                             f"{self.experts_per_token}")
+        if self.num_shared_experts < 0 or (self.num_shared_experts > 0) != (
+                self.shared_intermediate_size > 0):
+            raise ValueError(f"{self.num_shared_experts} shared experts cannot be "
+                             f"{self.shared_intermediate_size} wide")
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434 §2.1).
+
+    Queries go through a low-rank `q_lora_rank` bottleneck (None: projected directly, as
+    DeepSeek-V2-Lite does). Keys and values are rebuilt per head from one latent of
+    `kv_lora_rank` values, and RoPE rides on a separate `qk_rope_head_dim`-wide key shared
+    by all heads: the cache holds the latent and that key, `cached_values` per token and
+    layer (576 for DeepSeek-V3), whatever the number of heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a query/key head: the position-free part plus the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cached_values(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -32,7 +116,9 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    """Width of a query/key head (for MLA the position-free and rotary parts together)."""
     intermediate_size: int
+    """The dense MLP's width (a mixture-of-experts model's dense layers)."""
     vocab_size: int
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
@@ -41,46 +127,120 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     qk_norm: bool = False
-    """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    """Per-head RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE)."""
+    moe: MoESpec | None = None
+    """The experts of a mixture-of-experts model; None for a dense one."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention (DeepSeek); None for multi-head / grouped-query."""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # --- parameters -------------------------------------------------------------------------
+
+    def _attention_params(self) -> tuple[int, int]:
+        """(GEMM weights, everything else: biases and norms) of one layer's attention."""
+        h = self.hidden_size
+        if self.mla is not None:
+            m, heads = self.mla, self.num_heads
+            q = (h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+                 if m.q_lora_rank else h * heads * m.qk_head_dim)
+            kv = h * m.cached_values + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv + heads * m.v_head_dim * h, (m.q_lora_rank or 0) + m.kv_lora_rank
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = q + 2 * kv if self.attention_bias else 0
+        return h * q + 2 * h * kv + q * h, bias + (2 * self.head_dim if self.qk_norm else 0)
+
+    def _mlp_params(self, layer: int) -> tuple[int, int]:
+        """(GEMM weights, router) of one layer's MLP or experts."""
+        h, moe = self.hidden_size, self.moe
+        if moe is None or layer in moe.dense_layers:
+            return 3 * h * self.intermediate_size, 0
+        experts = moe.num_experts * moe.expert_intermediate_size + moe.shared_intermediate_size
+        return 3 * h * experts, moe.num_experts * h
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.moe is None else self.num_layers - len(self.moe.dense_layers)
+
+    @property
+    def num_linear_params(self) -> int:
+        """The GEMM weights of the blocks: what FP8 checkpoints quantise (embeddings, LM
+        head, norms, biases and routers stay BF16)."""
+        attn = self._attention_params()[0]
+        return sum(attn + self._mlp_params(i)[0] for i in range(self.num_layers))
 
     @property
     def num_params(self) -> int:
-        """Parameters of the transformer (embeddings and LM head included)."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        """Parameters of the transformer (embeddings and LM head included; every expert)."""
+        attn = sum(self._attention_params())
+        layers = sum(attn + sum(self._mlp_params(i)) + 2 * self.hidden_size
+                     for i in range(self.num_layers))
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return layers + embed + self.hidden_size
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all of them but the routed experts it is not sent
+        to (the convention of the published "active" figures: embeddings included)."""
+        if self.moe is None:
+            return self.num_params
+        idle = self.moe.num_experts - self.moe.experts_per_token
+        return self.num_params - self.num_moe_layers * idle * 3 * self.hidden_size \
+            * self.moe.expert_intermediate_size
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of all weights with the blocks' GEMM weights at `dtype_bytes` (1: FP8) and
+        the rest in BF16."""
+        linear = self.num_linear_params
+        return linear * dtype_bytes + (self.num_params - linear) * 2
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """2 (K and V) × layers × kv heads × head dim × bytes per element."""
+        """K and V of one token over all layers: 2 × layers × kv heads × head dim × bytes
+        per element, or for MLA layers × (kv_lora_rank + qk_rope_head_dim) × bytes."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.cached_values * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def checkpoint_weight_dtype(self) -> str:
+        """"fp8" for a checkpoint stored in FP8 (`quantization_config.quant_method` "fp8",
+        as DeepSeek-V3's), else "bf16". ValueError for other quantisations."""
+        quant = self.hf_config.get("quantization_config") or {}
+        method = quant.get("quant_method")
+        if method is None:
+            return "bf16"
+        if method == "fp8":
+            return "fp8"
+        raise ValueError(f"{self.name}: quantization {method!r} is not modelled; servelab "
+                         "prices bf16 and fp8 weights")
+
+    # --- reading a config.json --------------------------------------------------------------
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str | None = None) -> "ModelSpec":
         archs = config.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        moe = [f for f in _MOE_FIELDS if config.get(f)]
-        if moe or "Moe" in arch:
-            raise ValueError(f"{arch} is a mixture-of-experts model ({', '.join(moe) or 'experts'} "
-                             f"in its config), which servelab does not model yet; dense "
-                             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        experts = ", ".join(f for f in _MOE_FIELDS if config.get(f))
+        if arch not in MOE_ARCHITECTURES and (experts or "Moe" in arch):
+            raise ValueError(f"{arch} is a mixture-of-experts model ({experts or 'experts'} in its "
+                             "config) whose layout servelab does not model; mixture-of-experts "
+                             f"architectures: {', '.join(MOE_ARCHITECTURES)}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; servelab runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
+            num_layers = int(config["num_hidden_layers"])
+            moe = _moe_spec(arch, config, num_layers) if arch in MOE_ARCHITECTURES else None
+            mla = _mla_spec(arch, config) if arch in MLA_ARCHITECTURES else None
             spec = cls(
                 name=name or config.get("_name_or_path") or config.get("model_type", "model"),
-                num_layers=int(config["num_hidden_layers"]),
+                num_layers=num_layers,
                 hidden_size=hidden,
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                head_dim=(mla.qk_head_dim if mla
+                          else int(config.get("head_dim") or hidden // heads)),
                 intermediate_size=int(config["intermediate_size"]),
                 vocab_size=int(config["vocab_size"]),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
@@ -92,6 +252,8 @@ class ModelSpec:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 architecture=arch,
                 qk_norm=arch in QK_NORM_ARCHITECTURES,
+                moe=moe,
+                mla=mla,
                 hf_config=dict(config),
             )
         except KeyError as exc:
@@ -100,6 +262,68 @@ class ModelSpec:
             raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({spec.num_kv_heads})")
         return spec
+
+
+def _needed(config: dict, arch: str, what: str, *keys: str) -> int:
+    """The first of `keys` the config sets, as an int; ValueError naming the first key."""
+    for key in keys:
+        if config.get(key) is not None:
+            return int(config[key])
+    raise ValueError(f"{arch} is a {what} model whose config lacks {keys[0]!r}")
+
+
+def _check_full_attention(arch: str, config: dict) -> None:
+    """Per-layer sliding windows cannot be priced as full attention: refused."""
+    partial = sorted({t for t in config.get("layer_types") or () if t != "full_attention"})
+    if partial:
+        raise ValueError(f"{arch}: per-layer attention types {partial} are not modelled; "
+                         "servelab prices and runs full attention only")
+    if arch == "Qwen3MoeForCausalLM" and config.get("use_sliding_window"):
+        raise ValueError(f"{arch}: use_sliding_window (sliding-window attention on the layers "
+                         "past max_window_layers) is not modelled; servelab prices full attention")
+
+
+def _moe_spec(arch: str, config: dict, num_layers: int) -> MoESpec:
+    """The experts as transformers' (Mixtral, Qwen3-MoE) and vLLM's (DeepSeek) model code
+    lay them out; see the module docstring."""
+    _check_full_attention(arch, config)
+
+    def needed(*keys: str) -> int:
+        return _needed(config, arch, "mixture-of-experts", *keys)
+
+    top_k = needed("num_experts_per_tok")
+    if arch == "MixtralForCausalLM":
+        return MoESpec(needed("num_local_experts"), top_k, needed("intermediate_size"))
+    if arch == "Qwen3MoeForCausalLM":
+        step = config.get("decoder_sparse_step")
+        step = 1 if step is None else int(step)
+        if step < 1:
+            raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
+        only = set(config.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        # transformers >= 5 writes num_local_experts, the published configs num_experts
+        return MoESpec(needed("num_experts", "num_local_experts"), top_k,
+                       needed("moe_intermediate_size"), dense_layers=dense,
+                       norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    width = needed("moe_intermediate_size")
+    shared = int(config.get("n_shared_experts") or 0)
+    first_dense, freq = needed("first_k_dense_replace"), int(config.get("moe_layer_freq") or 1)
+    dense = tuple(i for i in range(num_layers) if i < first_dense or i % freq)
+    return MoESpec(needed("n_routed_experts"), top_k, width, shared, shared * width, dense,
+                   norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+
+
+def _mla_spec(arch: str, config: dict) -> MLASpec:
+    if "q_lora_rank" not in config:
+        raise ValueError(f"{arch} is a multi-head latent attention model whose config lacks "
+                         "'q_lora_rank' (null when queries are projected directly)")
+
+    def needed(key: str) -> int:
+        return _needed(config, arch, "multi-head latent attention", key)
+
+    q_lora = config["q_lora_rank"]
+    return MLASpec(int(q_lora) if q_lora else None, needed("kv_lora_rank"),
+                   needed("qk_nope_head_dim"), needed("qk_rope_head_dim"), needed("v_head_dim"))
 
 
 def catalog_names() -> list[str]:

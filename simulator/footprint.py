@@ -6,6 +6,28 @@ token occupies, the bytes a collective moves. Megatron-style TP splits attention
 the MLP's intermediate dimension and the vocabulary tp ways; KV heads are split too, or
 replicated when tp exceeds them (each GPU then keeps one), as engines do. Hidden-size
 activations and norms stay whole on every GPU.
+
+Mixture-of-experts and MLA models (`Footprint`) are laid out as vLLM lays them out:
+
+- Without expert parallelism (`ep=1`) every expert is split tp ways along its
+  intermediate dimension, like a dense MLP. With `ep` > 1 (vLLM's
+  `--enable-expert-parallel`) the routed experts are spread whole over `ep` GPUs, which
+  are the TP × DP GPUs of the replica, so `ep` is a multiple of `tp`; attention stays
+  tensor-parallel within each group of `tp` GPUs and is replicated across the `ep / tp`
+  data-parallel groups (vLLM `FusedMoEParallelConfig.make`, in
+  `vllm/model_executor/layers/fused_moe/config.py`: "When TP = 2, DP = 1 and EP = True ...
+  The experts are split between the 2 devices"; docs.vllm.ai, serving/
+  data_parallel_deployment: "expert layers form a tensor parallel group of size DP × TP",
+  or an EP group with `--enable-expert-parallel`). Shared experts, dense leading layers,
+  embeddings and the LM head stay tensor-parallel; the router is replicated, in BF16
+  (vLLM builds it as a `ReplicatedLinear` without quantisation).
+- MLA caches one latent (kv_lora_rank + qk_rope_head_dim values) per token and layer,
+  which has no head dimension to split: every TP rank holds the whole latent of its
+  tokens (why vLLM's data-parallel deployment doc recommends data-parallel attention for
+  MLA models). Its query/KV down-projections are replicated and the per-head
+  up-projections and o_proj split tp ways (vLLM `models/deepseek_v2.py`).
+
+The step-time cost model prices dense models only: `ShardedShapes.of` refuses the others.
 """
 from __future__ import annotations
 
@@ -86,11 +108,17 @@ class ShardedShapes:
     @classmethod
     def of(cls, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16",
            kv_dtype: str = "bf16") -> "ShardedShapes":
-        for name, dtype in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
-            if dtype not in DTYPE_BYTES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+        """The GEMMs and kernels of a dense model's step on one GPU. Raises ValueError for
+        a mixture-of-experts or MLA model: the cost model cannot price their steps yet
+        (their memory footprint is `Footprint`'s)."""
+        if model.moe is not None or model.mla is not None:
+            kind = ("a mixture-of-experts" if model.moe is not None
+                    else "a multi-head latent attention")
+            raise ValueError(f"{model.name} is {kind} model: mixture-of-experts pricing is not "
+                             "available yet (servelab sizes its weights and KV cache, but "
+                             "cannot time its steps)")
+        _check_dtypes(weight_dtype, kv_dtype)
+        _check_degree("tp", tp)
         if model.num_heads % tp or model.intermediate_size % tp:
             raise ValueError(f"tp={tp} must divide {model.name}'s attention heads "
                              f"({model.num_heads}) and intermediate size ({model.intermediate_size})")
@@ -137,11 +165,20 @@ class ShardedShapes:
         )
 
 
-def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16") -> int:
-    """Bytes of weights one GPU holds: its GEMM shards, the embedding shard (shared with
-    the LM head when tied) and the replicated norms. At tp=1 in BF16 this is exactly
-    2 · `ModelSpec.num_params`."""
-    s = ShardedShapes.of(model, tp, weight_dtype)
+def _check_dtypes(weight_dtype: str, kv_dtype: str) -> None:
+    for name, dtype in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+
+
+def _check_degree(name: str, degree: int) -> None:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {degree!r}")
+
+
+def _dense_weight_bytes(model: ModelSpec, s: ShardedShapes) -> int:
+    """A dense model's weights on one GPU: its GEMM shards, the embedding shard (shared
+    with the LM head when tied) and the replicated norms."""
     gemms = sum(g.weight_bytes * g.repeat for g in s.gemms)
     embedding = 0 if model.tie_word_embeddings else s.vocab * s.hidden * ACT_BYTES
     norms = (2 * s.num_layers + 1) * s.hidden * ACT_BYTES
@@ -149,16 +186,136 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf1
     return gemms + embedding + norms + qk_norms
 
 
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What one GPU holds of a model under a layout: its weights, the KV cache of one
+    token, and the per-token widths its activation peak depends on.
+
+    Dense models are read off `ShardedShapes` (the shapes the cost model prices);
+    mixture-of-experts and MLA models are laid out as the module docstring says.
+    """
+
+    tp: int
+    ep: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    """The KV cache of one token over all layers on one GPU, in the KV dtype."""
+    hidden: int
+    qkv: int
+    """Query plus cached key/value width per token on one GPU."""
+    intermediate: int
+    """The widest MLP activation per token on one GPU: a dense layer's, or the top-k
+    experts' (plus the shared experts') of a MoE layer."""
+    vocab: int
+    """Vocabulary rows of the LM head on one GPU (padded up to a multiple of tp)."""
+
+    @classmethod
+    def of(cls, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16",
+           kv_dtype: str = "bf16", ep: int = 1) -> "Footprint":
+        """Raises ValueError for a layout the model cannot take (tp not dividing heads or
+        widths; ep on a dense model, not a multiple of tp, or not dividing the experts)."""
+        _check_degree("ep", ep)
+        if model.moe is None and model.mla is None:
+            if ep != 1:
+                raise ValueError(f"ep={ep} spreads experts over GPUs, and {model.name} has none")
+            s = ShardedShapes.of(model, tp, weight_dtype, kv_dtype)
+            return cls(tp, 1, _dense_weight_bytes(model, s), s.kv_bytes_per_token, s.hidden,
+                       s.q_dim + 2 * s.kv_dim, s.intermediate, s.vocab)
+        _check_dtypes(weight_dtype, kv_dtype)
+        _check_degree("tp", tp)
+        _check_sparse_layout(model, tp, ep)
+        return _sparse_footprint(model, tp, ep, DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype])
+
+
+def _check_sparse_layout(model: ModelSpec, tp: int, ep: int) -> None:
+    moe, name = model.moe, model.name
+    if model.num_heads % tp:
+        raise ValueError(f"tp={tp} must divide {name}'s {model.num_heads} attention heads")
+    if model.mla is None and model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ValueError(f"tp={tp} must divide, or be a multiple of, {name}'s "
+                         f"{model.num_kv_heads} KV heads")
+    if model.num_moe_layers < model.num_layers and model.intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide {name}'s dense intermediate size "
+                         f"({model.intermediate_size})")
+    if moe is None:
+        if ep != 1:
+            raise ValueError(f"ep={ep} spreads experts over GPUs, and {name} has none")
+        return
+    if moe.shared_intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide {name}'s shared-expert width "
+                         f"({moe.shared_intermediate_size})")
+    if ep == 1:
+        if moe.expert_intermediate_size % tp:
+            raise ValueError(f"tp={tp} must divide {name}'s expert width "
+                             f"({moe.expert_intermediate_size}), or spread the experts with ep")
+        return
+    if ep % tp:
+        raise ValueError(f"ep={ep} must be a multiple of tp={tp}: vLLM spreads the experts over "
+                         "the TP × DP GPUs of a replica")
+    if moe.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide {name}'s {moe.num_experts} routed experts")
+
+
+def _sparse_footprint(model: ModelSpec, tp: int, ep: int, wb: int, kvb: int) -> Footprint:
+    """A mixture-of-experts or MLA model's footprint on one GPU (see the module docstring).
+    At tp = ep = 1 the weights are `ModelSpec.weight_bytes`."""
+    a, h, L = ACT_BYTES, model.hidden_size, model.num_layers
+    heads, m = model.num_heads // tp, model.mla
+    if m is not None:
+        # the down-projections are replicated, the per-head up-projections split
+        q = (h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim if m.q_lora_rank
+             else h * heads * m.qk_head_dim)
+        kv = h * m.cached_values + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        attention = (q + kv + heads * m.v_head_dim * h) * wb \
+            + ((m.q_lora_rank or 0) + m.kv_lora_rank) * a
+        kv_per_token = L * m.cached_values * kvb        # every TP rank holds the whole latent
+        qkv = heads * m.qk_head_dim + m.cached_values
+    else:
+        hd = model.head_dim
+        q, kv = heads * hd, max(1, model.num_kv_heads // tp) * hd
+        attention = (h * (q + 2 * kv) + q * h) * wb \
+            + ((q + 2 * kv) * a if model.attention_bias else 0) \
+            + (2 * hd * a if model.qk_norm else 0)
+        kv_per_token = 2 * L * kv * kvb
+        qkv = q + 2 * kv
+    dense_width = model.intermediate_size // tp
+    moe_layers = model.num_moe_layers
+    mlps = (L - moe_layers) * 3 * h * dense_width * wb
+    widest = dense_width if moe_layers < L else 0
+    if model.moe is not None:
+        moe = model.moe
+        held, width = ((moe.num_experts, moe.expert_intermediate_size // tp) if ep == 1
+                       else (moe.num_experts // ep, moe.expert_intermediate_size))
+        shared = moe.shared_intermediate_size // tp
+        router = moe.num_experts * h * a
+        mlps += moe_layers * (3 * h * (held * width + shared) * wb + router)
+        widest = max(widest, moe.experts_per_token * width + shared)
+    vocab = -(-model.vocab_size // tp)
+    embedding = (1 if model.tie_word_embeddings else 2) * vocab * h * a
+    norms = (2 * L + 1) * h * a
+    return Footprint(tp, ep, L * attention + mlps + embedding + norms, kv_per_token, h, qkv,
+                     widest, vocab)
+
+
+def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16", *,
+                         ep: int = 1) -> int:
+    """Bytes of weights one GPU holds (`Footprint`): for a dense model its GEMM shards, the
+    embedding shard (shared with the LM head when tied) and the replicated norms. At tp=1
+    (and ep=1) this is `ModelSpec.weight_bytes` of the dtype: in BF16 exactly
+    2 · `ModelSpec.num_params`."""
+    return Footprint.of(model, tp, weight_dtype, ep=ep).weight_bytes
+
+
 # --- KV capacity, derived as an engine derives it ------------------------------------------
 
 def activation_reserve_bytes(model: ModelSpec, tp: int = 1, max_num_batched_tokens: int = 2048,
-                             max_num_seqs: int = 128) -> int:
+                             max_num_seqs: int = 128, *, ep: int = 1) -> int:
     """Peak activation memory of a full-budget step on one GPU of the engine the simulator
-    models (`servelab.capacity.VLLM_FUSED_BF16`), plus the non-torch reserve."""
-    s = ShardedShapes.of(model, tp)
-    return VLLM_FUSED_BF16.bytes(hidden=s.hidden, qkv=s.q_dim + 2 * s.kv_dim,
-                                 intermediate=s.intermediate, vocab=s.vocab,
-                                 max_num_batched_tokens=max_num_batched_tokens,
+    models (`servelab.capacity.VLLM_FUSED_BF16`), plus the non-torch reserve. A MoE layer's
+    peak is the fused-MoE workspace of each token's top-k experts."""
+    f = Footprint.of(model, tp, ep=ep)
+    return VLLM_FUSED_BF16.bytes(hidden=f.hidden, qkv=f.qkv, intermediate=f.intermediate,
+                                 vocab=f.vocab, max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs)
 
 
@@ -166,10 +323,13 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                        block_size: int = 16, gpu_memory_utilization: float = 0.9,
                        kv_dtype: str = "bf16", weight_dtype: str = "bf16",
                        activation_reserve_gb: float | None = None,
-                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 128) -> int:
+                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 128, *,
+                       ep: int = 1) -> int:
     """KV blocks that fit on each GPU (`servelab.capacity.kv_capacity_blocks`, the formula
-    the real backend uses too): memory × utilization − weights/tp − activation reserve,
-    over the bytes of a block on one GPU.
+    the real backend uses too): memory × utilization − weights per GPU − activation
+    reserve, over the bytes of a block on one GPU. `kv_dtype` "fp8" halves a block;
+    `weight_dtype` "fp8" stores the blocks' GEMM weights in one byte; `ep` spreads a
+    mixture-of-experts model's routed experts (see the module docstring).
 
     `activation_reserve_gb` (GiB, as the catalog reads GB) replaces the modelled reserve
     (`activation_reserve_bytes`). Raises ValueError when the weights or the reserve leave
@@ -181,21 +341,23 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    shapes = ShardedShapes.of(model, tp, weight_dtype, kv_dtype)
+    footprint = Footprint.of(model, tp, weight_dtype, kv_dtype, ep=ep)
     budget = gpu.memory_bytes * gpu_memory_utilization
-    weights = weight_bytes_per_gpu(model, tp, weight_dtype)
+    weights = footprint.weight_bytes
     if activation_reserve_gb is None:
-        reserve = activation_reserve_bytes(model, tp, max_num_batched_tokens, max_num_seqs)
+        reserve = activation_reserve_bytes(model, tp, max_num_batched_tokens, max_num_seqs, ep=ep)
     elif activation_reserve_gb < 0:
         raise ValueError(f"activation_reserve_gb must be >= 0, got {activation_reserve_gb!r}")
     else:
         reserve = activation_reserve_gb * GIB
     if weights >= budget:
+        layout, hint = ((f"tp={tp}", "raise tp") if model.moe is None
+                        else (f"tp={tp}, ep={ep}", "raise tp or ep,"))
         raise ValueError(
-            f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at tp={tp} "
+            f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at {layout} "
             f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
-            f"gpu_memory_utilization={gpu_memory_utilization}: raise tp or use fp8 weights")
+            f"gpu_memory_utilization={gpu_memory_utilization}: {hint} or use fp8 weights")
     return engine_kv_capacity_blocks(
         memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, reserve_bytes=reserve,
-        block_bytes=block_size * shapes.kv_bytes_per_token, where=f"{model.name} on {gpu.name}")
+        block_bytes=block_size * footprint.kv_bytes_per_token, where=f"{model.name} on {gpu.name}")

@@ -222,7 +222,7 @@ def test_qwen3_per_head_qk_norm_changes_the_output(checkpoints):
     assert not torch.allclose(before, logits(), atol=1e-3)
 
 
-def test_moe_configs_are_refused_with_one_line():
+def test_an_moe_config_missing_its_expert_fields_is_refused_with_one_line():
     from servelab.models import ModelSpec
 
     config = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128, **TINY}

@@ -219,13 +219,16 @@ def catalog_model(run: RecordedRun) -> str:
 
     name = run.model_name
     try:
-        return served_model(name)
+        found = served_model(name)
     except ValueError:
-        pass
+        found = None
+    if found is not None and load_model_spec(found).moe is None:
+        return found
     kwargs = run.meta.get("engine_kwargs") or {}
-    if kwargs.get("enable_expert_parallel") or re.search(r"-A\d+(\.\d+)?B\b|moe|mixtral", name, re.I):
+    if found is not None or kwargs.get("enable_expert_parallel") or \
+            re.search(r"-A\d+(\.\d+)?B\b|moe|mixtral", name, re.I):
         raise NotReplayable(f"{run.label}: {name} is a mixture-of-experts model; servelab does "
-                            "not model experts yet (the MoE issue), so this run is not replayed")
+                            "not price experts yet (the MoE issue), so this run is not replayed")
     hf_ids = sorted((load_model_spec(n).hf_config.get("_name_or_path", ""), n)
                     for n in catalog_names())
     supported = ", ".join(f"{hf} ({n})" for hf, n in hf_ids if "/" in hf)

@@ -82,8 +82,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
+def _backend_models() -> list:
+    """The catalog models the real backend runs (MLA stays simulation-only)."""
+    return [m for m in map(load_model_spec, catalog_names()) if m.mla is None]
+
+
 def _catalog_shapes(contexts: tuple[int, ...]) -> list[AttentionShape]:
-    models = [load_model_spec(name) for name in catalog_names()]
+    models = _backend_models()
     return [AttentionShape(dtype, m.num_heads // m.num_kv_heads, m.head_dim, BLOCK_SIZES[0],
                            context)
             for m, dtype, context in itertools.product(models, DTYPES, contexts)]
@@ -91,7 +96,7 @@ def _catalog_shapes(contexts: tuple[int, ...]) -> list[AttentionShape]:
 
 def decode_contexts() -> tuple[int, int]:
     """One split-KV partition, and the longest context of any catalog model."""
-    longest = max(load_model_spec(name).max_position_embeddings for name in catalog_names())
+    longest = max(m.max_position_embeddings for m in _backend_models())
     return DEFAULT_SPLIT_SIZE, longest
 
 
@@ -164,7 +169,7 @@ def planned_launches() -> list[PlannedLaunch]:
         planned += [PlannedLaunch(shape.label(), launch) for launch in _prefill_launches(shape)]
     row_shapes = {(heads, head_dim) for heads, head_dim in
                   itertools.product(KV_WRITE_HEADS, HEAD_DIMS)}
-    row_shapes |= {(m.num_kv_heads, m.head_dim) for m in map(load_model_spec, catalog_names())}
+    row_shapes |= {(m.num_kv_heads, m.head_dim) for m in _backend_models()}
     for dtype, (heads, head_dim) in itertools.product(DTYPES, sorted(row_shapes)):
         label = f"{_dtype_name(dtype)}-kv{heads}-d{head_dim}"
         planned += [PlannedLaunch(label, launch)
