@@ -5,6 +5,9 @@
         --heads 32 --kv-heads 8 --head-dim 128
     servelab cost allreduce --gpu h100-sxm --gpus 4 --elements 4194304
     servelab cost step --gpu h100-sxm --model llama-3.1-8b --prefill 512,2048:1024 --decode 32:1500
+    servelab cost moe --gpu h100-sxm --tokens 256 --hidden 7168 --inter 2048 --experts 256 \
+        --topk 8 --ep 8 --dtype fp8 --expert-load power-law:1.2
+    servelab cost mla --gpu h100-sxm --phase decode --batch 64 --context 4096 --heads 128 --tp 8
     servelab cost gemm --gpu l40s --points shapes.csv --out priced.csv
 
 Each prints milliseconds; `--json` prints machine-readable output; `--points FILE.csv` prices
@@ -26,12 +29,12 @@ import sys
 from servelab.cli import CLIError
 from servelab.options import non_negative_int, positive_int
 
-KINDS = ("gemm", "attention", "allreduce", "step")
+KINDS = ("gemm", "attention", "allreduce", "step", "moe", "mla")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "cost", help="price a GEMM, an attention kernel, an all-reduce or a whole step",
+        "cost", help="price a GEMM, an attention, MoE or MLA kernel, an all-reduce or a whole step",
         description="Print what the cost model charges for one kernel or one engine step, "
                     "in milliseconds, with the roofline terms behind it.")
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -77,6 +80,38 @@ def register(subparsers) -> None:
     r.add_argument("--elements", type=positive_int, help="elements per GPU")
     r.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="default %(default)s")
+
+    e = kinds.add_parser("moe", parents=[common],
+                         help="one mixture-of-experts layer (router GEMM + fused experts)")
+    e.add_argument("--tokens", type=positive_int, help="tokens in the step (every GPU sees them)")
+    e.add_argument("--hidden", type=positive_int, help="hidden size")
+    e.add_argument("--inter", type=positive_int, help="one expert's intermediate size")
+    e.add_argument("--experts", type=positive_int, help="routed experts")
+    e.add_argument("--topk", type=positive_int, help="experts per token")
+    e.add_argument("--ep", type=positive_int, default=1,
+                   help="expert parallelism: GPUs the experts are spread over (default 1)")
+    e.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallelism: GPUs each expert's width is split over (default 1)")
+    e.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="expert weights (fp8: W8A8 where the GPU has FP8 tensor cores, else "
+                        "weight-only as vLLM's Marlin kernel runs it; default %(default)s)")
+    e.add_argument("--expert-load", default="balanced", metavar="balanced|power-law:ALPHA",
+                   help="how tokens spread over experts (default %(default)s; power-law as "
+                        "aiconfigurator measures it, the most loaded GPU priced)")
+
+    m = kinds.add_parser("mla", parents=[common],
+                         help="multi-head latent attention (DeepSeek style), one layer")
+    m.add_argument("--phase", choices=("prefill", "decode"))
+    m.add_argument("--batch", type=positive_int, help="sequences")
+    m.add_argument("--tokens", type=positive_int,
+                   help="prefill: new tokens per sequence (decode: one each)")
+    m.add_argument("--context", type=non_negative_int, default=0,
+                   help="tokens already cached per sequence (default %(default)s)")
+    m.add_argument("--heads", type=positive_int, help="the model's attention heads (all GPUs)")
+    m.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallelism: divides the heads (default 1)")
+    m.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="latent cache dtype (default %(default)s)")
 
     s = kinds.add_parser("step", parents=[common], help="a whole engine step, op by op")
     s.add_argument("--model", help="catalog model or config.json")

@@ -15,14 +15,20 @@ from servelab.simulator.calibration import packaged_choice, resolve
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
-               "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1}
+               "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1, "hidden": 1,
+               "inter": 1, "experts": 1, "topk": 1, "ep": 1}
 """Integer options and their smallest allowed value."""
 _CHOICES = {"kv_dtype": ("bf16", "fp16", "fp8"), "weight_dtype": ("bf16", "fp16", "fp8"),
             "phase": ("prefill", "decode")}
-_DTYPES = {"gemm": ("bf16", "fp16", "fp8"), "allreduce": ("bf16", "fp16", "fp32")}
+_DTYPES = {"gemm": ("bf16", "fp16", "fp8"), "allreduce": ("bf16", "fp16", "fp32"),
+           "moe": ("bf16", "fp8")}
 """The --dtype values each kind takes (the same as its flag's choices)."""
+_KV_DTYPES = {"mla": ("bf16", "fp8")}
+"""The --kv-dtype values a kind takes where they differ from `_CHOICES`."""
 _REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "kv_heads"),
-             "allreduce": ("gpus", "elements"), "step": ("model",)}
+             "allreduce": ("gpus", "elements"), "step": ("model",),
+             "moe": ("tokens", "hidden", "inter", "experts", "topk"),
+             "mla": ("phase", "batch", "heads")}
 
 
 def _setup(opts: dict):
@@ -50,7 +56,8 @@ def _check(kind: str, opts: dict) -> None:
         value = opts.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-    choices = {**_CHOICES, "dtype": _DTYPES.get(kind, ())}
+    choices = {**_CHOICES, "dtype": _DTYPES.get(kind, ()),
+               "kv_dtype": _KV_DTYPES.get(kind, _CHOICES["kv_dtype"])}
     for name, allowed in choices.items():
         if opts.get(name) is not None and opts[name] not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
@@ -63,7 +70,7 @@ def price(kind: str, opts: dict) -> dict:
         raise ValueError(f"unknown cost kind {kind!r}; known: {', '.join(_REQUIRED)}")
     _check(kind, opts)
     return {"gemm": _gemm, "attention": _attention, "allreduce": _allreduce,
-            "step": _step}[kind](opts)
+            "step": _step, "moe": _moe, "mla": _mla}[kind](opts)
 
 
 def _ms(seconds) -> float:
@@ -151,6 +158,81 @@ def _allreduce(opts: dict) -> dict:
             "bus_gbps": round(moved / total / 1e9, 1) if n > 1 and total > 0 else None}
 
 
+def _moe(opts: dict) -> dict:
+    """One MoE layer on the most loaded GPU: router GEMM + fused experts (+ the EP
+    all-to-all's dispatch and combine, priced separately)."""
+    gpu, profile, label = _setup(opts)
+    t, h, inter, e, k = (opts[n] for n in ("tokens", "hidden", "inter", "experts", "topk"))
+    ep, tp = opts.get("ep") or 1, opts.get("tp") or 1
+    dtype, load = opts.get("dtype") or "bf16", opts.get("expert_load") or "balanced"
+    K.moe.check_moe_shape(e, k, ep)
+    if inter % tp:
+        raise ValueError(f"--inter ({inter}) must be divisible by --tp ({tp})")
+    K.parse_expert_load(load)
+    p = profile.kernels.moe_for(dtype, gpu)
+    router = float(K.gemm_time(t, e, h, gpu, profile.kernels.gemm))
+    experts = float(K.moe_experts_time(t, h, inter, e, k, gpu, p, ep, tp, dtype, load))
+    active, pairs = (float(x) for x in K.expert_load(t, e, k, ep, load)[:2])
+    w8a8 = dtype == "fp8" and gpu.fp8_tflops is not None
+    per_expert = 3.0 * h * inter / tp
+    weight_bytes = active * per_expert * (1.0 if dtype == "fp8" else 2.0)
+    flops = 2.0 * pairs * per_expert
+    compute = flops / gpu.peak_flops("fp8" if w8a8 else "bf16")
+    memory = weight_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
+    # dispatch and combine: each token's hidden state to and from the GPUs of its experts
+    a2a_bytes = t / ep * k * h * (1.0 if w8a8 else 2.0)
+    a2a = 2.0 * float(K.alltoall_time(a2a_bytes, ep, gpu, profile.kernels.alltoall))
+    return {"kind": "moe", "gpu": gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
+            "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,
+            "kernel": ("W8A8 FP8" if w8a8 else "weight-only FP8 (Marlin), BF16 maths"
+                       if dtype == "fp8" else "BF16"),
+            "expert_load": load, "predicted_ms": _ms(router + experts), "router_ms": _ms(router),
+            "experts_ms": _ms(experts), "alltoall_ms": _ms(a2a),
+            "active_experts": round(active, 2), "pairs": round(pairs, 2),
+            "weight_bytes": weight_bytes, "flops": flops, "compute_ms": _ms(compute),
+            "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory"}
+
+
+def _mla(opts: dict) -> dict:
+    """One layer's MLA attention (DeepSeek dimensions) on one GPU of `--tp`."""
+    gpu, profile, label = _setup(opts)
+    phase, b, heads, tp = opts["phase"], opts["batch"], opts["heads"], opts.get("tp") or 1
+    c, kv_dtype = opts.get("context") or 0, opts.get("kv_dtype") or "bf16"
+    if heads % tp:
+        raise ValueError(f"--heads ({heads}) must be divisible by --tp ({tp})")
+    h = heads // tp
+    kvb = DTYPE_BYTES[kv_dtype]
+    latent = K.mla.KV_LORA_RANK + K.mla.QK_ROPE_HEAD_DIM
+    out = {"kind": "mla", "gpu": gpu.name, "calibration": label,
+           "engine_version": profile.engine_version, "phase": phase, "batch": b, "context": c,
+           "heads": heads, "tp": tp, "heads_per_gpu": h, "kv_dtype": kv_dtype}
+    if phase == "prefill":
+        t = opts.get("tokens")
+        if t is None:
+            raise ValueError("cost mla --phase prefill needs --tokens (new tokens per sequence)")
+        total = K.mla_prefill_time(b, t, h, gpu, profile.kernels.mla_prefill, context=c,
+                                   kv_bytes=kvb)
+        qk_v = K.mla.QK_NOPE_HEAD_DIM + K.mla.QK_ROPE_HEAD_DIM + K.mla.V_HEAD_DIM
+        flops = 2.0 * qk_v * h * b * (t * c + 0.5 * t * (t + 1))
+        kv_bytes = float(b * (t + c) * latent * kvb)
+        out.update(tokens=t)
+    else:
+        if c < 1:
+            raise ValueError("cost mla --phase decode needs --context >= 1 (cached tokens each "
+                             "sequence attends to)")
+        total = K.mla_decode_time(b, b * c, h, gpu, profile.kernels.mla_decode, kv_bytes=kvb)
+        flops = 2.0 * h * b * c * (latent + K.mla.KV_LORA_RANK)
+        kv_bytes = float(b * c * latent * kvb)
+    compute = flops / gpu.peak_flops("bf16")
+    memory = kv_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
+    out.update(flops=flops, kv_bytes=kv_bytes, compute_ms=_ms(compute), memory_ms=_ms(memory),
+               bound="compute" if compute > memory else "memory", predicted_ms=_ms(total),
+               achieved_tflops=round(flops / float(total) / 1e12, 3),
+               achieved_gbps=round(kv_bytes / float(total) / 1e9, 1))
+    return out
+
+
 def parse_chunks(text: str, flag: str, default_context: int | None) -> list[tuple[int, int]]:
     """"T[:C],..." -> [(T, C), ...]; C is required when default_context is None."""
     out = []
@@ -230,6 +312,25 @@ def describe(kind: str, r: dict) -> str:
                 f"{r['head_dim']}, KV {r['kv_dtype']}, one layer, {where}\n"
                 f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
                 f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of K/V)\n"
+                f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
+    if kind == "moe":
+        return (f"{head}  MoE layer: {r['tokens']} tokens, {r['experts']} experts of "
+                f"{r['hidden']}x{r['inter']}, top-{r['topk']}, EP {r['ep']}, TP {r['tp']}, "
+                f"{r['kernel']}, {r['expert_load']} load, {where}\n"
+                f"  router GEMM {r['router_ms']:.4f} ms + fused experts {r['experts_ms']:.4f} ms "
+                f"on the most loaded GPU ({r['active_experts']} experts, {r['pairs']} token-expert "
+                f"pairs)\n"
+                f"  roofline of the experts: compute {r['compute_ms']:.4f} ms, weights "
+                f"{r['memory_ms']:.4f} ms ({r['bound']}-bound); EP dispatch + combine all-to-all "
+                f"{r['alltoall_ms']:.4f} ms (not included)")
+    if kind == "mla":
+        what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"
+                if r["phase"] == "prefill" else
+                f"decode of {r['batch']} sequences at context {r['context']}")
+        return (f"{head}  MLA {what}, {r['heads']} heads / TP {r['tp']} = {r['heads_per_gpu']} "
+                f"per GPU, KV {r['kv_dtype']}, one layer, {where}\n"
+                f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
+                f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of latents)\n"
                 f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
     if kind == "allreduce":
         text = (f"{head}  all-reduce of {r['elements']} {r['dtype']} elements over {r['gpus']} "

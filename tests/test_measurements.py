@@ -132,8 +132,8 @@ def test_empty_unknown_or_missing_folders_are_clear_errors(tmp_path):
     with pytest.raises(MeasurementError, match="no measurement tables found under"):
         load_measurements([tmp_path], "h100-sxm")
     (tmp_path / "README.md").write_text("# notes\n")
-    write_aic(tmp_path / "nccl" / "gemm_perf.parquet", GEMMS)
-    (tmp_path / "nccl" / "gemm_perf.parquet").rename(tmp_path / "nccl" / "nccl_perf.parquet")
+    write_aic(tmp_path / "p2p" / "gemm_perf.parquet", GEMMS)
+    (tmp_path / "p2p" / "gemm_perf.parquet").rename(tmp_path / "p2p" / "p2p_perf.parquet")
     with pytest.raises(MeasurementError, match=r"aiconfigurator \*_perf.parquet or Vidur"):
         load_measurements([tmp_path], "h100-sxm")
     missing = tmp_path / "nowhere"

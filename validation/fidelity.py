@@ -30,7 +30,9 @@ from servelab.validation.kernel_fit import (
     FAMILIES, Family, error_stats, family_table, holdout_mask, judge)
 from servelab.validation.measurements import MeasurementSet, Table, key_columns, load_measurements
 
-TARGETS = {"gemm": 10.0, "attn_prefill": 15.0, "attn_decode": 15.0, "collective": 15.0}
+TARGETS = {"gemm": 10.0, "attn_prefill": 15.0, "attn_decode": 15.0, "collective": 15.0,
+           "moe": 15.0, "moe_fp8": 15.0, "mla_prefill": 15.0, "mla_decode": 15.0,
+           "alltoall": 15.0}
 """Held-out MAPE targets per family (%, every band); the Vidur per-layer totals: 20%."""
 VIDUR_TARGET = 20.0
 COMMAND = "servelab fidelity --measurements ../shared/gpu-measurements --out docs/fidelity.md"
@@ -58,7 +60,8 @@ def evaluate_gpu(ms: MeasurementSet, profile: CalibrationProfile) -> GpuReport:
     families, points, extra = {}, {}, {}
     for name, fam in FAMILIES.items():
         table = family_table(ms, fam)
-        if not len(table) or f"{name}.heldout_mape_pct" not in profile.fit_stats:
+        if not len(table) or (name.startswith("mla")
+                              and f"{name}.heldout_mape_pct" not in profile.fit_stats):
             continue
         heldout = holdout_mask(table, fraction, seed)
         fitted_params = getattr(profile.kernels, name)
@@ -75,10 +78,11 @@ def evaluate_gpu(ms: MeasurementSet, profile: CalibrationProfile) -> GpuReport:
 
 def _fp8_kv_checks(ms, gpu, profile, fraction, seed) -> dict:
     out = {}
-    for name in ("attn_prefill", "attn_decode"):
+    for name in ("attn_prefill", "attn_decode", "mla_prefill", "mla_decode"):
         fam = FAMILIES[name]
         table = ms.table(fam.table)
-        if not len(table):
+        if not len(table) or (name.startswith("mla")
+                              and f"{name}.heldout_mape_pct" not in profile.fit_stats):
             continue
         rows = table.select((table["kv_dtype"] == "fp8") & holdout_mask(table, fraction, seed)
                             & ((table["tokens"] > 1) if "tokens" in table.columns else True))

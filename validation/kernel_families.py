@@ -43,6 +43,9 @@ class Family:
     """Starting points to try (each overrides some starting values); the best fit wins."""
     size_axes: tuple[str, ...] = ()
     """Columns along which a larger value is strictly more work (for `glitches`)."""
+    prepare: Callable[[Table], Table] = lambda table: table
+    """Columns derived once per table that `predict` reads (e.g. the expected expert load
+    of a fused-MoE row, too costly to redo at every step of a fit)."""
 
 
 def _band(values: np.ndarray, edges: tuple[float, ...], labels: tuple[str, ...]) -> np.ndarray:
@@ -155,6 +158,90 @@ def _elementwise_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     return K.elementwise_time(t["nbytes"], gpu, p)
 
 
+# -------------------------------------------------------------------- MoE, MLA, all-to-all
+
+
+MOE_BANDS = tuple(f"tokens {t}, experts {e}, EP {p}"
+                  for t in ("1-32", "33-512", "513-4096", "> 4096")
+                  for e in ("<= 16", "17-160", "> 160") for p in ("1", "2-8", "> 8"))
+ALLTOALL_BANDS = tuple(f"{n} GPUs, {s}" for n in (2, 4, 8)
+                       for s in ("<= 1 MiB", "1-64 MiB", "> 64 MiB"))
+
+
+def moe_load_columns(t: Table) -> Table:
+    """The table with each row's expected expert load (`kernels.expert_load`: active
+    experts, pairs, tiles per tile height) added, computed once per routing shape."""
+    if not len(t) or "load_active" in t.columns:
+        return t
+    stats = np.zeros((2 + len(K.moe.TILE_ROWS), len(t)))
+    keys = list(zip(t["experts"].tolist(), t["topk"].tolist(), t["ep"].tolist(),
+                    t["load"].tolist(), t["top_up"].tolist()))
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    for (experts, topk, ep, load, top_up), rows in groups.items():
+        stats[:, rows] = K.expert_load(t["tokens"][rows], experts, topk, ep, load, top_up)
+    cols = dict(t.columns)
+    cols["load_active"], cols["load_pairs"] = stats[0], stats[1]
+    cols["load_tiles"] = stats[2:].T
+    return Table(t.family, cols, list(t.origin))
+
+
+def _moe_predict(t: Table, gpu: GPUSpec, p, dtype: str) -> np.ndarray:
+    stats = np.concatenate([t["load_active"][None], t["load_pairs"][None], t["load_tiles"].T])
+    return K.moe.fused_moe_time(t["tokens"], t["hidden"], t["inter"] / t["tp"], t["experts"],
+                                t["topk"], t["ep"], stats, gpu, p, dtype)
+
+
+def _moe_band(t: Table) -> np.ndarray:
+    tok = _band(t["tokens"], (32, 512, 4096), ("1-32", "33-512", "513-4096", "> 4096"))
+    exp = _band(t["experts"], (16, 160), ("<= 16", "17-160", "> 160"))
+    ep = _band(t["ep"], (1, 8), ("1", "2-8", "> 8"))
+    return np.array([f"tokens {a}, experts {b}, EP {c}" for a, b, c in zip(tok, exp, ep)],
+                    dtype=object)
+
+
+TRITON_MOE = {"small_tile_rows": 16.0, "large_tile_rows": 64.0, "naive_sparsity": 4.0}
+"""vLLM's Triton fused MoE: the default config's 16-row tiles while tokens <= experts and
+64-row ones above (`get_default_config`, before vllm-project/vllm#34846), and the
+small-batch path that gives every pair its own tile when tokens x top-k x 4 <= experts
+without EP (SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
+GROUPED_GEMM_MOE = {"small_tile_rows": 128.0, "large_tile_rows": 128.0, "naive_sparsity": 0.0}
+"""A grouped-GEMM library (FlashInfer's CUTLASS or TRT-LLM kernels, which vLLM 0.24 runs on
+Hopper and Blackwell for some dtypes): fixed 128-row tiles, no small-batch path."""
+
+_MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
+               "small_tile_eff": (0.05, 1.0, 0.5), "memory_eff": (0.2, 1.0, 0.8),
+               "overlap": (1.0, 20.0, 3.0), "combine_traffic": (1e-3, 50.0, 1.0),
+               "quant_elem_s": (1e-15, 1e-9, 1e-11)}
+
+
+def _moe_family(name: str, dtype: str) -> Family:
+    fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
+    other = dict(GROUPED_GEMM_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
+    return Family(
+        name, "moe", lambda t: t["dtype"] == dtype, _MOE_FITTED,
+        lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
+        fixed=lambda gpu: dict(fixed), alternatives=lambda gpu: (dict(other),),
+        starts=({}, {"compute_eff": 0.7, "small_tile_eff": 0.9, "overlap": 1.5}),
+        size_axes=("tokens",), prepare=moe_load_columns)
+
+
+def _mla_prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    return K.mla_prefill_time(t["batch"], t["tokens"], t["heads"], gpu, p,
+                              kv_bytes=_kv_bytes(t))
+
+
+def _mla_decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
+    b = t["batch"].astype(float)
+    return K.mla_decode_time(b, b * t["context"], t["heads"], gpu, p, kv_bytes=_kv_bytes(t))
+
+
+def _alltoall_band(t: Table) -> np.ndarray:
+    s = _band(t["nbytes"], (1 << 20, 64 << 20), ("<= 1 MiB", "1-64 MiB", "> 64 MiB"))
+    return np.array([f"{n} GPUs, {x}" for n, x in zip(t["num_gpus"], s)], dtype=object)
+
+
 FRACTION = (0.05, 1.0)
 FAMILIES: dict[str, Family] = {
     "gemm": Family(
@@ -203,6 +290,30 @@ FAMILIES: dict[str, Family] = {
         _elementwise_predict,
         lambda t: _band(t["num_tokens"], (32, 512), TOKEN_BANDS), TOKEN_BANDS,
         size_axes=("num_tokens",)),
+    "moe": _moe_family("moe", "bf16"),
+    "moe_fp8": _moe_family("moe_fp8", "fp8"),
+    "mla_prefill": Family(
+        "mla_prefill", "mla_prefill", _attention_rows,
+        {"floor_s": (1e-6, 2e-3, 1e-4), "compute_eff": (*FRACTION, 0.5),
+         "gemm_eff": (0.01, 1.0, 0.5), "memory_eff": (0.05, 1.0, 0.8),
+         "padded_tile_pairs": (1.0, 1e5, 1000.0), "critical_path": (1e-3, 5.0, 0.5)},
+        _mla_prefill_predict,
+        lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS),
+        PREFILL_BANDS, size_axes=("batch", "tokens")),
+    "mla_decode": Family(
+        "mla_decode", "mla_decode", _attention_rows,
+        {"floor_s": (1e-6, 2e-3, 1e-4), "compute_eff": (*FRACTION, 0.5),
+         "memory_eff": (*FRACTION, 0.8), "seq_stream_gbps": (1.0, 1e4, 100.0),
+         "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5)},
+        _mla_decode_predict, lambda t: _decode_band(t), DECODE_BANDS,
+        size_axes=("batch", "context")),
+    "alltoall": Family(
+        "alltoall", "nccl", lambda t: t["op"] == "alltoall",
+        {"latency_s": (1e-7, 1e-3, 1e-5), "hop_s": (1e-10, 1e-4, 1e-6),
+         "link_eff": (0.01, 1.0, 0.6), "fabric_gbps": (0.1, 1e3, 20.0)},
+        lambda t, g, p: K.alltoall_time(t["nbytes"], t["num_gpus"], g, p),
+        _alltoall_band, ALLTOALL_BANDS, size_axes=("nbytes",),
+        fixed=lambda gpu: {**_collective_fixed(gpu), "pcie_direct_max_gpus": 2.0}),
 }
 
 

@@ -54,6 +54,10 @@ SPLIT_KEYS = {
     "vidur_ops": ("model", "num_tokens", "num_tensor_parallel_workers"),
     "vidur_elementwise": ("model", "num_tokens", "num_tensor_parallel_workers"),
     "vidur_allreduce": ("num_gpus", "nbytes"),
+    "moe": ("tokens", "hidden", "inter", "experts", "topk", "tp", "ep", "load"),
+    "mla_prefill": ("batch", "tokens", "heads"),
+    "mla_decode": ("batch", "context", "heads"),
+    "nccl": ("op", "num_gpus", "nbytes"),
 }
 """What a held-out point is: a shape, whatever its dtype (a GEMM shape held out in BF16 is
 held out in FP8 too, so a check on another dtype is a check on unseen shapes) and, for
@@ -150,7 +154,7 @@ def error_stats(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]
 def family_table(ms: MeasurementSet, fam: Family) -> Table:
     table = vidur_elementwise(ms.table("vidur_ops")) if fam.table == "vidur_elementwise" \
         else ms.table(fam.table)
-    return table.select(fam.select(table)) if len(table) else table
+    return fam.prepare(table.select(fam.select(table))) if len(table) else table
 
 
 def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
@@ -228,21 +232,32 @@ def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) 
                      int(glitch.sum()), summary(everything), summary(~glitch))
 
 
+_FP8_OF = {"gemm_fp8": ("gemm", "GEMM"), "moe_fp8": ("moe", "MoE")}
+"""FP8 families that take their BF16 family's parameters where no FP8 rows were measured
+(with the name said in the provenance)."""
+
+
 def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEFAULT_HOLDOUT,
               fallback: CalibrationProfile | None = None, data_version: str = "",
-              max_points: int | None = None, progress=None) -> KernelFit:
-    """Fit every family that has measurements; take the others from `fallback` (a profile
-    of another GPU, e.g. of the same era) or leave them at the bare roofline, and say so."""
+              max_points: int | None = None, progress=None,
+              families: tuple[str, ...] | None = None) -> KernelFit:
+    """Fit every family that has measurements (or only `families`); take the others from
+    `fallback` (a profile of another GPU, e.g. of the same era) or leave them at the bare
+    roofline, and say so."""
     gpu = get_gpu(ms.gpu)
     fits: dict[str, FamilyFit] = {}
     values = {}
     provenance = {}
     for name, fam in FAMILIES.items():
+        if families is not None and name not in families:
+            continue
         table = family_table(ms, fam)
         if len(table) < 2 * len(fam.fitted):
-            if name == "gemm_fp8" and "gemm" in values:
-                values[name] = values["gemm"]
-                provenance[f"kernels.{name}"] = "no FP8 GEMM measurements: the BF16 GEMM parameters"
+            if name in _FP8_OF and _FP8_OF[name][0] in values:
+                bf16, label = _FP8_OF[name]
+                values[name] = values[bf16]
+                provenance[f"kernels.{name}"] = (f"no FP8 {label} measurements: the BF16 {label} "
+                                                 f"parameters")
             elif fallback is not None:
                 values[name] = getattr(fallback.kernels, name)
                 provenance[f"kernels.{name}"] = (f"no measurements on {ms.gpu}: carried from the "
@@ -281,6 +296,37 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
                                  step_overhead_s=DEFAULT_STEP_OVERHEAD_S, source=source,
                                  fit_stats=_rounded(stats))
     return KernelFit(profile, fits)
+
+
+def extend_profile(base: CalibrationProfile, ms: MeasurementSet, families: tuple[str, ...],
+                   data_version: str = "", fallback: CalibrationProfile | None = None,
+                   progress=None) -> KernelFit:
+    """`base` with `families` fitted to `ms` (with base's held-out seed and fraction) and
+    everything else — every other family's parameters, provenance and figures — kept
+    exactly: how the packaged profiles gained the MoE, MLA and all-to-all families
+    without refitting their dense kernels. Families without measurements come from
+    `fallback`, as in `calibrate`."""
+    if ms.gpu != base.device:
+        raise ValueError(f"measurements of {ms.gpu} cannot extend a profile of {base.device}")
+    if base.engine_version and ms.engine_version not in (None, base.engine_version):
+        raise ValueError(f"tables measured inside vLLM {ms.engine_version} cannot extend a "
+                         f"profile fitted inside vLLM {base.engine_version}")
+    seed = int(base.fit_stats.get("holdout_seed", DEFAULT_SEED))
+    fraction = float(base.fit_stats.get("holdout_fraction", DEFAULT_HOLDOUT))
+    result = calibrate(ms, seed, fraction, fallback=fallback, data_version=data_version,
+                       progress=progress, families=families)
+    new = result.profile
+    kernels = replace(base.kernels, **{n: getattr(new.kernels, n) for n in families
+                                       if f"kernels.{n}" in new.source})
+    source = dict(base.source)
+    source.update({k: v for k, v in new.source.items()
+                   if k.startswith("kernels.") and k[len("kernels."):] in families})
+    if data_version:
+        source["data"] = data_version
+    stats = dict(base.fit_stats)
+    stats.update({k: v for k, v in new.fit_stats.items() if k.split(".")[0] in families})
+    profile = replace(base, kernels=kernels, source=source, fit_stats=stats)
+    return KernelFit(profile, result.families)
 
 
 def _rounded(stats: dict) -> dict:

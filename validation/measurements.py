@@ -5,8 +5,11 @@ Two layouts are recognised anywhere under the folders given (see
 
 - aiconfigurator (NVIDIA, per-kernel latencies measured inside vLLM): Parquet files
   `gemm_perf`, `context_attention_perf`, `generation_attention_perf`,
-  `custom_allreduce_perf` in one folder per GPU, latency in milliseconds, the GPU named
-  in a `device` column (matched against the catalog's `device_names`);
+  `custom_allreduce_perf`, `moe_perf` (fused experts), `context_mla_perf` /
+  `generation_mla_perf` (latent attention) and `nccl_perf` (its all-to-all rows) in one
+  folder per GPU, latency in milliseconds, the GPU named in a `device` column (matched
+  against the catalog's `device_names`; an `nccl_perf` without one by its folder, against
+  the catalog's `aliases`);
 - Vidur (Microsoft, eager PyTorch per-layer operator profiles): `compute/<gpu>/<model>.mlp.csv`
   and `network/<gpu>_dgx.all_reduce.csv`, milliseconds, the GPU named by the folder or file
   prefix (matched against the catalog's `aliases`).
@@ -19,10 +22,16 @@ dropped, repeated measurements of one point are merged into their median, and th
 are reported (`MeasurementSet.dropped`). Sliding-window attention rows (a `window_size`
 above 0, in the vLLM 0.24 tables) are always left out and counted: the model prices full
 attention, and those rows share every other key column with the full-attention ones.
+Rows measured inside a development build beside a release (B200's vLLM 0.24 `moe_perf`
+holds a few `0.1.dev...` rows) are left out and counted too.
+
+An `nccl_perf` table's `version` column is NCCL's, not the engine's: its engine version is
+the `aiconfigurator-vllm-<version>` folder it sits in.
 """
 from __future__ import annotations
 
 import csv
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +42,10 @@ from servelab.simulator.gpus import GPUSpec, get_gpu
 
 GEMM_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16",
                "fp8": "fp8", "fp8_block": "fp8_block"}
+MOE_DTYPES = {**GEMM_DTYPES, "int4_wo": "int4_wo", "w4a16_mxfp4": "w4a16_mxfp4", "nvfp4": "nvfp4",
+              "w4a8_mxfp4_mxfp8": "w4a8_mxfp4_mxfp8"}
+NCCL_DTYPES = {"half": 2, "int8": 1, "float16": 2, "bfloat16": 2}
+"""NCCL table dtypes and their bytes per element (message sizes are in elements)."""
 KV_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 ALLREDUCE_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
@@ -96,7 +109,9 @@ class MeasurementSet:
 
 
 _AIC_FILES = {"gemm_perf": "gemm", "context_attention_perf": "attn_prefill",
-              "generation_attention_perf": "attn_decode", "custom_allreduce_perf": "allreduce"}
+              "generation_attention_perf": "attn_decode", "custom_allreduce_perf": "allreduce",
+              "moe_perf": "moe", "context_mla_perf": "mla_prefill",
+              "generation_mla_perf": "mla_decode", "nccl_perf": "nccl"}
 
 
 def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
@@ -164,14 +179,23 @@ def _engine_version(path: Path) -> str | None:
     None when it has none). A table of several versions is an error: it would pool them."""
     import pyarrow.parquet as pq
 
+    if path.name == "nccl_perf.parquet":        # its version column is NCCL's
+        match = re.search(r"vllm-(\d+\.\d+\.\d+)", str(path.parent.parent.name))
+        return match.group(1) if match else None
     try:
         column = pq.read_table(path, columns=["version"]).column("version").unique().to_pylist()
     except Exception:            # no such column, or a damaged file: the reader says which
         return None
-    if len(column) > 1:
+    releases = [str(v) for v in column if not _dev_build(v)]
+    if len(releases) > 1 or (not releases and len(column) > 1):
         raise MeasurementError(f"{path}: rows measured inside several engine versions "
                                f"({', '.join(sorted(map(str, column)))}); split it by version")
-    return str(column[0]) if column else None
+    return releases[0] if releases else (str(column[0]) if column else None)
+
+
+def _dev_build(version) -> bool:
+    """A development build's version ("0.1.dev19262+gb6bbf29dd"), not a release's."""
+    return ".dev" in str(version)
 
 
 def _recognise(path: Path):
@@ -195,7 +219,15 @@ _AIC_COLUMNS = {
     "attn_decode": ("batch_size", "step", "num_heads", "num_key_value_heads", "head_dim",
                     "kv_cache_dtype", "latency"),
     "allreduce": ("allreduce_dtype", "num_gpus", "message_size", "backend", "latency"),
+    "moe": ("moe_dtype", "num_tokens", "hidden_size", "inter_size", "num_experts", "topk",
+            "moe_tp_size", "moe_ep_size", "distribution", "kernel_source", "latency"),
+    "mla_prefill": ("batch_size", "isl", "num_heads", "tp_size", "kv_cache_dtype", "latency"),
+    "mla_decode": ("batch_size", "step", "num_heads", "tp_size", "kv_cache_dtype", "latency"),
+    "nccl": ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"),
 }
+MOE_TOP_UP = {"0.14.0": "smallest-first"}
+"""How the power-law routing of an engine version's `moe_perf` tables topped its counts up
+(`kernels.moe.SMALLEST_FIRST`); other versions: as aiconfigurator's helper is written."""
 
 
 def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
@@ -206,12 +238,25 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
         data = pq.read_table(path).to_pydict()
     except Exception as exc:      # pyarrow raises several types for a damaged file
         raise MeasurementError(f"{path}: cannot read as Parquet ({exc})") from None
+    named_by_folder = family == "nccl" and "device" not in data
+    if named_by_folder:           # aiconfigurator's H100 nccl_perf has no device column
+        if not spec.known_as(path.parent.name):
+            return None, ""
+        data["device"] = [path.parent.name] * len(data.get("latency", []))
     missing = [c for c in (*_AIC_COLUMNS[family], "device") if c not in data]
     if missing:
         raise MeasurementError(f"{path}: missing column(s) {', '.join(missing)}")
-    mine = [i for i, d in enumerate(data["device"]) if spec.matches_device_name(str(d))]
+    mine = [i for i, d in enumerate(data["device"])
+            if named_by_folder or spec.matches_device_name(str(d))]
     if not mine:
         return None, ""
+    table_version = _engine_version(path) if family != "nccl" else None
+    if table_version is not None and "version" in data:
+        release = [i for i in mine if str(data["version"][i]) == table_version]
+        if len(release) < len(mine):
+            reason = "rows of an engine development build beside the release"
+            dropped[reason] = dropped.get(reason, 0) + len(mine) - len(release)
+        mine = release
     windows = data.get("window_size")
     if windows is not None:      # sliding-window attention reads only its window: not modelled
         full = [i for i in mine if not windows[i]]
@@ -242,6 +287,24 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
                 "kv_dtype": rows.category(data["kv_cache_dtype"], KV_DTYPES, "kv_cache_dtype")}
         rows.check(cols["heads"] % np.maximum(cols["kv_heads"], 1) == 0,
                    "num_heads is not a multiple of num_key_value_heads")
+    elif family == "moe":
+        cols = _moe_columns(rows, data, MOE_TOP_UP.get(version, "largest-first"))
+    elif family in ("mla_prefill", "mla_decode"):
+        length = "isl" if family == "mla_prefill" else "step"
+        cols = {"batch": rows.positive_int(data["batch_size"], "batch_size"),
+                "tokens" if family == "mla_prefill" else "context":
+                    rows.positive_int(data[length], length),
+                "heads": rows.positive_int(data["num_heads"], "num_heads"),
+                "tp": rows.positive_int(data["tp_size"], "tp_size"),
+                "kv_dtype": rows.category(data["kv_cache_dtype"], KV_DTYPES, "kv_cache_dtype")}
+    elif family == "nccl":
+        width = rows.category(data["nccl_dtype"], {k: str(v) for k, v in NCCL_DTYPES.items()},
+                              "nccl_dtype")
+        cols = {"op": np.array([str(o) for o in data["op_name"]], dtype=object),
+                "dtype": np.array([str(d) for d in data["nccl_dtype"]], dtype=object),
+                "num_gpus": rows.positive_int(data["num_gpus"], "num_gpus"),
+                "nbytes": rows.positive_int(data["message_size"], "message_size")
+                * np.array([float(w or 0) for w in width])}
     else:
         dtype = rows.category(data["allreduce_dtype"], ALLREDUCE_DTYPES, "allreduce_dtype")
         cols = {"num_gpus": rows.positive_int(data["num_gpus"], "num_gpus"),
@@ -250,6 +313,33 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
                 "dtype": dtype}
     cols["latency_s"] = lat
     return rows.table(family, cols), project
+
+
+def _moe_columns(rows: "_Rows", data: dict, top_up: str) -> dict[str, np.ndarray]:
+    from servelab.simulator.kernels.moe import parse_expert_load
+
+    cols = {"dtype": rows.category(data["moe_dtype"], MOE_DTYPES, "moe_dtype"),
+            "tokens": rows.positive_int(data["num_tokens"], "num_tokens"),
+            "hidden": rows.positive_int(data["hidden_size"], "hidden_size"),
+            "inter": rows.positive_int(data["inter_size"], "inter_size"),
+            "experts": rows.positive_int(data["num_experts"], "num_experts"),
+            "topk": rows.positive_int(data["topk"], "topk"),
+            "tp": rows.positive_int(data["moe_tp_size"], "moe_tp_size"),
+            "ep": rows.positive_int(data["moe_ep_size"], "moe_ep_size"),
+            "kernel": np.array([str(k) for k in data["kernel_source"]], dtype=object)}
+    load = np.empty(len(rows.numbers), dtype=object)
+    for i, value in enumerate(data["distribution"]):
+        try:
+            kind, alpha = parse_expert_load(str(value))
+            load[i] = "balanced" if kind == "balanced" else f"power-law:{alpha:g}"
+        except ValueError:
+            rows._fail(i, f"unknown distribution {value!r}", "unknown distribution")
+    cols["load"] = load
+    cols["top_up"] = np.array([top_up] * len(rows.numbers), dtype=object)
+    rows.check(cols["experts"] % np.maximum(cols["ep"], 1) == 0,
+               "num_experts is not a multiple of moe_ep_size")
+    rows.check(cols["topk"] <= cols["experts"], "topk exceeds num_experts")
+    return cols
 
 
 # -------------------------------------------------------------------------------- Vidur
@@ -402,6 +492,11 @@ _KEYS = {"gemm": ("dtype", "m", "n", "k"),
          "attn_prefill": ("batch", "tokens", "heads", "kv_heads", "head_dim", "kv_dtype"),
          "attn_decode": ("batch", "context", "heads", "kv_heads", "head_dim", "kv_dtype"),
          "allreduce": ("backend", "dtype", "num_gpus", "nbytes"),
+         "moe": ("dtype", "kernel", "load", "tokens", "hidden", "inter", "experts", "topk", "tp",
+                 "ep"),
+         "mla_prefill": ("kv_dtype", "batch", "tokens", "heads", "tp"),
+         "mla_decode": ("kv_dtype", "batch", "context", "heads", "tp"),
+         "nccl": ("op", "dtype", "num_gpus", "nbytes"),
          "vidur_ops": ("model", "num_tokens", "num_tensor_parallel_workers"),
          "vidur_elementwise": ("op", "model", "num_tokens", "num_tensor_parallel_workers"),
          "vidur_allreduce": ("num_gpus", "nbytes")}

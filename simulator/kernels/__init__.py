@@ -16,8 +16,9 @@ evaluates thousands of measured shapes per iteration).
 Combining compute and memory: `_overlap(c, m, q) = (c^q + m^q)^(1/q)`. q = inf is the
 roofline's max (perfect overlap), q = 1 the sum (none); measured kernels sit between.
 
-The models live one family per module — `gemm`, `attention`, `movement` (element-wise,
-all-reduce, host copies) — over `base`; this package gathers them and the per-GPU bundle.
+The models live one family per module — `gemm`, `attention`, `moe` (fused experts), `mla`
+(latent attention), `movement` (element-wise, all-reduce, all-to-all, host copies) — over
+`base`; this package gathers them and the per-GPU bundle.
 """
 from __future__ import annotations
 
@@ -28,15 +29,22 @@ from servelab.simulator.kernels.attention import (
     decode_attention_time, prefill_attention_coefficients, prefill_attention_time)
 from servelab.simulator.kernels.base import INF
 from servelab.simulator.kernels.gemm import BENCH_LAYERS, TILE_M, TILE_N, GemmParams, gemm_time
+from servelab.simulator.kernels.mla import (
+    MLADecodeParams, MLAPrefillParams, mla_decode_time, mla_prefill_time)
+from servelab.simulator.kernels.moe import (
+    MoEParams, expert_load, moe_experts_time, moe_layer_time, parse_expert_load)
 from servelab.simulator.kernels.movement import (
-    CollectiveParams, ElementwiseParams, HostLinkParams, allreduce_time, elementwise_time,
-    host_copy_time)
+    AllToAllParams, CollectiveParams, ElementwiseParams, HostLinkParams, allreduce_time,
+    alltoall_time, elementwise_time, host_copy_time)
 
-__all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "CollectiveParams",
-           "DecodeAttentionParams", "ElementwiseParams", "GemmParams", "HostLinkParams",
-           "KernelParams", "PrefillAttentionParams", "allreduce_time", "decode_attention_lines",
-           "decode_attention_time", "elementwise_time", "gemm_time", "host_copy_time",
-           "prefill_attention_coefficients", "prefill_attention_time"]
+__all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "AllToAllParams",
+           "CollectiveParams", "DecodeAttentionParams", "ElementwiseParams", "GemmParams",
+           "HostLinkParams", "KernelParams", "MLADecodeParams", "MLAPrefillParams", "MoEParams",
+           "PrefillAttentionParams", "allreduce_time", "alltoall_time", "decode_attention_lines",
+           "decode_attention_time", "elementwise_time", "expert_load", "gemm_time",
+           "host_copy_time", "mla_decode_time", "mla_prefill_time", "moe_experts_time",
+           "moe_layer_time", "parse_expert_load", "prefill_attention_coefficients",
+           "prefill_attention_time"]
 
 
 # ------------------------------------------------------------------------------ bundle
@@ -44,7 +52,9 @@ __all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "CollectivePa
 
 _SECTIONS = {"gemm": GemmParams, "gemm_fp8": GemmParams, "attn_prefill": PrefillAttentionParams,
              "attn_decode": DecodeAttentionParams, "elementwise": ElementwiseParams,
-             "collective": CollectiveParams, "host_link": HostLinkParams}
+             "collective": CollectiveParams, "host_link": HostLinkParams, "moe": MoEParams,
+             "moe_fp8": MoEParams, "mla_prefill": MLAPrefillParams, "mla_decode": MLADecodeParams,
+             "alltoall": AllToAllParams}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,14 @@ class KernelParams:
     elementwise: ElementwiseParams = ElementwiseParams()
     collective: CollectiveParams = CollectiveParams()
     host_link: HostLinkParams = HostLinkParams()
+    moe: MoEParams = MoEParams()
+    """Fused mixture-of-experts layers, BF16 weights (and weight-only FP8 where the GPU has
+    no FP8 tensor cores)."""
+    moe_fp8: MoEParams = MoEParams()
+    """Fused mixture-of-experts layers, FP8 weights and activations (W8A8)."""
+    mla_prefill: MLAPrefillParams = MLAPrefillParams()
+    mla_decode: MLADecodeParams = MLADecodeParams()
+    alltoall: AllToAllParams = AllToAllParams()
 
     @classmethod
     def roofline(cls) -> "KernelParams":
@@ -67,6 +85,11 @@ class KernelParams:
 
     def gemm_for(self, dtype: str) -> GemmParams:
         return self.gemm_fp8 if dtype == "fp8" else self.gemm
+
+    def moe_for(self, dtype: str, gpu) -> MoEParams:
+        """The fused-MoE parameters that price `dtype` weights on `gpu`: W8A8 FP8 where it
+        has FP8 tensor cores, else (BF16, or FP8 run weight-only) the BF16 kernel's."""
+        return self.moe_fp8 if dtype == "fp8" and gpu.fp8_tflops is not None else self.moe
 
     def to_dict(self) -> dict[str, dict]:
         return {name: getattr(self, name).to_dict() for name in _SECTIONS}

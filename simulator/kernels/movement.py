@@ -1,4 +1,4 @@
-"""Kernels that only move data: element-wise ops, all-reduces, host copies."""
+"""Kernels that only move data: element-wise ops, all-reduces, all-to-alls, host copies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,6 +97,52 @@ def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
     if gpu.nvlink_gbps is None:
         use_custom = use_custom & (n <= p.pcie_custom_max_gpus)
     t = np.where(use_custom, custom, ring)
+    return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class AllToAllParams(_Params):
+    """NCCL all-to-all inside one node: what expert parallelism's dispatch and combine use.
+
+    Each GPU sends 1/n of its buffer to every GPU of the group (itself included), so
+    (n-1)/n of it crosses its link (nccl-tests' bus-bandwidth convention for alltoall,
+    its PERFORMANCE.md). Without NVLink every GPU's share crosses the host's PCIe fabric
+    at once, which `fabric_gbps` caps."""
+
+    latency_s: float = 0.0
+    """Fixed seconds of one all-to-all (launch, channel setup)."""
+    hop_s: float = 0.0
+    """Extra seconds per additional GPU (one more peer to exchange with)."""
+    link_eff: float = 1.0
+    """Bus bandwidth as a fraction of the per-direction link figure."""
+    fabric_gbps: float = 0.0
+    """GB/s of the shared host fabric all GPUs' traffic crosses without NVLink; 0 where
+    GPUs talk over NVLink."""
+    pcie_direct_max_gpus: float = 2
+    """Most GPUs that exchange peer to peer under one PCIe switch without crossing the host
+    fabric (the pair, as for `CollectiveParams.pcie_custom_max_gpus`); a topology setting."""
+
+    _fractions = ("link_eff",)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def alltoall_time(nbytes, num_gpus, gpu: GPUSpec, p: AllToAllParams):
+    """Seconds of one all-to-all of `nbytes` per GPU (its whole send buffer) over
+    `num_gpus` GPUs (0 for one GPU or no bytes).
+
+    Expert-parallel dispatch sends each token's hidden state to the GPUs of its top-k
+    experts and combine sends the results back: with balanced routing about
+    tokens_per_gpu x top-k x hidden x bytes each way."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    n = np.asarray(num_gpus, dtype=np.float64)
+    moved = nbytes * (n - 1) / np.maximum(n, 1)
+    t = moved / (gpu.interconnect_gbps * 1e9 * p.link_eff)
+    if gpu.nvlink_gbps is None and p.fabric_gbps:
+        t = np.where(n > p.pcie_direct_max_gpus,
+                     np.maximum(t, n * moved / (p.fabric_gbps * 1e9)), t)
+    t = p.latency_s + (n - 1) * p.hop_s + t
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 

@@ -1,0 +1,138 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 style) kernel times, prefill and decode.
+
+MLA caches one latent per token and layer: `kv_lora_rank` values plus `qk_rope_head_dim`
+rotary values (512 + 64 = 576 for DeepSeek-V3), shared by every head. vLLM runs it in two
+ways (`vllm/v1/attention/backends/mla/common.py`), and so does this model:
+
+- prefill: the latent is up-projected to per-head keys and values (`kv_b_proj`, a GEMM of
+  rank -> heads x (qk_nope + v)) and ordinary attention runs with a query/key head of
+  qk_nope + qk_rope = 192 and a value head of 128;
+- decode: the up-projection is absorbed into the query and the output (two batched GEMMs
+  per token and head, 128 x 512), and every head attends to the 576-value latents
+  directly, like multi-query attention with a 576-wide key and a 512-wide value.
+
+Heads are those of one GPU (tensor parallelism splits heads; every GPU caches the whole
+latent). What the measured kernels include (aiconfigurator's `collect_mla.py`, vLLM 0.14):
+the MLA backend's forward — the cache write, the up-projection or absorption GEMMs and the
+attention — not the q/kv down-projections or the output projection, which are dense GEMMs
+the cost model prices with `gemm_time`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.simulator.gpus import GPUSpec
+from servelab.simulator.kernels.base import _Params
+
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+QK_NOPE_HEAD_DIM = 128
+V_HEAD_DIM = 128
+"""DeepSeek-V3's MLA dimensions (its Hugging Face config.json; ../shared/REFERENCE.md)."""
+TILE_ROWS = 128
+"""Query rows per flash-attention thread block."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLAPrefillParams(_Params):
+    """MLA prefill: up-projection GEMM, attention, cache write; summed (they are separate
+    kernels) after a floor."""
+
+    floor_s: float = 0.0
+    """Seconds no MLA prefill call beats (several launches)."""
+    compute_eff: float = 1.0
+    """Fraction of the BF16 tensor-core peak on QKᵀ and PV."""
+    gemm_eff: float = 1.0
+    """Fraction of the BF16 peak on the up-projection GEMM."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth on the latents, the expanded K/V, Q and O."""
+    padded_tile_pairs: float = 0.0
+    """(query, key) pairs wasted per sequence and head on partly filled query tiles."""
+    critical_path: float = 0.0
+    """Weight of the longest thread block's work (one 128-row tile over all keys at one
+    SM's share of the peak)."""
+
+    _fractions = ("compute_eff", "gemm_eff", "memory_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def mla_prefill_time(batch, tokens, heads, gpu: GPUSpec, p: MLAPrefillParams, context=0,
+                     kv_bytes=2.0, kv_lora_rank: int = KV_LORA_RANK,
+                     qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+                     qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+    """Seconds of one layer's MLA prefill of `batch` sequences of `tokens` new tokens each
+    after `context` cached ones, `heads` heads on this GPU (all arguments broadcast).
+    The cached latents are up-projected too (vLLM's chunked-context path)."""
+    b = np.asarray(batch, dtype=np.float64)
+    s = np.asarray(tokens, dtype=np.float64)
+    c = np.asarray(context, dtype=np.float64)
+    h = np.asarray(heads, dtype=np.float64)
+    peak = gpu.peak_flops("bf16")
+    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    qk, latent = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank + qk_rope_head_dim
+    per_pair = 2.0 * (qk + v_head_dim)                     # FLOPs per (query, key) pair and head
+    pairs = b * (s * c + 0.5 * s * (s + 1.0))
+    keys = s + c
+    attention = ((pairs + b * p.padded_tile_pairs) * h * per_pair / (peak * p.compute_eff)
+                 + p.critical_path * keys * TILE_ROWS * per_pair / (peak / gpu.sm_count))
+    expand = 2.0 * b * keys * kv_lora_rank * h * (qk_nope_head_dim + v_head_dim) / (peak * p.gemm_eff)
+    traffic = b * (s * (h * (qk + v_head_dim) * 2.0 + latent * (2.0 + kv_bytes))
+                   + keys * (h * (qk_nope_head_dim + v_head_dim) * 2.0 * 2.0)
+                   + c * latent * kv_bytes)
+    t = p.floor_s + attention + expand + traffic / bw
+    return np.where((b > 0) & (s > 0), t, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MLADecodeParams(_Params):
+    """MLA decode: one query token per sequence over its cached latents, with the absorbed
+    up-projections. The attention is the larger of streaming the latents (HBM-bound at
+    large batch, bound by how few sequences split the work at small batch) and its FLOPs
+    (576 + 512 per cached token and head: with many heads it nears the ridge)."""
+
+    floor_s: float = 0.0
+    """Seconds no MLA decode call beats."""
+    compute_eff: float = 1.0
+    """Fraction of the BF16 tensor-core peak on the attention and absorption FLOPs."""
+    memory_eff: float = 1.0
+    """Fraction of HBM bandwidth streaming latents at large batch."""
+    seq_stream_gbps: float = 0.0
+    """GB/s one sequence's split-KV work streams at (parallelism-bound small batches);
+    0: no such limit."""
+    seq_s: float = 0.0
+    """Seconds per sequence (page-table walk, the split results' merge)."""
+    absorb_eff: float = 1.0
+    """Fraction of HBM bandwidth reading the absorbed up-projection weights."""
+
+    _fractions = ("compute_eff", "memory_eff", "absorb_eff")
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
+                    kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+                    qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+    """Seconds of one layer's MLA decode of `batch` sequences with `context_sum` cached
+    tokens in all, `heads` heads on this GPU. For a fixed batch the time is convex and
+    piecewise linear in the context sum (a run of decode steps sums in closed form)."""
+    b = np.asarray(batch, dtype=np.float64)
+    ctx = np.asarray(context_sum, dtype=np.float64)
+    h = np.asarray(heads, dtype=np.float64)
+    peak = gpu.peak_flops("bf16") * p.compute_eff
+    hbm = gpu.hbm_bandwidth_gbps * 1e9
+    latent = kv_lora_rank + qk_rope_head_dim
+    rate = hbm * p.memory_eff
+    if p.seq_stream_gbps:
+        rate = np.minimum(rate, p.seq_stream_gbps * 1e9 * np.maximum(b, 1.0))
+    stream = ctx * latent * kv_bytes / rate
+    flops = 2.0 * h * ctx * (latent + kv_lora_rank) / peak
+    absorb_weights = 2.0 * h * qk_nope_head_dim * kv_lora_rank * 2.0   # W_UK and W_UV, BF16
+    absorb = (absorb_weights / (hbm * p.absorb_eff)
+              + 2.0 * b * h * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / peak)
+    t = p.floor_s + np.maximum(stream, flops) + absorb + b * p.seq_s
+    return np.where(b > 0, t, 0.0)

@@ -1,0 +1,299 @@
+"""The fused-MoE kernel model, its expert-load statistics, its fit to aiconfigurator's
+`moe_perf` tables, the all-to-all, and `servelab cost moe`.
+
+Shapes are real models' (../shared/REFERENCE.md): DeepSeek-V3's experts (7168 x 2048, 256
+experts, top-8), Qwen3-30B-A3B's (2048 x 768, 128, top-8) and Mixtral's (4096 x 14336, 8,
+top-2). The held-out checks judge the packaged profiles on the rows their fit left out.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _gpu_tables import real_measurements
+
+from servelab.cli import main
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import packaged
+from servelab.simulator.gpus import get_gpu
+from servelab.validation.kernel_fit import (
+    FAMILIES, extend_profile, family_table, holdout_mask, judge)
+from servelab.validation.measurements import load_measurements
+
+H100, A100, L40S = get_gpu("h100-sxm"), get_gpu("a100-80gb"), get_gpu("l40s")
+DEEPSEEK = dict(hidden=7168, inter=2048, experts=256, topk=8)
+QWEN3_30B = dict(hidden=2048, inter=768, experts=128, topk=8)
+MIXTRAL = dict(hidden=4096, inter=14336, experts=8, topk=2)
+TOKENS = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+
+
+def experts_time(shape, tokens=TOKENS, gpu=H100, profile="h100-sxm", **kw):
+    p = packaged(profile).kernels.moe_for(kw.get("dtype", "bf16"), gpu)
+    return K.moe_experts_time(tokens, shape["hidden"], shape["inter"], shape["experts"],
+                              shape["topk"], gpu, p, **kw)
+
+
+# --- expert load --------------------------------------------------------------------------------
+
+
+def test_balanced_load_spreads_pairs_evenly_over_the_gpus():
+    active, pairs, *tiles = K.expert_load([1, 32, 4096], 256, 8, ep=8)
+    assert pairs.tolist() == [1.0, 32.0, 4096.0]            # tokens x top-k / EP
+    assert active.tolist() == [1.0, 32.0, 32.0]              # at most the GPU's 32 experts
+    sixteen = tiles[K.moe.TILE_ROWS.index(16)]
+    assert sixteen.tolist() == [1.0, 32.0, 32 * 8]           # 128 pairs per expert: 8 tiles of 16
+
+
+def test_power_law_load_is_a_pure_function_and_heavier_on_the_busiest_gpu():
+    a = K.expert_load([64, 4096], 256, 8, ep=8, load="power-law:1.2")
+    b = K.expert_load([64, 4096], 256, 8, ep=8, load="power-law:1.2")
+    assert np.array_equal(a, b)
+    balanced = K.expert_load([64, 4096], 256, 8, ep=8)
+    assert (a[1] > balanced[1]).all()                      # the most loaded EP group
+    assert (a[1] <= [64 * 8, 4096 * 8]).all()             # never more than every pair
+    one = K.expert_load([64, 4096], 256, 8, ep=1, load="power-law:1.2")
+    assert one[1].tolist() == [512.0, 32768.0]             # without EP: every pair
+
+
+def test_the_two_power_law_top_ups_differ_only_at_small_batches():
+    largest = K.expert_load([4, 4096], 256, 8, ep=8, load="power-law:1.01")
+    smallest = K.expert_load([4, 4096], 256, 8, ep=8, load="power-law:1.01",
+                             top_up=K.moe.SMALLEST_FIRST)
+    assert smallest[0, 0] > 2 * largest[0, 0]          # the top-up fills fresh experts
+    assert smallest[1, 1] == pytest.approx(largest[1, 1], rel=0.05)
+
+
+@pytest.mark.parametrize("load, message", [
+    ("zipf", "unknown expert load 'zipf'"),
+    ("power-law:1", "exponent must be a number > 0 other than 1"),
+    ("power-law:-2", "exponent must be a number > 0 other than 1"),
+    ("power-law:x", "exponent must be a number > 0 other than 1"),
+])
+def test_bad_expert_loads_are_one_line_errors(load, message):
+    with pytest.raises(ValueError, match=message):
+        K.parse_expert_load(load)
+
+
+@pytest.mark.parametrize("experts, topk, ep, message", [
+    (256, 8, 3, r"experts \(256\) must be divisible by EP \(3\)"),
+    (8, 9, 1, r"top-k \(9\) must be between 1 and the number of experts \(8\)"),
+    (8, 0, 1, r"top-k \(0\)"),
+])
+def test_impossible_routings_are_refused(experts, topk, ep, message):
+    with pytest.raises(ValueError, match=message):
+        K.expert_load(8, experts, topk, ep)
+
+
+# --- the kernel ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [DEEPSEEK, QWEN3_30B, MIXTRAL], ids=["deepseek", "qwen3", "mixtral"])
+@pytest.mark.parametrize("load", ["balanced", "power-law:1.2"])
+def test_more_tokens_never_take_less_time(shape, load):
+    for ep in (1, 8) if shape["experts"] > 8 else (1, 2):
+        t = experts_time(shape, ep=ep, load=load)
+        assert (np.diff(t) >= 0).all(), (ep, t)
+        assert t[-1] > 5 * t[0]
+
+
+def test_uneven_load_costs_more_than_balanced_on_the_busiest_gpu():
+    """Where FLOPs dominate, the busiest GPU's extra pairs cost time; where weights do, a
+    skewed load can be cheaper (fewer distinct experts to read), as measured."""
+    tokens = np.array([4096, 8192, 16384])
+    balanced = experts_time(DEEPSEEK, tokens, ep=8)
+    for alpha in ("1.01", "1.2"):
+        skewed = experts_time(DEEPSEEK, tokens, ep=8, load=f"power-law:{alpha}")
+        assert (skewed > 1.2 * balanced).all(), alpha
+
+
+def test_fp8_weights_are_faster_where_weights_dominate():
+    tokens = np.array([1, 2, 4, 8, 16])
+    for shape in (DEEPSEEK, MIXTRAL):
+        bf16 = experts_time(shape, tokens)
+        fp8 = experts_time(shape, tokens, dtype="fp8")
+        assert (fp8 < 0.8 * bf16).all(), (bf16, fp8)
+    bare = K.MoEParams()                       # the same parameters: half the weight bytes
+    args = (tokens, 7168, 2048, 256, 8, H100, bare)
+    assert K.moe_experts_time(*args, dtype="fp8") == pytest.approx(
+        K.moe_experts_time(*args) / 2, rel=0.02)
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_weight_only():
+    """A100: vLLM runs FP8 checkpoints weight-only through Marlin (BF16 maths), so FP8
+    halves the weight traffic but not the FLOP time."""
+    p = packaged("a100-80gb").kernels
+    assert p.moe_for("fp8", A100) == p.moe
+    assert p.moe_for("fp8", H100) == p.moe_fp8 and packaged("h100-sxm").kernels.moe_fp8 != p.moe
+    small = K.moe_experts_time(1, 4096, 14336, 8, 2, A100, p.moe, dtype="fp8")
+    assert small < 0.75 * K.moe_experts_time(1, 4096, 14336, 8, 2, A100, p.moe)
+    bare = K.MoEParams()
+    big = [K.moe_experts_time(65536, 4096, 14336, 8, 2, A100, bare, dtype=d) for d in ("bf16", "fp8")]
+    assert big[1] == pytest.approx(big[0], rel=0.05)
+
+
+def test_expert_parallelism_divides_the_work_of_each_gpu():
+    for tokens in (1, 64, 1024, 16384):
+        times = [float(experts_time(DEEPSEEK, tokens, ep=ep)) for ep in (1, 2, 8, 32)]
+        assert times == sorted(times, reverse=True) and times[-1] < times[0] / 4, (tokens, times)
+
+
+def test_tensor_parallelism_splits_each_expert():
+    one, four = (float(experts_time(MIXTRAL, 4096, tp=tp)) for tp in (1, 4))
+    assert four < one / 2
+    with pytest.raises(ValueError, match=r"width \(14336\) must be divisible by TP \(3\)"):
+        experts_time(MIXTRAL, 4096, tp=3)
+
+
+def test_no_tokens_cost_nothing_and_the_layer_adds_the_router():
+    assert float(experts_time(DEEPSEEK, 0)) == 0.0
+    k = packaged("h100-sxm").kernels
+    layer = K.moe_layer_time(512, 7168, 2048, 256, 8, H100, k.moe, k.gemm)
+    router = K.gemm_time(512, 256, 7168, H100, k.gemm)
+    assert layer == pytest.approx(float(experts_time(DEEPSEEK, 512)) + router)
+
+
+def test_the_bare_roofline_is_weights_at_small_batch_and_flops_at_large():
+    bare = K.MoEParams()
+    weights = 8 * 3 * 7168 * 2048 * 2 / (H100.hbm_bandwidth_gbps * 1e9)
+    assert K.moe_experts_time(1, 7168, 2048, 256, 8, H100, bare) == pytest.approx(weights, rel=0.01)
+    flops = 2 * 16384 * 8 * 3 * 7168 * 2048 / H100.peak_flops("bf16")
+    assert K.moe_experts_time(16384, 7168, 2048, 256, 8, H100, bare) == pytest.approx(flops, rel=0.05)
+
+
+# --- the fit, judged on held-out rows ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100_tables():
+    return load_measurements([real_measurements() / "aiconfigurator-vllm-0.14.0" / "h100_sxm"],
+                             "h100-sxm", drop_bad_rows=True)
+
+
+def heldout(ms, family: str, profile: str):
+    p = packaged(profile)
+    fam = FAMILIES[family]
+    table = family_table(ms, fam)
+    mask = holdout_mask(table, p.fit_stats["holdout_fraction"], int(p.fit_stats["holdout_seed"]))
+    return judge(fam, table, get_gpu(ms.gpu), getattr(p.kernels, family), mask)
+
+
+def test_h100_moe_fit_reproduces_held_out_rows_within_the_target(h100_tables):
+    fit = heldout(h100_tables, "moe", "h100-sxm")
+    overall = fit.stats["heldout"]
+    assert overall["n"] > 3000 and overall["mape_pct"] <= 15.0
+    assert overall["mape_pct"] == pytest.approx(packaged("h100-sxm").fit_stats["moe.heldout_mape_pct"],
+                                                abs=0.01)
+    # the bands the fit meets: many experts, any EP, any batch (tuned Mixtral configs miss)
+    for band in ("tokens 1-32, experts > 160, EP 1", "tokens 33-512, experts > 160, EP 1",
+                 "tokens 513-4096, experts 17-160, EP 2-8", "tokens > 4096, experts > 160, EP 2-8"):
+        assert fit.stats[band]["mape_pct"] <= 15.0, band
+    bare = judge(FAMILIES["moe"], family_table(h100_tables, FAMILIES["moe"]), H100,
+                 K.MoEParams(), holdout_mask(family_table(h100_tables, FAMILIES["moe"]), 0.3, 0))
+    assert bare.stats["heldout"]["mape_pct"] > 3 * overall["mape_pct"]
+
+
+def test_h100_alltoall_fit_reproduces_held_out_rows(h100_tables):
+    fit = heldout(h100_tables, "alltoall", "h100-sxm")
+    assert fit.stats["heldout"]["n"] >= 30 and fit.stats["heldout"]["mape_pct"] <= 15.0
+
+
+def test_extending_a_profile_refits_only_the_families_named(h100_tables):
+    """How the packaged profiles gained these families: the all-to-all refit reproduces the
+    packaged one, and every other family, figure and source is kept as it was."""
+    base = packaged("h100-sxm")
+    extended = extend_profile(base, h100_tables, ("alltoall",)).profile
+    assert extended.kernels.alltoall.to_dict() == pytest.approx(base.kernels.alltoall.to_dict(),
+                                                                rel=1e-6)
+    for name in ("gemm", "attn_decode", "moe", "mla_decode"):
+        assert getattr(extended.kernels, name) == getattr(base.kernels, name)
+    assert extended.fit_stats == pytest.approx(base.fit_stats)
+    kept = {k: v for k, v in base.source.items() if k != "kernels.alltoall"}
+    assert {k: v for k, v in extended.source.items() if k != "kernels.alltoall"} == kept
+    assert extended.source["kernels.alltoall"].endswith("h100_sxm/nccl_perf.parquet")
+    with pytest.raises(ValueError, match="cannot extend a profile of a100-80gb"):
+        extend_profile(packaged("a100-80gb"), h100_tables, ("alltoall",))
+
+
+def test_moe_rows_carry_their_tables_load_convention(h100_tables):
+    table = family_table(h100_tables, FAMILIES["moe"])
+    assert set(table["top_up"]) == {K.moe.SMALLEST_FIRST}       # vLLM 0.14's tables
+    assert set(table["load"]) == {"balanced", "power-law:1.01", "power-law:1.2"}
+    assert set(table["dtype"]) == {"bf16"}
+
+
+# --- the all-to-all -----------------------------------------------------------------------------
+
+
+def test_alltoall_grows_with_bytes_is_free_on_one_gpu_and_pcie_shares_the_host():
+    p = packaged("h100-sxm").kernels.alltoall
+    sizes = 2.0 ** np.arange(10, 30)
+    t = K.alltoall_time(sizes, 8, H100, p)
+    assert (np.diff(t) > 0).all()
+    assert float(K.alltoall_time(1 << 20, 1, H100, p)) == 0.0
+    pcie = packaged("l40s").kernels.alltoall
+    assert pcie.fabric_gbps > 0
+    per_gpu = [float(K.alltoall_time(256 << 20, n, L40S, pcie)) for n in (2, 4, 8)]
+    assert per_gpu[2] > 2 * per_gpu[1] > 4 * per_gpu[0] / 2     # the fabric, not the link
+
+
+# --- servelab cost moe ------------------------------------------------------------------------
+
+
+def cost(capsys, *argv):
+    rc = main(["cost", "moe", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+ARGS = ("--gpu", "h100-sxm", "--tokens", 256, "--hidden", 7168, "--inter", 2048, "--experts", 256,
+        "--topk", 8)
+
+
+def test_cost_moe_is_the_kernel_plus_the_router(capsys):
+    rc, out, err = cost(capsys, *ARGS, "--ep", 8, "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    k = packaged("h100-sxm").kernels
+    expected = K.moe_layer_time(256, 7168, 2048, 256, 8, H100, k.moe, k.gemm, ep=8)
+    assert r["predicted_ms"] == pytest.approx(float(expected) * 1e3, abs=1e-6)
+    assert r["kernel"] == "BF16" and r["pairs"] == 256 and r["active_experts"] == 32
+    assert r["alltoall_ms"] > 0 and r["bound"] == "memory"
+    rc, text, _ = cost(capsys, *ARGS, "--ep", 8, "--dtype", "fp8", "--expert-load", "power-law:1.2")
+    assert rc == 0 and "MoE layer: 256 tokens, 256 experts of 7168x2048, top-8, EP 8" in text
+    assert "W8A8 FP8, power-law:1.2 load" in text
+
+
+def test_cost_moe_on_a100_fp8_says_weight_only(capsys):
+    rc, out, _ = cost(capsys, "--gpu", "a100-80gb", "--tokens", 1, "--hidden", 4096, "--inter", 14336,
+                      "--experts", 8, "--topk", 2, "--dtype", "fp8", "--json")
+    assert rc == 0 and json.loads(out)["kernel"] == "weight-only FP8 (Marlin), BF16 maths"
+
+
+def test_cost_moe_points_price_every_row(capsys, tmp_path):
+    points = tmp_path / "moe.csv"
+    points.write_text("tokens,ep,expert-load\n1,1,balanced\n4096,8,power-law:1.2\n")
+    rc, out, err = cost(capsys, *ARGS[:2], *ARGS[4:], "--points", points, "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    singles = [json.loads(cost(capsys, *ARGS[:2], "--tokens", t, *ARGS[4:], "--ep", ep,
+                               "--expert-load", load, "--json")[1])["predicted_ms"]
+               for t, ep, load in ((1, 1, "balanced"), (4096, 8, "power-law:1.2"))]
+    assert [r["predicted_ms"] for r in rows] == singles
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--ep", 3), "experts (256) must be divisible by EP (3)"),
+    (("--topk", 300), "top-k (300) must be between 1 and the number of experts (256)"),
+    (("--tp", 3), "--inter (2048) must be divisible by --tp (3)"),
+    (("--expert-load", "uniform"), "unknown expert load 'uniform'"),
+])
+def test_cost_moe_refuses_impossible_layers_in_one_line(capsys, extra, message):
+    rc, out, err = cost(capsys, *ARGS, *extra)
+    assert rc != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cost_moe_refuses_an_unknown_dtype(capsys):
+    with pytest.raises(SystemExit):
+        cost(capsys, *ARGS, "--dtype", "int4")
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
