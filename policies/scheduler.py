@@ -91,9 +91,15 @@ class Scheduler:
         self._may_preempt = policy.preemptive and config.batching != "static"
         # Plain decodes join the batch unless the executor needs block tables or token
         # times per sequence, or the policy charges service per request.
+        spec = config.speculative
+        self._spec_k = spec.num_speculative_tokens if spec.enabled else 0
+        """K of a speculating engine (0: no speculation; see `_schedule_verify`)."""
+        self._ahead: dict = {}
+        """Speculation: seq id -> KV slots it holds beyond its computed tokens (lookahead
+        reserved for a verify step, kept where proposed tokens were rejected)."""
         self._batch = DecodeBatch(config, block_manager, enabled=(
             batch_decodes and block_manager.grows_by_block and not emit_block_tables
-            and not keep_token_times and not self._charges_service))
+            and not keep_token_times and not self._charges_service and not spec.enabled))
         self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
         # the admission stage before the policy: rate limits and shedding, when configured
         self._control = AdmissionControl(config.admission) if config.admission.enabled else None
@@ -228,6 +234,10 @@ class Scheduler:
         else:
             order = self._running_order(self._running)
         end = len(order)
+        spec_k = self._spec_k
+        if spec_k and self.config.speculative.max_batch is not None \
+                and len(self._running) > self.config.speculative.max_batch:
+            spec_k = 0   # above the batch size where speculation stops paying: plain decodes
         i = 0
         while i < end:
             req = order[i]
@@ -240,6 +250,11 @@ class Scheduler:
             if step.tokens <= 0 or step.seqs <= 0:
                 break
             seqs = req.seqs
+            if self._spec_k and len(seqs) == 1 and not seqs[0].is_prefilling and not seqs[0].finished:
+                end = self._schedule_verify(req, seqs[0], spec_k, order, i, end, now, out, step)
+                if end is None:
+                    return
+                continue
             if len(seqs) == 1 and not seqs[0].is_prefilling and not seqs[0].finished:
                 # the common case, inlined: one sequence decoding one token
                 s = seqs[0]
@@ -264,6 +279,34 @@ class Scheduler:
                 break  # the request preempted itself: nothing left to free
             step.commit(req, entries)
 
+    def _schedule_verify(self, req, s, k, order, i, end, now, out, step) -> int | None:
+        """A speculating engine's decode of a single-sample request: the last sampled token
+        and K' = min(k, tokens left to produce - 1, room below max_model_len, budget) proposed
+        ones, K' + 1 tokens verified in one pass (K' = 0: a plain decode). Their KV slots are
+        reserved ahead (`_ahead`); where they cannot be had without preempting, the step
+        decodes plainly instead. Returns the new end of `order` (see `_make_room`), or None
+        when `req` itself had to go."""
+        sid = s.seq_id
+        q = 1 + max(0, min(k, req.output_len - s.num_output_tokens - 1,
+                           self.config.max_model_len - s.num_tokens - 1, step.tokens - 1))
+        ahead = self._ahead.get(sid, 0)
+        bm = self.bm
+        if q > 1 and q > ahead and not bm.can_append_slots(sid, q - ahead):
+            q = 1
+        if q > ahead:
+            if not bm.can_append_slots(sid, q - ahead):
+                end = self._make_room(sid, req, order, i, end, now, out, allow_swap=True, slots=q - ahead)
+                if end is None:
+                    return None
+            copies = bm.append_slots(sid, q - ahead)
+            if copies:
+                out.copies.extend(copies)
+            self._ahead[sid] = q
+        step.entries[req.request_id] = [ScheduledSeq(req.request_id, sid, q, s.num_computed_tokens, 1, False)]
+        step.tokens -= q
+        step.seqs -= 1
+        return end
+
     def _grow(self, req, entries, order, i, end, now, out) -> int | None:
         """Give each decoding sequence of `req` its next slot (see `_make_room`).
         A multi-sample request that runs out halfway, with some samples already grown,
@@ -282,13 +325,13 @@ class Scheduler:
             grown += 1
         return end
 
-    def _make_room(self, sid, req, order, i, end, now, out, allow_swap) -> int | None:
+    def _make_room(self, sid, req, order, i, end, now, out, allow_swap, slots: int = 1) -> int | None:
         """Preempt from the end of `order` (positions i..end-1 are not scheduled yet)
-        until `sid` can get one more slot. Returns the new end, or None if `req` itself
-        had to go: preempted, or aborted when it is alone and still cannot grow (it
+        until `sid` can get `slots` more slots. Returns the new end, or None if `req`
+        itself had to go: preempted, or aborted when it is alone and still cannot grow (it
         outgrew the whole cache and would otherwise be preempted forever)."""
         self._growth_preempted = True
-        while not self.bm.can_append_slots(sid, 1):
+        while not self.bm.can_append_slots(sid, slots):
             if end > i:
                 end -= 1
                 self._preempt(order[end], now, out)
@@ -318,6 +361,8 @@ class Scheduler:
                 if not s.finished:
                     self.bm.free(s.seq_id)
                     s.num_computed_tokens = 0
+                    if self._ahead:
+                        self._ahead.pop(s.seq_id, None)
             req.status = RequestStatus.PREEMPTED
             self.policy.requeue(req, now)
         req.num_preemptions += 1
@@ -330,6 +375,7 @@ class Scheduler:
         for s in req.seqs:
             if not s.finished:
                 self.bm.free(s.seq_id)
+                self._ahead.pop(s.seq_id, None)
         tokens = max(s.num_tokens for s in req.seqs)
         self._reject(req, f"grew to {tokens} tokens, beyond what the whole KV cache holds", now, out)
 
@@ -386,10 +432,12 @@ class Scheduler:
             self._set_running(req)
             ran = []
             for e in entries:
-                if not e.is_prefill:
+                if not e.is_prefill and not (self._spec_k and self._ahead.get(e.seq_id, 0)):
                     if not bm.can_append_slots(e.seq_id, 1):
                         continue  # back on the GPU but no room to grow: next step
                     out.copies.extend(bm.append_slots(e.seq_id, 1))
+                    if self._spec_k and req.n == 1:
+                        self._ahead[e.seq_id] = 1
                 ran.append(e)
             if ran:
                 step.commit(req, ran)
@@ -512,6 +560,9 @@ class Scheduler:
             if req.scheduled_s is None:
                 req.scheduled_s = out.now
             seq = req.seqs[e.seq_id[1]]
+            if self._spec_k and not e.is_prefill and req.n == 1:
+                self._advance_verified(req, seq, e, result, t_end, ended, freed, service)
+                continue
             seq.num_computed_tokens += e.num_tokens
             if service is not None:
                 acc = service.get(rid)
@@ -551,6 +602,9 @@ class Scheduler:
         if freed:
             for sid in sorted(freed) if len(freed) > 1 else freed:
                 bm.free(sid)
+            if self._ahead:
+                for sid in freed:
+                    self._ahead.pop(sid, None)
         if service:
             requests, on_service = self._requests, self.policy.on_service
             for rid, (pre, drawn) in service.items():
@@ -567,6 +621,48 @@ class Scheduler:
             del self._listed[req.request_id]
             batch.join(req)
         return self.pop_records()
+
+    def _advance_verified(self, req, seq, e, result: StepResult, t_end, ended, freed, service) -> None:
+        """A speculating engine's decode of a single-sample request (`_schedule_verify`):
+        it produced p tokens, 1 <= p <= its verified tokens (`StepResult.produced`, or the
+        tokens sampled); their KV is now computed, the slots of rejected positions stay
+        reserved as lookahead. Every produced token is an output token timed at the
+        step's end; the request finishes at its length, at max_model_len or at a stop."""
+        sid = seq.seq_id
+        tokens = result.sampled[sid] if result.sampled is not None else None
+        p = len(tokens) if tokens is not None else (result.produced or {}).get(sid, 1)
+        if not 1 <= p <= e.num_tokens:
+            raise SchedulerError(f"a step of {e.num_tokens} verified tokens produced {p} tokens for "
+                                 f"sequence {sid}")
+        seq.num_computed_tokens += p
+        left = self._ahead.get(sid, 0) - p
+        if left > 0:
+            self._ahead[sid] = left
+        else:
+            self._ahead.pop(sid, None)
+        if service is not None:
+            acc = service.get(req.request_id)
+            if acc is None:
+                acc = service[req.request_id] = [0, 0]
+            acc[1] += p
+        stopped, max_len = result.stopped, self.config.max_model_len
+        for i in range(p):
+            seq.num_tokens += 1
+            seq.num_output_tokens += 1
+            if tokens is not None:
+                seq.output_token_ids.append(tokens[i])
+            if seq.num_output_tokens >= req.output_len or seq.num_tokens >= max_len \
+                    or (stopped and sid in stopped and i == p - 1):
+                seq.finished = True
+                freed.append(sid)
+                ended.append(req)
+                break
+        if req.first_token_s is None:
+            req.first_token_s = t_end
+        if self.keep_token_times:
+            if req.token_times is None:
+                req.token_times = []
+            req.token_times.extend([t_end] * (i + 1))
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         for i in range(len(req.seqs), req.n):
@@ -586,8 +682,8 @@ class Scheduler:
         otherwise O(running sequences) (see DecodeBatch.run_bound); O(running sequences)
         too under a preemptive policy that `reorders_running` while requests wait."""
         self._check_between_steps("decode_run_bound")
-        if self.swapped or self._pending_rejects or not self._running or limit <= 0:
-            return 0
+        if self.swapped or self._pending_rejects or not self._running or limit <= 0 or self._spec_k:
+            return 0   # a speculating engine's steps produce a drawn number of tokens each
         k = self._batch.run_bound(self._running, self._listed, limit,
                                   lambda num_seqs: self._admits_while_decoding(now, num_seqs))
         policy = self.policy

@@ -51,6 +51,63 @@ class AdmissionConfig:
         return asdict(self)
 
 
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "mtp")
+"""Proposers (`servelab.speculative`): a smaller draft model of the same vocabulary, an
+n-gram lookup in the request's own tokens, an EAGLE head, or the model's own multi-token
+prediction (MTP) layer."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`servelab.speculative`); off by default (method None)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    """K: tokens proposed per step of a speculating sequence (vLLM's num_speculative_tokens)."""
+    draft_model: str | None = None
+    """The draft model (catalog name or config.json path) of method 'draft'."""
+    acceptance: float = 0.8
+    """Per-token acceptance probability of a proposed token (simulation; the real backend
+    measures it)."""
+    tenant_acceptance: tuple[tuple[str, float], ...] = ()
+    """Per-tenant acceptance overriding `acceptance` ((tenant, rate), ...)."""
+    max_batch: int | None = None
+    """Speculate only in steps with at most this many decoding sequences (engines turn
+    speculation off at large batch, where verify work crowds out other requests)."""
+
+    def __post_init__(self) -> None:
+        o = "SpeculativeConfig"
+        if isinstance(self.tenant_acceptance, dict):   # from config.json
+            object.__setattr__(self, "tenant_acceptance", tuple(sorted(self.tenant_acceptance.items())))
+        if self.method is not None:
+            check_choice(o, "method", self.method, SPECULATIVE_METHODS)
+        check_int(o, "num_speculative_tokens", self.num_speculative_tokens, 1)
+        check_float(o, "acceptance", self.acceptance, 0.0, 1.0)
+        for tenant, rate in self.tenant_acceptance:
+            check_float(o, f"tenant_acceptance[{tenant}]", rate, 0.0, 1.0)
+        if self.max_batch is not None:
+            check_int(o, "max_batch", self.max_batch, 1)
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError(f"{o}: method 'draft' needs a draft_model")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError(f"{o}: a draft_model is for method 'draft', not {self.method!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def acceptance_of(self, tenant: str) -> float:
+        for name, rate in self.tenant_acceptance:
+            if name == tenant:
+                return rate
+        return self.acceptance
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["tenant_acceptance"] = dict(self.tenant_acceptance)
+        return out
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
@@ -73,6 +130,8 @@ class SchedulerConfig:
     """continuous (iteration-level) or static (a batch runs until all members finish)."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """The admission stage before the policy (also read from its `to_dict` form)."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (also read from its `to_dict` form); off by default."""
 
     def __post_init__(self) -> None:
         o = "SchedulerConfig"
@@ -83,6 +142,13 @@ class SchedulerConfig:
                 raise ValueError(f"{o}.admission: {exc}") from None
         if not isinstance(self.admission, AdmissionConfig):
             raise ValueError(f"{o}.admission must be an AdmissionConfig, got {self.admission!r}")
+        if isinstance(self.speculative, dict):   # from config.json
+            try:
+                object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
+            except TypeError as exc:
+                raise ValueError(f"{o}.speculative: {exc}") from None
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"{o}.speculative must be a SpeculativeConfig, got {self.speculative!r}")
         check_int(o, "max_num_seqs", self.max_num_seqs, 1)
         check_int(o, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.chunked_prefill is not None:
@@ -95,10 +161,15 @@ class SchedulerConfig:
         check_choice(o, "batching", self.batching, BATCHING_MODES)
 
     def to_dict(self) -> dict:
-        """As a dict; without `admission` when no rule is on (configs read as before)."""
+        """As a dict; without `admission` when no rule is on and without `speculative`
+        when it is off (configs read as before)."""
         out = asdict(self)
         if not self.admission.enabled:
             del out["admission"]
+        if self.speculative.enabled:
+            out["speculative"] = self.speculative.to_dict()
+        else:
+            del out["speculative"]
         return out
 
 

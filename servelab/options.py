@@ -24,13 +24,14 @@ from dataclasses import fields
 from typing import NamedTuple, Sequence
 
 from servelab.cli import CLIError
-from servelab.config import (BATCHING_MODES, STEP_COMPOSITIONS, AdmissionConfig, CacheConfig,
-                             SchedulerConfig)
+from servelab.config import (BATCHING_MODES, SPECULATIVE_METHODS, STEP_COMPOSITIONS, AdmissionConfig,
+                             CacheConfig, SchedulerConfig, SpeculativeConfig)
 from servelab.engines import BUDGET, DEFAULT_ENGINE, EnginePreset, engine_names, get_preset
 
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
 _ADMISSION_DEFAULTS = {f.name: f.default for f in fields(AdmissionConfig)}
+_SPECULATIVE_DEFAULTS = {f.name: f.default for f in fields(SpeculativeConfig)}
 OUTPUT_FORMATS = ("csv", "parquet")
 """How a run directory's request and step tables are written (`servelab.reports.runio`)."""
 
@@ -47,6 +48,9 @@ _FLAG_OF = {
     "tenant_queue_limit": "--tenant-queue-limit", "tenant_rate": "--tenant-rate",
     "tenant_burst": "--tenant-burst", "shed_from_priority": "--shed-from-priority",
     "shed_default_slo_ms": "--shed-default-slo-ms",
+    "num_speculative_tokens": "--num-speculative-tokens", "acceptance": "--acceptance-rate",
+    "tenant_acceptance": "--acceptance-rate", "max_batch": "--speculative-max-batch",
+    "draft_model": "--speculative", "method": "--speculative",
 }
 
 class SchedulerOptions(NamedTuple):
@@ -201,6 +205,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
                    help="TTFT SLO shedding judges a request without its own by "
                         "(default %(default)s)")
 
+    add_speculative_options(parser)
+
     p = parser.add_argument_group("policy")
     p.add_argument("--policy", default="fcfs",
                    choices=list(policies) if policies is not None else list(policy_classes()),
@@ -270,7 +276,7 @@ def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | 
         step_composition=args.step_composition,
         preemption=given_or_default("preemption", "preemption"), max_model_len=max_model_len,
         waiting_queue_limit=args.waiting_queue_limit, batching=args.batching,
-        admission=admission_from_args(args)))
+        admission=admission_from_args(args), speculative=speculative_from_args(args)))
     cache = dict(block_size=given_or_default("block_size", "block_size"),
                  num_gpu_blocks=args.kv_blocks, num_cpu_blocks=args.cpu_kv_blocks,
                  watermark=given_or_default("watermark", "watermark"),
@@ -285,6 +291,75 @@ def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | 
     return SchedulerOptions(scheduler, cache, args.policy, policy_options_from_args(args),
                             offload, engine, given_or_default("gpu_memory_utilization",
                                                               "gpu_memory_utilization"))
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    """--speculative and its knobs (`servelab.speculative`)."""
+    g = parser.add_argument_group(
+        "speculative decoding", "each decode step of a speculating sequence proposes K tokens and "
+                                "verifies them in one target forward of K + 1 tokens")
+    g.add_argument("--speculative", default=None, metavar="draft:MODEL|" + "|".join(SPECULATIVE_METHODS[1:]) + "|off",
+                   help="the proposer: a draft model of the target's vocabulary (draft:llama-3.2-1b), "
+                        "an n-gram lookup, an EAGLE head, or the model's MTP layer (default: off)")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
+                   help=f"tokens proposed per step (default {_SPECULATIVE_DEFAULTS['num_speculative_tokens']})")
+    g.add_argument("--acceptance-rate", default=None, metavar="A|TENANT=A,...",
+                   help="per-token probability that a proposed token is accepted, for every "
+                        "request or per tenant (0.8,batch=0.5: 0.8 unless the tenant is named); "
+                        f"the simulator draws from it (default {_SPECULATIVE_DEFAULTS['acceptance']}); "
+                        "the real backend measures it")
+    g.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
+                   help="speculate only in steps with at most N running requests (default: always)")
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    """The speculative decoding the flags describe (off where a command has none of its
+    flags); its knobs without --speculative are an error."""
+    method = getattr(args, "speculative", None)
+    knobs = {"--num-speculative-tokens": getattr(args, "num_speculative_tokens", None),
+             "--acceptance-rate": getattr(args, "acceptance_rate", None),
+             "--speculative-max-batch": getattr(args, "speculative_max_batch", None)}
+    if method is None:
+        given = [flag for flag, value in knobs.items() if value is not None]
+        if given:
+            raise CLIError(f"{given[0]} configures speculative decoding: give --speculative too")
+        return SpeculativeConfig()
+    if method == "off":   # said explicitly (a sweep's point without it): its knobs are for the others
+        return SpeculativeConfig()
+    name, _, draft = method.partition(":")
+    if name not in SPECULATIVE_METHODS:
+        raise CLIError(f"--speculative: expected draft:MODEL or one of {', '.join(SPECULATIVE_METHODS[1:])}, "
+                       f"got {method!r}")
+    if name == "draft" and not draft:
+        raise CLIError("--speculative draft needs its model: draft:MODEL (a catalog name or config.json)")
+    if name != "draft" and draft:
+        raise CLIError(f"--speculative {name} takes no model, got {method!r}")
+    kwargs: dict = {"method": name, "draft_model": draft or None,
+                    "max_batch": knobs["--speculative-max-batch"]}
+    if knobs["--num-speculative-tokens"] is not None:
+        kwargs["num_speculative_tokens"] = knobs["--num-speculative-tokens"]
+    if knobs["--acceptance-rate"] is not None:
+        kwargs["acceptance"], kwargs["tenant_acceptance"] = _acceptance(knobs["--acceptance-rate"])
+    return _checked(SpeculativeConfig, kwargs)
+
+
+def _acceptance(text: str) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """'0.8' or '0.8,batch=0.5' or 'interactive=0.9,batch=0.5': the default rate and the
+    per-tenant ones."""
+    default, tenants = _SPECULATIVE_DEFAULTS["acceptance"], []
+    for item in (part.strip() for part in text.split(",")):
+        tenant, sep, value = item.rpartition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            raise CLIError(f"--acceptance-rate: expected a number or TENANT=NUMBER, got {item!r}") from None
+        if not 0 <= rate <= 1:
+            raise CLIError(f"--acceptance-rate: an acceptance rate is in [0, 1], got {item!r}")
+        if sep:
+            tenants.append((tenant.strip(), rate))
+        else:
+            default = rate
+    return default, tuple(sorted(tenants))
 
 
 def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:

@@ -39,7 +39,10 @@ class ScheduledSeq(NamedTuple):
     prefill, 1 normally, n when a request with n samples finishes its prompt (the
     scheduler then forks the sequence into n samples)."""
     is_prefill: bool
-    """True while computing prompt (or recomputed) tokens, False for a decode token."""
+    """True while computing prompt (or recomputed) tokens, False for a decode token. A
+    decode of num_tokens K + 1 > 1 is a speculative verify step: the last sampled token
+    and K proposed ones, of which the step keeps a prefix and samples one more
+    (`servelab.speculative`)."""
 
     @property
     def completes_prefill(self) -> bool:
@@ -145,6 +148,10 @@ class StepResult:
     """Sequences whose last drawn token ends them (EOS) before their target length."""
     shape: BatchShape | None = None
     """The step's BatchShape, if the executor computed it (the engine step reuses it)."""
+    produced: dict[SeqId, int] | None = None
+    """Tokens each speculative verify entry produced (1 + the proposed tokens accepted),
+    when the executor produces no real tokens (simulation); with real tokens, the length
+    of `sampled[seq]` says it."""
 
 
 @dataclass(slots=True)

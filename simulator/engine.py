@@ -104,12 +104,12 @@ class Replica:
     """
 
     def __init__(self, env: Environment, index: int, scheduler: Scheduler, cost_model: CostModel,
-                 feed: ArrivalFeed, *, fast_forward: bool = True) -> None:
+                 feed: ArrivalFeed, *, fast_forward: bool = True, executor=None) -> None:
         self.env = env
         self.index = index
         self.scheduler = scheduler
         self.cost_model = cost_model
-        self.executor = SimulatedExecutor(cost_model)
+        self.executor = executor if executor is not None else SimulatedExecutor(cost_model)
         self.feed = feed
         self.fast_forward = fast_forward
         self.outstanding = 0
@@ -212,7 +212,8 @@ class Cluster:
     With one replica, or a router that assigns requests up front, each replica gets its
     own arrival process (its fast-forward runs reach its own next arrival); otherwise one
     arrival process routes each request when it arrives, and every replica's runs end by
-    the cluster's next arrival. `requests` is a list, or a trace's `TraceRequests`, which
+    the cluster's next arrival. `executors` replaces each replica's `SimulatedExecutor` (a speculating engine's,
+`simulator/speculation.py`). `requests` is a list, or a trace's `TraceRequests`, which
     makes each request as it is released: the cluster then holds only the requests in
     flight (a scheduler lets a request go once its record is out). The requests are
     consumed: their serving state is the schedulers' (replay a list from
@@ -220,7 +221,8 @@ class Cluster:
     """
 
     def __init__(self, schedulers: Sequence[Scheduler], cost_model: CostModel, router: Router,
-                 requests: Sequence[Request], *, fast_forward: bool = True) -> None:
+                 requests: Sequence[Request], *, fast_forward: bool = True,
+                 executors: Sequence | None = None) -> None:
         if not schedulers:
             raise ValueError("a cluster needs at least one replica")
         if len(schedulers) != router.num_replicas:
@@ -240,7 +242,8 @@ class Cluster:
         n = len(schedulers)
         upfront = None if n == 1 else router.assign_upfront(requests)
         feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
-        self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward)
+        self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward,
+                                 executor=None if executors is None else executors[i])
                          for i, s in enumerate(schedulers)]
         if n == 1:
             env.process(arrival_process(env, requests, self.replicas[0].submit, feeds[0]))

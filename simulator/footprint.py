@@ -324,12 +324,16 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                        kv_dtype: str = "bf16", weight_dtype: str = "bf16",
                        activation_reserve_gb: float | None = None,
                        max_num_batched_tokens: int = 2048, max_num_seqs: int = 128, *,
-                       ep: int = 1) -> int:
+                       ep: int = 1, proposer: ModelSpec | None = None) -> int:
     """KV blocks that fit on each GPU (`servelab.capacity.kv_capacity_blocks`, the formula
     the real backend uses too): memory × utilization − weights per GPU − activation
     reserve, over the bytes of a block on one GPU. `kv_dtype` "fp8" halves a block;
     `weight_dtype` "fp8" stores the blocks' GEMM weights in one byte; `ep` spreads a
     mixture-of-experts model's routed experts (see the module docstring).
+
+    `proposer` is a speculative decoding proposer that runs beside the model (a draft
+    model, or an EAGLE / MTP head as one layer): its weights and its own KV per token, held
+    under the same block tables, come out of the same memory.
 
     `activation_reserve_gb` (GiB, as the catalog reads GB) replaces the modelled reserve
     (`activation_reserve_bytes`). Raises ValueError when the weights or the reserve leave
@@ -344,6 +348,11 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
     footprint = Footprint.of(model, tp, weight_dtype, kv_dtype, ep=ep)
     budget = gpu.memory_bytes * gpu_memory_utilization
     weights = footprint.weight_bytes
+    kv_per_token = footprint.kv_bytes_per_token
+    if proposer is not None:
+        extra = Footprint.of(proposer, tp, weight_dtype, kv_dtype)
+        weights += extra.weight_bytes
+        kv_per_token += extra.kv_bytes_per_token
     if activation_reserve_gb is None:
         reserve = activation_reserve_bytes(model, tp, max_num_batched_tokens, max_num_seqs, ep=ep)
     elif activation_reserve_gb < 0:
@@ -360,4 +369,4 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
     return engine_kv_capacity_blocks(
         memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, reserve_bytes=reserve,
-        block_bytes=block_size * footprint.kv_bytes_per_token, where=f"{model.name} on {gpu.name}")
+        block_bytes=block_size * kv_per_token, where=f"{model.name} on {gpu.name}")

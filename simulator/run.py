@@ -300,11 +300,16 @@ class Simulation:
                          kv_dtype=c.kv_dtype, calibration=profile, block_size=c.block_size)
         self.cost_model = cost
         sched = c.scheduler
+        if sched.speculative.enabled:
+            from servelab.simulator.speculation import proposer_spec
+            proposer = proposer_spec(sched.speculative, model)
+        else:
+            proposer = None
         self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else kv_capacity_blocks(
             model, cost.gpu, tp=c.tp, block_size=c.block_size,
             gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs)
+            max_num_seqs=sched.max_num_seqs, **({"proposer": proposer} if proposer is not None else {}))
         _check_some_request_fits(trace, self.kv_blocks, c.block_size)
         if c.prefix_caching:
             check_prefix_block_sizes(trace, c.block_size)
@@ -317,6 +322,7 @@ class Simulation:
                             num_host_blocks=self.host_blocks)
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
                       for _ in range(c.replicas)]
+        self.speculators = self._speculators(trace, model, cost) if sched.speculative.enabled else None
         with _gc_paused():
             requests = trace.requests(c.seed)
         # The trace's records are not kept: its requests, as columns, carry what the run
@@ -329,7 +335,22 @@ class Simulation:
             "notes": list(trace.notes)}
         del trace
         self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
-                               fast_forward=c.fast_forward)
+                               fast_forward=c.fast_forward, executors=self.speculators)
+
+    def _speculators(self, trace, model, cost) -> list:
+        """One speculating executor per replica (`simulator/speculation.py`), with each
+        request's acceptance rate (its tenant's where one is given)."""
+        from servelab.simulator.cost_model import CostModel
+        from servelab.simulator.speculation import SpeculativeExecutor, proposer_spec
+
+        c, spec = self.config, self.config.scheduler.speculative
+        proposer = proposer_spec(spec, model)
+        proposer_cost = None if proposer is None else CostModel(
+            proposer, cost.catalog_gpu, tp=c.tp, weight_dtype=c.weight_dtype, kv_dtype=c.kv_dtype,
+            calibration=cost.profile, block_size=c.block_size)
+        tenants = dict(spec.tenant_acceptance)
+        acceptance = {i: tenants[r.tenant] for i, r in enumerate(trace.records) if r.tenant in tenants}
+        return [SpeculativeExecutor(cost, spec, c.seed, acceptance, proposer_cost) for _ in range(c.replicas)]
 
     def derived(self) -> dict[str, Any]:
         cost = self.cost_model
@@ -346,9 +367,23 @@ class Simulation:
                            "calibration_engine_version": cost.profile.engine_version,
                            "step_overhead_s": cost.step_overhead_s,
                            "scales": dict(cost.scales),
-                           "kernels": cost.kernels.to_dict()},
+                           "kernels": _kernels_used(cost)},
             "trace": self.trace_provenance,
+            **({"speculation": self._speculation_stats()} if self.speculators else {}),
         }
+
+    def _speculation_stats(self) -> dict:
+        """Acceptance over every replica's verify steps, and per request."""
+        from servelab.simulator.speculation import SpeculationStats
+
+        total = SpeculationStats()
+        for executor in self.speculators:
+            for mine, theirs in ((total.steps, executor.stats.steps), (total.proposed, executor.stats.proposed),
+                                 (total.accepted, executor.stats.accepted)):
+                mine.update(theirs)
+        spec = self.config.scheduler.speculative
+        return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                **total.to_dict()}
 
     def run(self, progress=None) -> SimulationResult:
         """Simulate to the end; `progress(sim_s, done, total)` is called now and then.
@@ -373,6 +408,17 @@ class Simulation:
         if problem is not None:
             raise RunCheckError(problem, result)
         return result
+
+
+def _kernels_used(cost) -> dict:
+    """The kernel parameters that price this model's steps: the mixture-of-experts and
+    latent-attention families only for models that have them."""
+    unused = set()
+    if cost.model.moe is None:
+        unused |= {"moe", "moe_fp8", "alltoall"}
+    if cost.model.mla is None:
+        unused |= {"mla_prefill", "mla_decode"}
+    return {name: params for name, params in cost.kernels.to_dict().items() if name not in unused}
 
 
 def _profile_choice(gpu, calibration: str | None, engine_version: str | None) -> tuple[str, str]:

@@ -5,7 +5,8 @@
 Every `servelab simulate` flag is accepted and applies to every point. The list flags
 sweep: --policies, --rates (mean request rate, req/s: the trace's arrivals are rescaled to
 it), --block-sizes, --chunk-sizes (tokens, budget or off), --preemptions, --block-managers,
---gpus, --models, --tps, --engines, --routers; and --replicas takes a list too (--replicas 3,4,5).
+--gpus, --models, --tps, --engines, --routers; and --replicas, --speculative and
+--num-speculative-tokens take a list too (--replicas 3,4,5; --speculative off,draft:llama-3.1-8b).
 Each point's config is built from the flags exactly as `servelab simulate` builds it (its run directory's config.json reruns it), and a policy flag such as
 --sjf-predictor applies to that policy's points only.
 
@@ -81,10 +82,13 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
 #: them): (flag, the sweep axis = the flag's dest, item parser, metavar).
 LIST_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--replicas", "replicas", _positive_int, "N[,N,...]"),
+    ("--speculative", "speculative", _name, "off|ngram|draft:M,..."),
+    ("--num-speculative-tokens", "num_speculative_tokens", _positive_int, "K[,K,...]"),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("engine", "model", "gpu", "tp", "replicas", "block_manager", "block_size",
-              "chunked_prefill", "preemption", "router", "policy", "rate")
+              "chunked_prefill", "preemption", "speculative", "num_speculative_tokens", "router",
+              "policy", "rate")
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -134,8 +138,8 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
     g = p.add_argument_group("sweep (comma-separated lists; each replaces its single flag)")
     for flag, axis, parse, metavar in LIST_FLAGS:
         g.add_argument(flag, dest=axis, type=_list_of(parse), default=(p.get_default(axis),), metavar=metavar,
-                       help=f"{flag} as `simulate` takes it, or a list of values to sweep "
-                            f"(default {p.get_default(axis)})")
+                       help=f"{flag} as `simulate` takes it, or a list of values to sweep"
+                            + ("" if p.get_default(axis) is None else f" (default {p.get_default(axis)})"))
     notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
              "chunked_prefill": " (token counts, budget or off)"}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:

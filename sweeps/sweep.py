@@ -112,7 +112,7 @@ class SweepPoint:
 
 _AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
                "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp",
-               "replicas": "x"}
+               "replicas": "x", "speculative": "spec-", "num_speculative_tokens": "k"}
 
 
 def _slug(value: Any) -> str:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from servelab.config import AdmissionConfig, SchedulerConfig
+from servelab.config import AdmissionConfig, SpeculativeConfig, SchedulerConfig
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.sweep import SweepPoint, config_key
 
@@ -34,6 +34,7 @@ CHANGED_SCHEDULER = {
     "step_composition": "prefill_first", "preemption": "swap", "max_model_len": 2048,
     "waiting_queue_limit": 3, "batching": "static",
     "admission": AdmissionConfig(shed_from_priority=1),
+    "speculative": SpeculativeConfig("ngram"),
 }
 
 
