@@ -47,7 +47,6 @@ from servelab.sweeps.sweep import PointOutcome, Progress, SweepPoint
 
 PLAN_FILE = "plan.json"
 PLAN_FORMAT = "servelab.plan/1"
-DEFAULT_MAX_GPUS = 64
 EDGE = 0.05
 """A run within 5% of a target (`SloTargets.tightness` within 1 ± EDGE) decided its count
 by a hair: the answer carries a note."""

@@ -33,14 +33,14 @@ from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_con
 DEFAULT_TPS = (1, 2, 4, 8)
 """Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
 of 8 GPUs, the widest a single vLLM engine spans without pipeline parallelism."""
+DEFAULT_MAX_GPUS = 64
+"""The most GPUs a layout may use unless --max-gpus says otherwise: eight 8-GPU nodes."""
 FINALISTS = 4
 """Layouts compared in full at the end of the report (the cheapest found)."""
 OBJECTIVES = ("cost", "gpus")
 
 
 def register(subparsers) -> None:
-    from servelab.sweeps.plan import DEFAULT_MAX_GPUS
-
     p = subparsers.add_parser(
         "plan", conflict_handler="resolve",   # add_grid_arguments redefines --replicas
         help="find the cheapest deployment (GPU kind, TP, replicas, policy) that meets the SLOs",
