@@ -100,13 +100,14 @@ def load_comparison(out_dir: Path) -> Comparison:
         points.append(ReportPoint(entry["name"], labels, config["config"], config.get("derived", {}),
                                   read_json(run_dir / "summary.json"), requests,
                                   read_steps(run_dir),
-                                  float(rate) if rate is not None else _offered_rate(requests)))
+                                  float(rate) if rate is not None else offered_rate(requests)))
     if not points:
         raise ValueError(f"{out_dir}: none of the sweep's {len(sweep['points'])} points is stored yet")
     return Comparison(out_dir, sweep["axes"], points, missing)
 
 
-def _offered_rate(requests: Sequence[RequestRecord]) -> float:
+def offered_rate(requests: Sequence[RequestRecord]) -> float:
+    """Requests over the span of their arrivals: the traffic a run was offered (req/s)."""
     arrivals = floats(requests, "arrival_s")
     span = float(arrivals.max() - arrivals.min())
     return round(len(arrivals) / span, 3) if span > 0 else 0.0

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from servelab.reports import plots
-from servelab.reports.comparison import RUNS_DIR, load_comparison
+from servelab.reports.comparison import RUNS_DIR, load_comparison, offered_rate
 from servelab.reports.document import Bullets, Heading, Image, ReportFiles, Table, Text, write_document
 from servelab.reports.report import build_document
-from servelab.reports.runio import read_json
+from servelab.reports.runio import read_json, read_requests
 from servelab.reports.slo import SloTargets, slo_attainment
 
 PLAN_FILE, PLAN_FORMAT = "plan.json", "servelab.plan/1"
@@ -53,6 +53,8 @@ class _Row:
     layout: Mapping[str, Any]
     summary: Mapping[str, Any]
     config: Mapping[str, Any]
+    offered: float
+    """The traffic the run was offered, req/s (`offered_rate`)."""
 
     @property
     def name(self) -> str:
@@ -77,7 +79,8 @@ def _ranked(data: Mapping[str, Any], out_dir: Path) -> list[_Row]:
     rows = []
     for g in found:
         run = out_dir / RUNS_DIR / _met(g)["run"]
-        rows.append(_Row(g, read_json(run / "summary.json"), read_json(run / "config.json")["config"]))
+        rows.append(_Row(g, read_json(run / "summary.json"), read_json(run / "config.json")["config"],
+                         offered_rate(read_requests(run))))
     return rows
 
 
@@ -116,17 +119,18 @@ def _dollars_per_m_tokens(row: _Row, price_per_gpu: float | None) -> str:
 def _answer(data: Mapping[str, Any], rows: Sequence[_Row]) -> str:
     targets = SloTargets.from_dict(data["targets"])
     best = rows[0]
-    rate = best.summary["request_throughput"]
-    head = (f"{best.name}: {_reached(targets, best.summary)} at {rate:.2f} req/s, "
+    head = (f"{best.name}: {_reached(targets, best.summary)} at {best.offered:.2f} req/s, "
             f"{_cost(data, best.layout['cost'])}")
     if data["objective"] == "cost":
         head += f" ({best.gpus} GPU{'s' if best.gpus != 1 else ''})"
     below = next((t for t in best.layout["trials"] if t["replicas"] == best.layout["replicas"] - 1), None)
-    tail = []
+    tail, notes = [], list(best.layout["edge_notes"])
     if below is not None:
-        tail.append(f"{below['replicas']} replica{'s' if below['replicas'] != 1 else ''} missed: "
-                    f"{'; '.join(below['misses'])}")
-    tail += [f"note: {n}" for n in best.layout["edge_notes"]]
+        fewer = f"{below['replicas']} replica{'s' if below['replicas'] != 1 else ''} missed"
+        hair = [n for n in notes if n.startswith(fewer + " by a hair")]
+        tail.append(f"{fewer}{' by a hair' if hair else ''}: {'; '.join(below['misses'])}")
+        notes = [n for n in notes if n not in hair]
+    tail += [f"note: {n}" for n in notes]
     if best.layout["unsettled"]:
         tail.append(f"note: the run had not settled ({best.layout['unsettled']}): a longer run may need more")
     return head + "." + "".join(f" {t[0].upper()}{t[1:]}." for t in tail)
@@ -167,7 +171,7 @@ def _table(data: Mapping[str, Any], rows: Sequence[_Row], targets: SloTargets) -
         gpu = row.layout["labels"]["gpu"]
         price = data["prices"].get(gpu)
         body.append([row.name, str(row.gpus), _cost(data, row.layout["cost"]), _reached(targets, row.summary),
-                     f"{row.summary['request_throughput'] / row.gpus:.2f}",
+                     f"{row.offered / row.gpus:.2f}",
                      _dollars_per_m_tokens(row, price),
                      "; ".join(row.layout["edge_notes"]) or "-"])
     return Table(["Layout", "GPUs", "Cost", "Reached", "req/s per GPU", "$ per M output tokens", "Edge"], body)
