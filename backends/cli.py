@@ -39,7 +39,8 @@ def register(subparsers) -> None:
         "run", help="replay a trace on a real model (PyTorch + Triton paged attention)",
         description="Replay a trace through the shared scheduler on a real Llama-family model "
                     "and write a run directory (config.json, summary.json, requests and steps "
-                    "as .csv or .parquet, outputs.jsonl) comparable with `servelab simulate`'s.")
+                    "as .csv or .parquet, outputs.jsonl; speculation.json when speculating) "
+                    "comparable with `servelab simulate`'s.")
     p.add_argument("--backend", choices=("torch",), default="torch",
                    help="model runtime (default %(default)s)")
     p.add_argument("--device", default="auto",
@@ -193,8 +194,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         hits = f", prefix cache hit rate {s['prefix_cache_hit_rate']:.1%}"
         if opts.kv_offload_gb:
             hits += f" ({s['prefix_cache_cpu_hit_rate']:.1%} from the CPU tier)"
+    speculated = ""
+    if result.speculation is not None:
+        spec = result.speculation
+        speculated = (f", speculative acceptance {spec['acceptance_rate']:.1%} "
+                      f"({spec['tokens_per_verify_step']:.2f} tokens per verify step)"
+                      if spec["proposed_tokens"] else ", nothing speculated")
     print(f"{s['completed']} requests finished, {s['rejected']} rejected in {s['duration']:.3f} s "
           f"({args.clock} clock): {s['output_throughput']:.1f} output tok/s, "
           f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
-          f"{s['num_preemptions']} preemptions{hits} -> {out}")
+          f"{s['num_preemptions']} preemptions{hits}{speculated} -> {out}")
     return 0

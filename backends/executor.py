@@ -19,12 +19,21 @@ Randomness: sample i of request r draws from a CPU generator seeded with `r.seed
 (`Request.seed`) or, for requests without a seed, `derive_seed(run_seed, r, i)`. Each
 draw uses one number of its own stream, so tokens do not depend on batch mates.
 
+Speculative decoding (`servelab.backends.speculative`): a decode entry of K' + 1 > 1 tokens
+is a verify step. The proposer (which also sees the step's prefill chunks) proposes K'
+tokens after the sequence's last sampled token, the target computes [last, proposals] in
+the same forward pass as everything else, with logits at each position, and rejection
+sampling keeps the accepted proposals and one token more; `acceptance` counts them per
+request. Without a proposer the step is computed exactly as it always was.
+
 Timing: on a GPU the step is bracketed by two CUDA events and the host waits once, on
 the sampled token ids it needs anyway; on a CPU, perf_counter. Either way the duration
-covers the block moves, the batch assembly, the forward pass and sampling.
+covers the block moves, the batch assembly, the forward pass and sampling (and the
+proposer's work when speculating).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Iterable, Mapping
 
@@ -33,7 +42,10 @@ import torch
 
 from servelab.backends.attention import SeqWork
 from servelab.backends.model import ModelRunner
-from servelab.backends.sampling import SamplingParams, derive_seed, make_generator, sample
+from servelab.backends.sampling import (SamplingParams, derive_seed, make_generator,
+                                        probabilities, sample)
+from servelab.backends.speculative import (AcceptanceCounts, Proposal, Proposer, VerifyTask,
+                                           rejection_sample, verify_greedy)
 from servelab.outputs import ScheduledSeq, SchedulerOutput, StepResult
 from servelab.request import Request, SeqId
 
@@ -124,12 +136,13 @@ class RealExecutor:
     reads prompts and each sample's output tokens from it, never writes it). `sampling`
     holds the run's temperature / top-k / top-p. With `replay=True` EOS is ignored and a
     request runs to its trace length; otherwise a sample that draws one of
-    `eos_token_id` stops.
+    `eos_token_id` stops. `proposer` serves the verify steps of a speculating scheduler.
     """
 
     def __init__(self, runner: ModelRunner, requests: Mapping[int, Request],
                  sampling: SamplingParams = SamplingParams(), *, replay: bool,
-                 eos_token_id: int | Iterable[int] | None, seed: int) -> None:
+                 eos_token_id: int | Iterable[int] | None, seed: int,
+                 proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.requests = requests
         self.sampling = sampling
@@ -144,25 +157,37 @@ class RealExecutor:
         self.timer = StepTimer(runner.device)
         self._generators: dict[SeqId, torch.Generator] = {}
         self._prompts: dict[int, tuple[int, ...]] = {}
+        self.proposer = proposer
+        self.runners = (runner,) if proposer is None else (runner, *proposer.runners)
+        """Every runner whose KV cache follows the scheduler's block tables."""
+        self.acceptance: dict[int, AcceptanceCounts] = {}
+        """request_id -> its speculation counts (kept after the request finishes)."""
 
     # ------------------------------------------------------------------ one step
     def execute(self, out: SchedulerOutput) -> StepResult:
         runner = self.runner
         self.timer.start()
-        runner.offload(out.offload)
-        runner.swap_out(out.swap_out)
-        runner.swap_in(out.swap_in)
-        runner.load(out.load)
-        runner.copy_blocks(out.copies)
+        for cache_owner in self.runners:   # each cache in the order the docstring gives
+            cache_owner.offload(out.offload)
+            cache_owner.swap_out(out.swap_out)
+            cache_owner.swap_in(out.swap_in)
+            cache_owner.load(out.load)
+            cache_owner.copy_blocks(out.copies)
         sampled: dict[SeqId, list[int]] = {}
         stopped: set[SeqId] = set()
         if out.scheduled:
-            work = [self._work(e, out.block_tables) for e in out.scheduled]
-            logits = runner.run(work)
+            entries = list(out.scheduled)
+            work = [self._work(e, out.block_tables) for e in entries]
+            verify = self._propose(entries, work) if self.proposer is not None else {}
+            counts = [work[i].num_tokens if i in verify else 1 for i in range(len(work))]
+            logits = runner.run(work, counts if verify else None)
+            first = list(itertools.accumulate(counts, initial=0))   # each entry's first row
             rows, params, generators, owners = [], [], [], []
-            for row, e in enumerate(out.scheduled):
+            for row, e in enumerate(entries):
+                if row in verify:
+                    continue
                 for i in range(e.num_samples):
-                    rows.append(row)
+                    rows.append(first[row])
                     params.append(self.sampling)
                     generators.append(self._generator(e.request_id, i))
                     owners.append(e)
@@ -174,7 +199,56 @@ class RealExecutor:
                     if not self.replay and token in self.eos_ids:
                         stopped.add((e.request_id, len(drawn)) if e.num_samples > 1 else e.seq_id)
                     drawn.append(token)
+            for row, (task, proposal) in verify.items():
+                e = entries[row]
+                drawn = self._verify(logits[first[row]:first[row + 1]], task, proposal)
+                eos = next((j for j, t in enumerate(drawn) if t in self.eos_ids), None)
+                if eos is not None and not self.replay:
+                    drawn = drawn[:eos + 1]
+                    stopped.add(e.seq_id)
+                sampled[e.seq_id] = drawn
         return StepResult(self.timer.stop(), sampled, stopped)
+
+    # ------------------------------------------------------------------ speculation
+    def _propose(self, entries: list[ScheduledSeq],
+                 work: list[SeqWork]) -> dict[int, tuple[VerifyTask, Proposal]]:
+        """Asks the proposer for the step's verify entries (showing it the prefill chunks
+        too) and extends each one's work by its proposal; returns entry index -> (task,
+        proposal) for the verify entries. Counts every decode entry's step in `acceptance`."""
+        prefills, tasks, where = [], [], []
+        for i, e in enumerate(entries):
+            if e.is_prefill:
+                prefills.append((e.seq_id, work[i]))
+                continue
+            self.acceptance.setdefault(e.request_id, AcceptanceCounts()).decode_steps += 1
+            if e.num_tokens > 1:
+                req = self.requests[e.request_id]
+                tasks.append(VerifyTask(e.seq_id, e.context_len, e.num_tokens - 1,
+                                        work[i].block_table, self._prompt(req),
+                                        req.seqs[e.seq_id[1]].output_token_ids,
+                                        self._generator(e.request_id, e.seq_id[1])))
+                where.append(i)
+        proposals = self.proposer.propose(prefills, tasks, self.sampling)
+        for i, proposal in zip(where, proposals):
+            w = work[i]
+            tokens = w.token_ids + proposal.tokens
+            work[i] = SeqWork(tokens, w.context_len, w.block_table, len(tokens) > 1)
+        return dict(zip(where, zip(tasks, proposals)))
+
+    def _verify(self, logits: torch.Tensor, task: VerifyTask, proposal: Proposal) -> list[int]:
+        """The tokens a verify step produces from the target's logits [k + 1, V] at
+        [last, proposals], counted in `acceptance`."""
+        if self.sampling.is_greedy:
+            drawn = verify_greedy(logits, proposal.tokens)
+        else:
+            target = probabilities(logits, [self.sampling] * logits.shape[0])
+            drawn = rejection_sample(target, proposal.probs, proposal.tokens, task.generator)
+        if proposal.tokens:
+            counts = self.acceptance[task.seq_id[0]]
+            counts.verify_steps += 1
+            counts.proposed += len(proposal.tokens)
+            counts.accepted += len(drawn) - 1
+        return drawn
 
     def _work(self, e: ScheduledSeq, tables: Mapping[SeqId, list[int]]) -> SeqWork:
         req = self.requests[e.request_id]
@@ -183,6 +257,11 @@ class RealExecutor:
             raise ValueError(f"scheduler output has no block table for {e.seq_id}: build the "
                              "scheduler with emit_block_tables=True")
         start, stop = e.context_len, e.context_len + e.num_tokens
+        if not e.is_prefill and e.num_tokens > 1:   # a verify step: the proposals come later
+            if self.proposer is None:
+                raise ValueError(f"scheduler output verifies {e.num_tokens - 1} speculative "
+                                 f"tokens of {e.seq_id} but the executor has no proposer")
+            stop = start + 1
         return SeqWork(self._tokens(req, e.seq_id[1], start, stop), start, table, e.is_prefill)
 
     def _tokens(self, req: Request, sample_index: int, start: int, stop: int) -> list[int]:
@@ -227,3 +306,5 @@ class RealExecutor:
         req = self.requests.get(request_id)
         for i in range(req.n if req is not None else 0):
             self._generators.pop((request_id, i), None)
+            if self.proposer is not None:
+                self.proposer.release((request_id, i))

@@ -15,6 +15,7 @@ dtype, RoPE angles in fp32, logits returned in fp32.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,11 +345,18 @@ class ModelRunner:
                                  "is implemented")
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqWork]) -> torch.Tensor:
-        """Computes one step and returns the logits [len(seqs), vocab] fp32 of each
-        sequence's last token, in the order of `seqs` (any prefill/decode order)."""
+    def run(self, seqs: list[SeqWork], num_logits: list[int] | None = None) -> torch.Tensor:
+        """Computes one step and returns the logits fp32 of each sequence's last token,
+        [len(seqs), vocab] in the order of `seqs` (any prefill/decode order). With
+        `num_logits`, of each sequence's last num_logits[i] tokens instead (a speculative
+        verify step reads all of its tokens'), sequence after sequence."""
         if not seqs:
             raise ValueError("run() needs at least one sequence")
+        counts = [1] * len(seqs) if num_logits is None else list(num_logits)
+        if len(counts) != len(seqs) or any(not 1 <= n <= s.num_tokens
+                                           for n, s in zip(counts, seqs)):
+            raise ValueError("run(): num_logits needs one count per sequence, each between 1 "
+                             "and the sequence's num_tokens")
         self._check_window(seqs)
         order = ([i for i, s in enumerate(seqs) if s.is_prefill]
                  + [i for i, s in enumerate(seqs) if not s.is_prefill])
@@ -363,12 +371,15 @@ class ModelRunner:
                              f"[0, {self.spec.vocab_size})")
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         positions_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        lengths = torch.tensor([s.num_tokens for s in batch])
-        last = (torch.cumsum(lengths, 0) - 1).to(self.device, non_blocking=True)
+        # the rows read, in batch order, and where each goes in the answer (seqs order)
+        ends = itertools.accumulate(s.num_tokens for s in batch)
+        rows = [end - counts[i] + j for end, i in zip(ends, order) for j in range(counts[i])]
+        first_row = [0, *itertools.accumulate(counts)]
+        dest = [first_row[i] + j for i in order for j in range(counts[i])]
         hidden = self.model(input_ids, positions_t, meta, self.kv_cache)
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         out = torch.empty_like(logits)
-        out[torch.tensor(order, device=self.device)] = logits
+        out[torch.tensor(dest, device=self.device)] = logits
         return out
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

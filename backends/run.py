@@ -20,6 +20,8 @@ The run directory holds the files `servelab simulate` writes: config.json, summa
 requests.csv, steps.csv, plus outputs.jsonl (each request's token ids per sample). With
 prefix caching, requests.csv says how many prompt tokens each request found cached and how
 many of those came from the CPU tier (`kv_offload_gb`), and summary.json the hit rates.
+With speculative decoding (`--speculative draft:MODEL` or `ngram`, `backends.speculative`)
+it also holds speculation.json: tokens proposed and accepted, in total and per request.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ from servelab.backends.executor import RealExecutor, with_prompt_tokens
 from servelab.backends.host_pools import check_host_memory, host_tier_blocks
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
 from servelab.backends.sampling import SamplingParams
+from servelab.backends.speculative import (AcceptanceCounts, build_proposer, draft_checkpoint,
+                                           draft_spec)
 from servelab.backends.weights import resolve_device, resolve_dtype
-from servelab.config import CacheConfig, SchedulerConfig
+from servelab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from servelab.engine import Replay, engine_loop, run_to_end
 from servelab.host_memory import check_prefix_block_sizes
 from servelab.memory.base import BlockUsage
@@ -162,6 +166,8 @@ class RealRunResult:
     config: dict
     """What config.json holds: {"format", "servelab_version", "config", "derived"}."""
     out_dir: Path | None
+    speculation: dict | None = None
+    """What speculation.json holds (`speculation_summary`); None without speculation."""
 
 
 # --------------------------------------------------------------------------- setup
@@ -179,14 +185,19 @@ def _setup_step() -> Iterator[None]:
 
 def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                           block_size: int, scheduler: SchedulerConfig,
-                          gpu_memory_utilization: float = 0.9) -> int:
+                          gpu_memory_utilization: float = 0.9, draft: ModelSpec | None = None) -> int:
     """KV blocks for a run that did not say: on CUDA, `servelab.capacity.kv_capacity_blocks`
     (the simulator's formula) of the memory CUDA reports, what others already hold, the
     weights and this runner's activation peak (`SERVELAB_TORCH`); on a CPU, at most
-    CPU_KV_BYTES and no more than max_num_seqs full-length sequences need. Raises
-    ValueError when not one block fits."""
+    CPU_KV_BYTES and no more than max_num_seqs full-length sequences need. A speculative
+    `draft` model keeps a block of its own beside each of the target's, and its weights.
+    Raises ValueError when not one block fits."""
     elem = torch.empty((), dtype=dtype).element_size()
     block_bytes = spec.kv_bytes_per_token(elem) * block_size
+    weight_bytes = spec.num_params * elem
+    if draft is not None:
+        block_bytes += draft.kv_bytes_per_token(elem) * block_size
+        weight_bytes += draft.num_params * elem
     if device.type != "cuda":
         needed = scheduler.max_num_seqs * -(-scheduler.max_model_len // block_size)
         return max(1, min(CPU_KV_BYTES // block_bytes, needed))
@@ -196,7 +207,7 @@ def derive_num_gpu_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dt
         intermediate=spec.intermediate_size, vocab=spec.vocab_size,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs)
     return kv_capacity_blocks(memory_bytes=total, gpu_memory_utilization=gpu_memory_utilization,
-                              in_use_bytes=total - free, weight_bytes=spec.num_params * elem,
+                              in_use_bytes=total - free, weight_bytes=weight_bytes,
                               reserve_bytes=reserve, block_bytes=block_bytes,
                               where=f"{spec.name} on {device}",
                               hint="pass --kv-blocks or use a smaller model")
@@ -269,13 +280,16 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         spec = load_model_spec(config.model if config.model is not None else config.checkpoint)
         check_model_supported(spec)
         sched_cfg = config.scheduler
+        speculative = sched_cfg.speculative
+        draft = (draft_spec(speculative, spec, sched_cfg.max_model_len)
+                 if speculative.enabled else None)
         cache_kwargs = dict(config.cache)
         block_size = cache_kwargs.get("block_size", CacheConfig.block_size)
         num_blocks = cache_kwargs.get("num_gpu_blocks")
         blocks_source = "given" if num_blocks else "derived"
         if not num_blocks:
             num_blocks = derive_num_gpu_blocks(spec, device, dtype, block_size, sched_cfg,
-                                               config.gpu_memory_utilization)
+                                               config.gpu_memory_utilization, draft)
         if config.kv_offload_gb:
             cache_kwargs["num_host_blocks"] = host_tier_blocks(config.kv_offload_gb, spec, dtype,
                                                                block_size)
@@ -302,22 +316,28 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
             raise RunSetupError("request ids must be unique")
         eos = spec.hf_config.get("eos_token_id")
         described = _describe(config, spec, device, dtype, use_triton, cache_cfg, blocks_source,
-                              scheduler.policy.describe(), eos, len(live))
+                              scheduler.policy.describe(), eos, len(live), draft)
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:   # before the model is built: a refusal costs nothing
             check_out_dir(out, described["config"], force=force)
-        runner = ModelRunner(spec, device=device, dtype=dtype, num_gpu_blocks=num_blocks,
-                             num_cpu_blocks=cache_cfg.num_cpu_blocks,
-                             num_host_blocks=cache_cfg.num_host_blocks, block_size=block_size,
-                             use_triton=use_triton, checkpoint=config.checkpoint, seed=config.seed)
+
+        def make_runner(model: ModelSpec, checkpoint: str | None) -> ModelRunner:
+            return ModelRunner(model, device=device, dtype=dtype, num_gpu_blocks=num_blocks,
+                               num_cpu_blocks=cache_cfg.num_cpu_blocks,
+                               num_host_blocks=cache_cfg.num_host_blocks, block_size=block_size,
+                               use_triton=use_triton, checkpoint=checkpoint, seed=config.seed)
+
+        runner = make_runner(spec, config.checkpoint)
+        proposer = build_proposer(speculative, draft, make_runner) if speculative.enabled else None
     executor = RealExecutor(runner, live, config.sampling, replay=config.replay,
-                            eos_token_id=eos, seed=config.seed)
+                            eos_token_id=eos, seed=config.seed, proposer=proposer)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", described)
 
     if config.warmup and device.type == "cuda":
-        _warm_up(runner, sched_cfg.max_model_len)
+        for warmed in executor.runners:
+            _warm_up(warmed, sched_cfg.max_model_len)
     progress = Progress(len(live), config.progress, config.clock)
     records, steps, preempted = _serve(scheduler, executor, list(live.values()),
                                        WallClock() if config.clock == "wall" else VirtualClock(),
@@ -328,11 +348,15 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
                         tenant_weights=scheduler.policy.tenant_weights)
     outputs = {rid: [list(s.output_token_ids) for s in req.seqs]
                for rid, req in sorted(live.items())}
+    speculation = (speculation_summary(speculative, executor.acceptance, sorted(live))
+                   if speculative.enabled else None)
     if out is not None:
         write_json(out / "summary.json", summary)
         write_records(out, records, steps, config.output_format)
         if config.save_outputs:
             _write_outputs(out / "outputs.jsonl", outputs)
+        if speculation is not None:
+            write_json(out / "speculation.json", speculation)
     return RealRunResult(
         summary, records, steps, outputs, num_blocks,
         num_swap_preemptions=preempted[PreemptionMode.SWAP],
@@ -341,7 +365,8 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         num_copied_blocks=sum(s.num_copy_blocks for s in steps),
         num_offloaded_blocks=sum(s.num_offload_blocks for s in steps),
         num_loaded_blocks=sum(s.num_load_blocks for s in steps),
-        block_usage=scheduler.bm.usage(), config=described, out_dir=out)
+        block_usage=scheduler.bm.usage(), config=described, out_dir=out,
+        speculation=speculation)
 
 
 def _serve(scheduler, executor: RealExecutor, requests: list[Request], clock,
@@ -380,7 +405,7 @@ class _RealReplay(Replay):
 
 
 def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton, cache_cfg,
-              blocks_source, policy, eos, num_requests) -> dict:
+              blocks_source, policy, eos, num_requests, draft: ModelSpec | None) -> dict:
     """config.json: the run's settings as given ("config"), and what the run derived from
     them and from the machine ("derived"), in the simulator's layout."""
     trace = config.trace
@@ -413,8 +438,41 @@ def _describe(config: RealRunConfig, spec: ModelSpec, device, dtype, use_triton,
         "trace": {**trace_info, "num_requests": num_requests},
         "versions": _versions(device),
     }
+    speculative = config.scheduler.speculative
+    if speculative.enabled:   # so that configs without speculation read as before
+        derived["speculative"] = {"method": speculative.method, "draft": None if draft is None else {
+            "model": {k: v for k, v in asdict(draft).items() if k != "hf_config"},
+            "weights": "checkpoint" if draft_checkpoint(speculative.draft_model) is not None
+            else f"seeded random (seed {config.seed})"}}
     return {"format": CONFIG_FORMAT, "servelab_version": __version__, "config": given,
             "derived": derived}
+
+
+def speculation_summary(config: SpeculativeConfig, counts: Mapping[int, AcceptanceCounts],
+                        request_ids: Sequence[int]) -> dict:
+    """speculation.json: the proposer, then decode steps, verify steps (a decode step that
+    proposed at least one token), tokens proposed and accepted, in total and per request
+    (zeros for one that never decoded). The keys the simulator records in config.json
+    (`derived.speculation`) mean the same here."""
+    totals = AcceptanceCounts()
+    per_request = []
+    for rid in request_ids:
+        c = counts.get(rid, AcceptanceCounts())
+        totals.decode_steps += c.decode_steps
+        totals.verify_steps += c.verify_steps
+        totals.proposed += c.proposed
+        totals.accepted += c.accepted
+        per_request.append({"request_id": rid, "decode_steps": c.decode_steps,
+                            "verify_steps": c.verify_steps, "proposed": c.proposed,
+                            "accepted": c.accepted, "acceptance_rate": c.acceptance_rate})
+    decodes, verifies, accepted = totals.decode_steps, totals.verify_steps, totals.accepted
+    return {"method": config.method, "draft_model": config.draft_model,
+            "num_speculative_tokens": config.num_speculative_tokens,
+            "decode_steps": decodes, "verify_steps": verifies, "proposed_tokens": totals.proposed,
+            "accepted_tokens": accepted, "acceptance_rate": totals.acceptance_rate,
+            "tokens_per_decode_step": (decodes + accepted) / decodes if decodes else None,
+            "tokens_per_verify_step": (verifies + accepted) / verifies if verifies else None,
+            "requests": per_request}
 
 
 def _write_outputs(path: Path, outputs: Mapping[int, list[list[int]]]) -> None:

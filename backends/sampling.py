@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "make_generator", "derive_seed", "filter_logits", "sample"]
+__all__ = ["SamplingParams", "make_generator", "derive_seed", "filter_logits", "sample",
+           "probabilities", "draw"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,20 +102,33 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         missing = [i for i in random_rows if generators[i] is None]
         if missing:
             raise ValueError(f"sample: rows {missing[:5]} sample randomly but have no generator")
-        device = logits.device
-        chosen = [params[i] for i in random_rows]
-        rows = torch.tensor(random_rows, device=device)
-        scaled = logits[rows].float() / torch.tensor([p.temperature for p in chosen],
-                                                     device=device)[:, None]
-        if any(p.top_k or p.top_p < 1.0 for p in chosen):
-            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in chosen], device=device),
-                                   torch.tensor([p.top_p for p in chosen], device=device))
-        cdf = torch.cumsum(torch.softmax(scaled, dim=-1, dtype=torch.float64), dim=-1)
-        total = cdf[:, -1:].contiguous()
-        uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64)
-                              for i in random_rows]).to(device)
-        picked = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
-        # u * total may round up to total: fall back to the last token with probability mass.
-        last_with_mass = torch.searchsorted(cdf, total)
-        tokens[rows] = torch.minimum(picked, last_with_mass)[:, 0]
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = probabilities(logits[rows], [params[i] for i in random_rows])
+        tokens[rows] = draw(probs, [generators[i] for i in random_rows])
     return tokens.tolist()
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of logits [S, V] samples from, [S, V] float64: the softmax
+    of the logits over the row's temperature, zero outside its top-k / top-p set. Rows
+    must not be greedy (temperature 0 has no distribution but argmax)."""
+    device = logits.device
+    scaled = logits.float() / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
+                               torch.tensor([p.top_p for p in params], device=device))
+    return torch.softmax(scaled, dim=-1, dtype=torch.float64)
+
+
+def draw(weights: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token id per row of non-negative weights [S, V] float64 (any positive total,
+    normalised here), by inverse CDF over one uniform drawn from the row's generator;
+    int64 [S] on the weights' device."""
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:].contiguous()
+    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64)
+                          for g in generators]).to(weights.device)
+    picked = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
+    # u * total may round up to total: fall back to the last token with probability mass.
+    last_with_mass = torch.searchsorted(cdf, total)
+    return torch.minimum(picked, last_with_mass)[:, 0]

@@ -37,7 +37,8 @@ from servelab.simulator.cost_model import CostModel
 
 def proposer_spec(config: SpeculativeConfig, target: ModelSpec) -> ModelSpec | None:
     """The model the proposer runs (None: an n-gram lookup, which runs no model). A draft
-    must share the target's vocabulary and be smaller than it; one line says why not."""
+    must share the target's vocabulary and be no larger than it (the same model as its own
+    draft accepts every token: a check, as the real backend uses it); one line says why not."""
     if config.method == "ngram":
         return None
     if config.method == "draft":
@@ -46,9 +47,9 @@ def proposer_spec(config: SpeculativeConfig, target: ModelSpec) -> ModelSpec | N
             raise ValueError(f"draft model {draft.name} has a vocabulary of {draft.vocab_size:,} tokens, "
                              f"the target {target.name} one of {target.vocab_size:,}: a draft must share "
                              "the target's vocabulary")
-        if draft.num_params >= target.num_params:
-            raise ValueError(f"draft model {draft.name} ({draft.num_params / 1e9:.1f}B parameters) is not "
-                             f"smaller than the target {target.name} ({target.num_params / 1e9:.1f}B)")
+        if draft.num_params > target.num_params:
+            raise ValueError(f"draft model {draft.name} ({draft.num_params / 1e9:.1f}B parameters) is larger "
+                             f"than the target {target.name} ({target.num_params / 1e9:.1f}B)")
         return draft
     # EAGLE / MTP: one decoder layer of the target's shape, through the target's LM head
     return replace(target, num_layers=1, name=f"{target.name} {config.method} head")

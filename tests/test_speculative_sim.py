@@ -136,7 +136,7 @@ def test_a_run_is_deterministic_and_reruns_from_its_config(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative", "draft:llama-2-7b"], "a draft must share the target's vocabulary"),
-    (["--speculative", "draft:llama-3.1-70b"], "is not smaller than the target"),
+    (["--speculative", "draft:llama-3.1-70b"], "is larger than the target"),
     (["--speculative", "draft"], "draft needs its model"),
     (["--speculative", "medusa"], "--speculative: expected draft:MODEL"),
     (["--speculative", "ngram", "--acceptance-rate", "1.5"], "an acceptance rate is in [0, 1]"),
