@@ -160,7 +160,9 @@ the draft model (an EAGLE / MTP head: one decoder layer of the target's shape; a
 lookup: free), and the draft's weights and KV come out of the same GPU memory. A run's
 `config.json` records the acceptance (`derived.speculation`: decode steps, proposed and
 accepted tokens, per request). In `compare` and `capacity`, `--speculative off,draft:M`
-and `--num-speculative-tokens 2,4` are sweep axes.
+and `--num-speculative-tokens 2,4` are sweep axes. The real backend runs the same
+scheduling with a draft model (or n-gram proposals) and rejection sampling, and measures
+acceptance per request: [speculative-real.md](speculative-real.md).
 
 ## Llama-3.1-70B on 4 x H100 with a Llama-3.1-8B draft, K = 4
 
