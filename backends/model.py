@@ -353,8 +353,8 @@ class ModelRunner:
         if not seqs:
             raise ValueError("run() needs at least one sequence")
         counts = [1] * len(seqs) if num_logits is None else list(num_logits)
-        if len(counts) != len(seqs) or any(not 1 <= n <= s.num_tokens
-                                           for n, s in zip(counts, seqs)):
+        if num_logits is not None and (len(counts) != len(seqs) or any(
+                not 1 <= n <= s.num_tokens for n, s in zip(counts, seqs))):
             raise ValueError("run(): num_logits needs one count per sequence, each between 1 "
                              "and the sequence's num_tokens")
         self._check_window(seqs)
