@@ -15,6 +15,11 @@ The scheduler decides when to try (policy order, token budget, seats: `Scheduler
 - `can_swap_in`, `swap_in`: a swapped request's return to the GPU, its blocks offered to
   the prefix cache again.
 
+An import is a waiting sequence that already holds its blocks: its KV was computed
+elsewhere and written into blocks allocated for it before it was added (a disaggregated
+decode replica's request: `simulator/kv_handoff.py`). Admission takes it as it
+is, with the computed tokens its importer set, and it needs no free memory.
+
 With prefix caching, each waiting sequence's block keys and their chain hashes are built
 once (`BlockKeys`) and extended only when the sequence has grown, instead of at every
 look-up; the block manager is handed the same object each time, so it can remember what
@@ -79,7 +84,7 @@ class KVAdmission:
         done: list[Sequence] = []
         max_total, expected_total = req.prompt_len + req.max_tokens, req.prompt_len + req.output_len
         for s in req.seqs:
-            if s.finished:
+            if s.finished or bm.has_seq(s.seq_id):   # an import holds its blocks already
                 continue
             contents = self.block_keys(req, s) if self._prefix_caching else ()
             status = bm.can_allocate(s.num_tokens, contents, max_total_tokens=max_total,
@@ -191,6 +196,8 @@ class KVAdmission:
             for s in head.seqs:
                 if s.finished:
                     continue
+                if self._bm.has_seq(s.seq_id):
+                    return False   # an import: it needs no memory
                 contents = self.block_keys(head, s) if self._prefix_caching else ()
                 if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
                     return False
@@ -201,7 +208,8 @@ class KVAdmission:
         blocks free, the watermark kept (counting blocks, as admission of sequences
         without cached contents does)?"""
         bs, bm = self._bm.block_size, self._bm
-        need = sum(-(-s.num_tokens // bs) for s in req.seqs if not s.finished)
+        need = sum(-(-s.num_tokens // bs) for s in req.seqs
+                   if not s.finished and not bm.has_seq(s.seq_id))   # an import needs none
         return bm.num_free_blocks + extra_free - need >= bm.watermark_blocks
 
     def freeable_blocks(self, victims: list[Request], running: dict[int, Request]) -> int:
@@ -210,9 +218,15 @@ class KVAdmission:
         prompt's blocks, and prefix caching shares blocks across requests). O(blocks of
         the running requests), paid only in a step whose waiting head does not fit."""
         table = self._bm.block_table
-
-        def blocks(reqs) -> set[int]:
-            return {b for r in reqs for s in r.seqs if not s.finished for b in table(s.seq_id)}
-
         chosen = {r.request_id for r in victims}
-        return len(blocks(victims) - blocks(r for r in running.values() if r.request_id not in chosen))
+        freed: set[int] = set()
+        for r in victims:
+            for s in r.seqs:
+                if not s.finished:
+                    freed.update(table(s.seq_id))
+        for r in running.values():
+            if r.request_id not in chosen:
+                for s in r.seqs:
+                    if not s.finished:
+                        freed.difference_update(table(s.seq_id))
+        return len(freed)

@@ -176,7 +176,8 @@ class Policy(abc.ABC):
     reorders_running: ClassVar[bool] = False
     """Does `may_preempt_for` of a running request change as it draws tokens (mlfq's
     demotion)? Then a `preemptive` instance says how long it stays as it is
-    (`tokens_until_preemptible`), and the simulator's fast-forward ends its runs there.
+    (`tokens_until_preemptible`): the simulator's fast-forward ends its runs there, and
+    the scheduler's memory of a waiting head it found no victim for ends there too.
     (Victim order may change freely: nothing is preempted within a run of plain decode
     steps.)"""
 
@@ -265,7 +266,10 @@ class Policy(abc.ABC):
     def may_preempt_for(self, head: Request, running: Request) -> bool:
         """May `running` be preempted so that the waiting `head` can be admitted? Asked
         only of a policy that declares `preemptive`; every request it is shown is
-        current."""
+        current. The answer depends on the two requests alone (not on the time or on
+        other requests), and changes while `head` waits only as `running` draws tokens,
+        under a policy that declares `reorders_running`: the scheduler remembers a head
+        no running request may be preempted for until then."""
         return False
 
     def tokens_until_preemptible(self, heads: list[Request], running: Iterable[Request]) -> int:

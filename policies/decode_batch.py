@@ -215,6 +215,13 @@ class DecodeBatch:
         del self._buckets[-m.base % self._bs][rid]
         self._base_sum -= m.base
 
+    def release(self, req: Request) -> None:
+        """Take `req` out of the batch, written back (it is about to be preempted); a
+        request that is not a member is left alone. O(1)."""
+        m = self._members.get(req.request_id)
+        if m is not None:
+            self._leave(m)
+
     def dissolve(self, listed: dict[int, Request]) -> None:
         """Write every member back and hand it to `listed`. O(members)."""
         self.pending = False  # a step scheduled before this cannot be updated

@@ -57,9 +57,10 @@ class MLFQPolicy(Policy):
     head may preempt changes during a run of decode steps. The policy declares it
     (`reorders_running`) and says how many tokens the running requests may draw before
     one sinks below the best waiting level (`tokens_until_preemptible`); a fast-forward
-    run ends there (`Scheduler.decode_run_bound`). A waiting request's level does not
-    change while it waits (promotion takes effect when it is admitted), so that bound is
-    exact. Victim order alone may change within a run: nothing is preempted there.
+    run ends there (`Scheduler.decode_run_bound`), and so does the scheduler's memory of
+    a waiting head it found no victim for. A waiting request's level does not change
+    while it waits (promotion takes effect when it is admitted), so that bound is exact.
+    Victim order alone may change within a run: nothing is preempted there.
     """
 
     reorders_running = True
@@ -98,6 +99,11 @@ class MLFQPolicy(Policy):
         self.quanta = [max(1, round(quantum_tokens * quantum_ratio ** i)) for i in range(num_levels)]
         """Each level's quantum in whole output tokens."""
         self._through = list(itertools.accumulate(self.quanta))   # Σ quanta[0..i]
+        # Levels by bisection without a cap: the last level's bound is left out, so no
+        # search returns past it. _skipped[i]: the service a request joining level i skips.
+        self._join_bounds = self.quanta[:-1]
+        self._level_bounds = self._through[:-1]
+        self._skipped = [0, *self._through[:-1]]
         self._by_wait = KeyedQueue()          # (entered the queue at, request id)
         self._since: dict[int, float] = {}    # waiting request id -> entered the queue at
         self._promoted: dict[int, int] = {}   # request id -> output tokens when promoted
@@ -107,27 +113,24 @@ class MLFQPolicy(Policy):
     # --- levels ----------------------------------------------------------------------
     def join_level(self, req: Request) -> int:
         """Skip-join: the first level whose quantum covers the prefill's price."""
-        return min(bisect.bisect_left(self.quanta, req.prompt_len / self.prefill_ratio),
-                   self.num_levels - 1)
+        return bisect.bisect_left(self._join_bounds, req.prompt_len / self.prefill_ratio)
 
     def level(self, req: Request) -> int:
-        """The level after the tokens drawn so far (since promotion, if promoted)."""
-        return self._standing(req)[0]
+        """The level after the tokens drawn so far (since promotion, if promoted).
+        O(log levels): the scheduler asks it of every running request it orders or
+        looks at for a victim."""
+        return bisect.bisect_right(self._level_bounds, self._service(req))
 
-    def _standing(self, req: Request) -> tuple[int, int]:
-        """(level, output tokens drawn at that level). O(log levels)."""
-        rid = req.request_id
-        base = self._promoted.get(rid)
-        if base is None:
-            join, used = self.join_level(req), 0
-        else:
-            join, used = 0, -base
+    def _service(self, req: Request) -> int:
+        """Output tokens' worth of service counted so far, the service skipped at joining
+        included: level i ends where the quanta of levels 0..i add up to."""
         seqs = req.seqs
-        used += seqs[0].num_output_tokens if len(seqs) == 1 else req.num_output_tokens
-        through = self._through
-        before = through[join - 1] if join else 0   # service that joining skipped
-        level = min(bisect.bisect_right(through, used + before, lo=join), self.num_levels - 1)
-        return level, used + before - (through[level - 1] if level else 0)
+        drawn = seqs[0].num_output_tokens if len(seqs) == 1 else req.num_output_tokens
+        base = self._promoted.get(req.request_id)
+        if base is not None:
+            return drawn - base
+        join = bisect.bisect_left(self._join_bounds, req.prompt_len / self.prefill_ratio)
+        return self._skipped[join] + drawn
 
     # --- the waiting order -------------------------------------------------------------
     def waiting_key(self, req: Request) -> tuple:
@@ -193,30 +196,23 @@ class MLFQPolicy(Policy):
 
     # --- preemption --------------------------------------------------------------------
     def victim_key(self, req: Request, admit_seq: int) -> tuple:
-        return (self._standing(req)[0], admit_seq, req.request_id)
+        return (self.level(req), admit_seq, req.request_id)
 
     def may_preempt_for(self, head: Request, running: Request) -> bool:
-        return self.preemptive and self._standing(running)[0] > self._head_level(head)
+        return self.preemptive and self.level(running) > self._head_level(head)
 
     def tokens_until_preemptible(self, heads: list[Request], running: Iterable[Request]) -> int:
         """The fewest tokens one of `running` must draw before one of the waiting `heads`
-        may preempt it: until its level passes the highest-priority level among `heads`
-        (a waiting request's level does not change). 0: one may be preempted now.
-        O(running × levels)."""
+        may preempt it: until its service passes the end of the highest-priority level
+        among `heads` (a waiting request's level does not change). 0: one may be
+        preempted now. O(running)."""
         if not self.preemptive or not heads:
             return NEVER
         top = min(self._head_level(h) for h in heads)
         if top == self.num_levels - 1:
             return NEVER   # nothing sinks below the last level
-        through_top = self._through
-        fewest = NEVER
-        for req in running:
-            level, used = self._standing(req)
-            if level > top:
-                return 0
-            fewest = min(fewest, through_top[top] - through_top[level - 1] - used
-                         if level else through_top[top] - used)
-        return fewest
+        most = max(map(self._service, running), default=None)
+        return NEVER if most is None else max(0, self._through[top] - most)
 
     def describe(self) -> dict:
         return {"name": self.name, "quantum_tokens": self.quantum_tokens,

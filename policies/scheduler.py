@@ -36,6 +36,8 @@ are current whenever the scheduler shows them: to a policy, or through `running`
 """
 from __future__ import annotations
 
+import math
+
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
 from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
@@ -49,6 +51,32 @@ from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
 
 __all__ = ["Scheduler", "SchedulerError"]
+
+
+class _Refusals:
+    """The scheduler's memory of the last waiting head that no running request may be
+    preempted for (`Scheduler._preempt_for_waiting`), kept while that cannot change
+    (`Policy.may_preempt_for` depends on the two requests alone): the same head waits;
+    no request was admitted or swapped in since (`admissions`: a new running request may
+    be a victim, one that leaves cannot make one); and, under a policy that
+    `reorders_running`, no running request can have drawn the tokens it must draw before
+    it may be preempted. `clock` counts those tokens: the most a running sequence can have
+    drawn since the scheduler began (each step adds the most that one sequence draws in
+    it: 1, or 1 + K when speculating; a fast-forwarded run adds its steps)."""
+
+    __slots__ = ("clock", "_head", "_admissions", "_until")
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self._head: Request | None = None
+        self._admissions = self._until = 0
+
+    def remember(self, head: Request, admissions: int, tokens: float) -> None:
+        """`head` may preempt no running request until one has drawn `tokens` more."""
+        self._head, self._admissions, self._until = head, admissions, self.clock + tokens
+
+    def holds(self, head: Request, admissions: int) -> bool:
+        return head is self._head and admissions == self._admissions and self.clock < self._until
 
 
 class Scheduler:
@@ -80,6 +108,7 @@ class Scheduler:
         self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
         self._admit_seq: dict[int, int] = {}
         self._next_admit = 0
+        self._refusals = _Refusals()
         self._growth_preempted = False
         self._pending_rejects: list[tuple[int, str]] = []
         self._finished_records: list[RequestRecord] = []
@@ -383,24 +412,34 @@ class Scheduler:
         """Preemptive policies: before anything runs, free memory for the waiting head
         by preempting running requests the policy allows, worst victim first — only if
         that frees enough for the head to be admitted (a preemption that cannot make room
-        would be repeated step after step for nothing). True if anything was preempted."""
+        would be repeated step after step for nothing). True if anything was preempted.
+        A head that no running request may be preempted for is remembered
+        (`_Refusals`): asking again costs O(running) and gets the same answer until
+        something it depends on changes."""
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
         if head is None or not self._running or self._kv.would_fit(head):
             return False
+        if self._refusals.holds(head, self._next_admit):
+            return False
         running, policy = self.running, self.policy  # current sequences for the policy
         key, adm, kv = policy.victim_key, self._admit_seq, self._kv
         victims = [r for r in running.values() if policy.may_preempt_for(head, r)]
-        if not victims or not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
+        if not victims:
+            tokens = (policy.tokens_until_preemptible([head], running.values())
+                      if policy.reorders_running else math.inf)
+            self._refusals.remember(head, self._next_admit, tokens)
             return False
-        self._batch.dissolve(self._listed)  # victim keys and preemption read every Sequence
+        if not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
+            return False
         preempted = False
         # the worst victim first, as long as the head does not fit (nothing runs meanwhile,
         # so the keys stay as they are: one sort, not a max per victim)
         for victim in sorted(running.values(), key=lambda r: key(r, adm[r.request_id]), reverse=True):
             if kv.would_fit(head) or not policy.may_preempt_for(head, victim):
                 break
+            self._batch.release(victim)  # a member leaves the batch, written back
             self._preempt(victim, now, out)
             preempted = True
         return preempted
@@ -539,6 +578,7 @@ class Scheduler:
             raise SchedulerError("update() for an output that is not the one the last "
                                  "schedule() made, or that was updated already")
         self._scheduled = None
+        self._refusals.clock += 1 + self._spec_k
         t_end = out.now + result.duration_s
         bm, running, batch = self.bm, self._running, self._batch
         sampled, stopped = result.sampled, result.stopped
@@ -696,6 +736,7 @@ class Scheduler:
         """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
         allowed at least that many). Per-sequence cost O(1), not O(steps)."""
         self._check_between_steps("advance_decodes")
+        self._refusals.clock += num_steps
         self._batch.advance(num_steps, self._running,
                             self.policy.on_service if self._charges_service else None)
 

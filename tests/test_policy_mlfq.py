@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.policies import make_policy
+from servelab.policies import make_policy, mlfq
 from servelab.request import Request
 
 from sched_harness import make_requests, simulate
@@ -32,6 +32,61 @@ def test_skip_join_and_demotion_follow_the_quanta():
     assert [p.level(_with_output(short, n)) for n in (0, 31, 32, 95, 96)] == [0, 0, 1, 1, 2]
     assert [p.level(_with_output(long_, n)) for n in (0, 63, 64, 191, 192)] == [1, 1, 2, 2, 3]
     assert p.level(_with_output(short, 10**6)) == 5   # the last level has no end
+
+
+def _reference_level(p, req: Request) -> int:
+    """The level walked level by level: join where the prefill's price fits a quantum,
+    then drop one level per quantum drawn (counted from promotion, if promoted)."""
+    if req.request_id in p._promoted:
+        level, left = 0, req.num_output_tokens - p._promoted[req.request_id]
+    else:
+        price = req.prompt_len / p.prefill_ratio
+        level = next((i for i, q in enumerate(p.quanta) if q >= price), p.num_levels - 1)
+        left = req.num_output_tokens
+    while level < p.num_levels - 1 and left >= p.quanta[level]:
+        left -= p.quanta[level]
+        level += 1
+    return level
+
+
+_OPTIONS = st.fixed_dictionaries({
+    "quantum_tokens": st.sampled_from([1, 3, 32]), "quantum_ratio": st.sampled_from([1.0, 1.5, 2.0]),
+    "num_levels": st.sampled_from([1, 2, 6]), "prefill_tokens_per_output_token": st.sampled_from([1.0, 16.0])})
+_RUNNING = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 400), st.booleans()),
+                    min_size=1, max_size=4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_OPTIONS, _RUNNING, st.integers(1, 3000))
+def test_levels_and_the_preemption_bound_match_a_walk_token_by_token(options, running, head_prompt):
+    """`level` equals the level walked quantum by quantum (promoted requests counted from
+    promotion), and `tokens_until_preemptible` is exactly the fewest tokens one running
+    request must draw before the waiting head may preempt it (found by drawing them)."""
+    p = make_policy("mlfq", **options, max_wait_s=None)
+    head = Request(99, 0.0, head_prompt, 10_000)
+    p.add(head, 0.0)
+    reqs = []
+    for i, (prompt, drawn, promoted) in enumerate(running):
+        req = _with_output(Request(i, 0.0, prompt, 10_000), drawn)
+        if promoted:
+            p._promoted[i] = drawn // 2
+        reqs.append(req)
+        assert p.level(req) == _reference_level(p, req)
+        assert p.may_preempt_for(head, req) == (_reference_level(p, req) > p.level(head))
+
+    def first_preemptible(req: Request) -> int | None:
+        start, first = req.seqs[0].num_output_tokens, None
+        for t in range(sum(p.quanta) + 1):   # by then it is at the last level
+            req.seqs[0].num_output_tokens = start + t
+            assert p.level(req) == _reference_level(p, req)
+            if first is None and p.may_preempt_for(head, req):
+                first = t
+        req.seqs[0].num_output_tokens = start
+        return first   # None: never (it would have to sink below the last level)
+
+    bound = p.tokens_until_preemptible([head], reqs)
+    found = [t for t in map(first_preemptible, reqs) if t is not None]
+    assert bound == (min(found) if found else mlfq.NEVER)
 
 
 def test_overdue_request_is_admitted_first_and_promoted_to_the_top():
