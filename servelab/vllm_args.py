@@ -6,7 +6,7 @@
 `values` is keyed by the `servelab simulate` option each flag sets (its argparse dest).
 A flag that changes nothing servelab models (host, port, logging, tokenizer) is accepted
 silently; one servelab models only approximately yields a note; one it cannot model yet
-(pipeline or expert parallelism, speculative decoding, KV transfer) raises ValueError
+(pipeline parallelism, speculative decoding, KV transfer) raises ValueError
 naming the flag. Flags are spelled as vLLM accepts them: `--flag value`, `--flag=value`,
 with dashes or underscores (`vllm/utils/argparse_utils.py` FlexibleArgumentParser).
 The meanings follow vLLM's `vllm/engine/arg_utils.py` (EngineArgs.add_cli_args).
@@ -102,6 +102,7 @@ _SWITCHES: dict[str, dict] = {
     "--no-enable-prefix-caching": {"prefix_caching": False},
     "--enable-chunked-prefill": {},   # V1 always chunks prefills
     "--no-enable-chunked-prefill": {"chunked_prefill": "off"},
+    "--enable-expert-parallel": {"_expert_parallel": True},
 }
 _APPROXIMATED = {
     "--enforce-eager": "the kernel profiles price CUDA-graph execution; eager mode's extra "
@@ -120,7 +121,6 @@ _APPROXIMATED = {
 _NOTE_SWITCHES = frozenset({"--enforce-eager", "--async-scheduling", "--no-async-scheduling"})
 """Approximated flags that take no value."""
 _UNSUPPORTED = {
-    "--enable-expert-parallel": "expert parallelism is not modelled yet (issue 34)",
     "--speculative-config": "speculative decoding is not modelled yet (issue 36)",
     "--kv-transfer-config": "disaggregated prefill/decode is not modelled yet (issue 35)",
     "--cpu-offload-gb": "weight offload to the CPU is not modelled",
@@ -194,6 +194,9 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
         elif flag in _APPROXIMATED:
             out.notes.append(f"--vllm-args {flag}: {_APPROXIMATED[flag]}")
     _resolve_dtypes(out.values)
+    if out.values.pop("_expert_parallel", False):
+        # EP spans the TP x DP GPUs: the data-parallel ranks form one deployment (--dp)
+        out.values["dp"] = out.values.get("replicas", 1)
     if "model" in out.values and catalog is not None:
         out.values["model"] = catalog(out.values["model"])
     return out

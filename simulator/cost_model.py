@@ -33,12 +33,35 @@ plus its bytes at the link bandwidth) added to the step, which is what an engine
 waits for them before computing pays; offloads and loads are not overlapped with each
 other either, although PCIe could carry them in opposite directions at once.
 
+Mixture-of-experts and MLA models (`footprint.ShardedShapes` lays them out) add, per layer:
+
+    moe_router, shared_gate_up, shared_down (MoE layers); mlp_* (dense layers only)  gemm
+    moe_experts    fused experts over the step's tokens (`kernels.moe`)              gemm
+    ep_dispatch, ep_combine   expert-parallel token exchange (dp > 1)                collective
+    qkv_a_proj, q_b_proj, o_proj (MLA); attention: the MLA kernels       gemm, attn_prefill/decode
+
+The fused experts run at the expert load of `expert_load` (balanced, or aiconfigurator's
+power law) on the most loaded GPU, in FP8 (W8A8, the `moe_fp8` fit) for FP8 weights where
+the GPU has FP8 tensor cores. Under expert parallelism wider than tp, a replica is one of
+dp = ep / tp data-parallel attention ranks (vLLM's DP + EP): each rank schedules its own
+batch, and every MoE layer runs over the tokens of all dp ranks, which vLLM gathers before
+the experts and reduce-scatters after them (its default `allgather_reducescatter`
+all2all backend; each moves dp × tokens × hidden activations, priced with the fitted
+all-to-all link model). The ranks' steps are not simulated in lock-step: each rank
+prices its step as if the other dp - 1 ranks carried as many tokens as it does (the
+symmetric load of a balanced router). An MLA cache holds 1-byte latents under
+`kv_dtype="fp8"`.
+
 Cost. `step_time` is the hot path (called once per simulated step). Everything that
 depends only on the number of tokens (GEMMs, element-wise kernels, all-reduces) or of
 sequences (LM head, sampler, logits gather) is tabulated per count the first time a count
 is seen — the kernel models are evaluated once per count, not once per step — and decode
 attention's coefficients per batch size. A call is then two list lookups and a dozen float
-operations. Runs of decode steps are priced in closed form (`decode_run_duration`).
+operations. Runs of decode steps are priced in closed form (`decode_run_duration`). A
+MoE layer's cost depends on the step's token count only (the expert load is a pure
+function of it), so it lives in the per-token table and is constant over a run of decode
+steps; MLA decode is linear in the context sum for a fixed batch: the closed form holds
+for these models as it is.
 `breakdown` and `class_times` build the same sum kernel by kernel, for reports and fitting.
 """
 from __future__ import annotations
@@ -60,6 +83,9 @@ from servelab.simulator.gpus import DTYPE_BYTES, GPUSpec, get_gpu
 __all__ = ["CostModel", "OpCost", "kv_capacity_blocks"]
 
 _TABLE_CHUNK = 1024
+_BF16_GEMMS = frozenset({"lm_head", "moe_router"})
+"""GEMMs that stay BF16 under FP8 weights (FP8 checkpoints quantise the blocks' linear
+layers; vLLM builds the router unquantised)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +109,23 @@ class CostModel:
     `model` and `gpu` take a spec or a catalog name. `calibration` is a profile, a profile
     file, a packaged profile name or "none" (the bare roofline); by default the GPU's own
     packaged profile (`GPUSpec.calibration`). `block_size` (tokens per KV block) prices
-    swaps and block copies. `step_overhead_s` overrides the profile's.
+    swaps and block copies. `step_overhead_s` overrides the profile's. `ep` (expert
+    parallelism) and `expert_load` ("balanced" or "power-law:ALPHA") apply to
+    mixture-of-experts models (see the module docstring).
     """
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  calibration: CalibrationProfile | str | Path | None = None,
-                 block_size: int = 16, step_overhead_s: float | None = None) -> None:
+                 block_size: int = 16, step_overhead_s: float | None = None, *,
+                 ep: int = 1, expert_load: str = "balanced") -> None:
         self.model = load_model_spec(model) if isinstance(model, str) else model
         self.catalog_gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.profile = resolve(self.catalog_gpu, calibration)
         overrides = self.profile.gpu_overrides
         self.gpu = self.catalog_gpu.with_overrides(**overrides) if overrides else self.catalog_gpu
-        self.shapes = ShardedShapes.of(self.model, tp, weight_dtype, kv_dtype)
+        self.shapes = ShardedShapes.of(self.model, tp, weight_dtype, kv_dtype, ep=ep)
+        self.ep, self.expert_load = ep, expert_load
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         overhead = self.profile.step_overhead_s if step_overhead_s is None else step_overhead_s
@@ -103,6 +133,7 @@ class CostModel:
                 or not 0 <= overhead < math.inf:
             raise ValueError(f"step_overhead_s must be a finite number >= 0, got {overhead!r}")
         self.tp, self.weight_dtype, self.kv_dtype = tp, weight_dtype, kv_dtype
+        self._check_experts()
         self.block_size = block_size
         self.kernels = self.profile.kernels
         self.step_overhead_s = float(overhead)
@@ -126,7 +157,20 @@ class CostModel:
     def with_calibration(self, profile: CalibrationProfile | str | Path) -> "CostModel":
         """This setup priced with another profile (which must be for this GPU)."""
         return CostModel(self.model, self.catalog_gpu, self.tp, self.weight_dtype,
-                         self.kv_dtype, profile, self.block_size)
+                         self.kv_dtype, profile, self.block_size, ep=self.ep,
+                         expert_load=self.expert_load)
+
+    def _check_experts(self) -> None:
+        """One-line errors for an expert setup the fused-MoE kernel cannot price."""
+        kind, _ = K.parse_expert_load(self.expert_load)
+        if self.shapes.experts is None:
+            if kind != "balanced":
+                raise ValueError(f"expert load {self.expert_load!r} applies to mixture-of-experts "
+                                 f"models; {self.model.name} has no experts")
+            return
+        if self.weight_dtype not in ("bf16", "fp16", "fp8"):
+            raise ValueError(f"{self.model.name}: the fused-MoE kernel is priced for bf16 and fp8 "
+                             f"weights, not {self.weight_dtype}")
 
     @property
     def block_bytes(self) -> int:
@@ -137,9 +181,10 @@ class CostModel:
 
     def _gemm_setup(self, name: str) -> tuple[str, K.GemmParams, float, float]:
         """(dtype the GEMM computes in, its parameters, weight bytes, input bytes)."""
-        if name == "lm_head" or self.weight_dtype != "fp8":
-            wb = DTYPE_BYTES[self.weight_dtype] if name != "lm_head" else ACT_BYTES
-            return ("bf16" if self.weight_dtype != "fp32" or name == "lm_head" else "fp32",
+        bf16 = name in _BF16_GEMMS
+        if bf16 or self.weight_dtype != "fp8":
+            wb = DTYPE_BYTES[self.weight_dtype] if not bf16 else ACT_BYTES
+            return ("bf16" if self.weight_dtype != "fp32" or bf16 else "fp32",
                     self.kernels.gemm, wb, ACT_BYTES)
         if self.gpu.fp8_tflops is not None:          # W8A8 on FP8 tensor cores
             return "fp8", self.kernels.gemm_fp8, 1.0, 1.0
@@ -191,6 +236,25 @@ class CostModel:
             else:
                 ops.append(("allreduce", "collective", 2 * s.num_layers, K.allreduce_time(
                     rows * s.allreduce_bytes_per_token, self.tp, g, kp.collective)))
+        if s.experts is not None and not per_seq:
+            ops.extend(self._expert_ops(rows))
+        return ops
+
+    def _expert_ops(self, rows: np.ndarray) -> list[tuple[str, str, int, np.ndarray]]:
+        """The fused experts of every MoE layer, and under data-parallel attention the
+        gather of all ranks' tokens before them and the reduce-scatter after, for `rows`
+        tokens of this rank (the module docstring says what is approximated)."""
+        x, g = self.shapes.experts, self.gpu
+        tokens = rows * x.dp
+        dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
+        stats = K.expert_load(tokens, x.experts, x.topk, x.ep, self.expert_load)
+        t = K.fused_moe_time(tokens, x.hidden, x.width, x.experts, x.topk, x.ep, stats, g,
+                             self.kernels.moe_for(dtype, g), dtype)
+        ops = [("moe_experts", "gemm", x.num_layers, t)]
+        if x.dp > 1:
+            exchange = K.alltoall_time(tokens * x.hidden * ACT_BYTES, x.dp, g, self.kernels.alltoall)
+            ops += [("ep_dispatch", "collective", x.num_layers, exchange),
+                    ("ep_combine", "collective", x.num_layers, exchange)]
         return ops
 
     def _scaled_rows(self, rows: np.ndarray, per_seq: bool) -> np.ndarray:
@@ -201,6 +265,9 @@ class CostModel:
 
     def _decode_coefficients(self, batch: np.ndarray) -> list[tuple[float, float, float]]:
         s, sc = self.shapes, self.scales["attn_decode"] * self.shapes.num_layers
+        if s.mla is not None:      # linear in the context: its intercept is its floor
+            intercept, slope = self._mla_decode_lines(batch)
+            return [(sc * a, sc * a, sc * b) for a, b in zip(intercept.tolist(), slope.tolist())]
         floor, intercept, slope = K.decode_attention_lines(
             batch, s.heads, s.kv_heads, s.head_dim, self.gpu, self.kernels.attn_decode,
             s.kv_elem_bytes)
@@ -209,6 +276,29 @@ class CostModel:
         slope = np.broadcast_to(slope, batch.shape)
         return [(sc * f, sc * a, sc * b) for f, a, b in zip(floor.tolist(), intercept.tolist(),
                                                             slope.tolist())]
+
+    def _mla_dims(self) -> dict[str, int]:
+        m = self.shapes.mla
+        return {"kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
+                "qk_nope_head_dim": m.qk_nope_head_dim, "v_head_dim": m.v_head_dim}
+
+    def _mla_decode_lines(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        s = self.shapes
+        intercept, slope = K.mla_decode_lines(batch, s.heads, self.gpu, self.kernels.mla_decode,
+                                              s.kv_elem_bytes, **self._mla_dims())
+        return np.broadcast_to(intercept, np.shape(batch)), np.broadcast_to(slope, np.shape(batch))
+
+    def _prefill_coefficients(self, params=None) -> tuple[float, ...]:
+        """One layer's prefill attention as (floor, per pair, per chunk, per key of the
+        longest chunk, per new token, per cached token): MHA/GQA or MLA."""
+        s = self.shapes
+        if s.mla is not None:
+            return tuple(float(c) for c in K.mla_prefill_coefficients(
+                s.heads, self.gpu, params or self.kernels.mla_prefill, s.kv_elem_bytes,
+                **self._mla_dims()))
+        return K.prefill_attention_coefficients(s.heads, s.kv_heads, s.head_dim, self.gpu,
+                                                params or self.kernels.attn_prefill,
+                                                s.kv_elem_bytes)
 
     # --- the hot path ----------------------------------------------------------------------
 
@@ -222,8 +312,7 @@ class CostModel:
         self._grow("_seq", _TABLE_CHUNK)
         self._grow("_dec", _TABLE_CHUNK)
         L = s.num_layers * sc["attn_prefill"]
-        self._pa = tuple(L * c for c in K.prefill_attention_coefficients(
-            s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill, s.kv_elem_bytes))
+        self._pa = tuple(L * c for c in self._prefill_coefficients())
         h, e = kp.host_link, kp.elementwise
         self._swap = (sc["host_link"] * h.latency_s,
                       sc["host_link"] * self.block_bytes / (g.pcie_gbps * 1e9 * h.link_eff))
@@ -399,7 +488,9 @@ class CostModel:
                 flops, nbytes, bound = self._row_op_physics(name, rows)
                 out[name] = OpCost(op_class, calls, flops * calls, nbytes * calls,
                                    sc[op_class] * calls * float(t[0]), bound, calls % L == 0)
-        if npt:
+        if npt and s.mla is not None:
+            out["attn_prefill"] = self._mla_prefill_cost(shape)
+        elif npt:
             t = K.prefill_attention_time(
                 shape.num_prefill_seqs, npt, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
                 shape.prefill_context_sum, s.heads, s.kv_heads, s.head_dim, g, kp.attn_prefill,
@@ -414,7 +505,9 @@ class CostModel:
                            nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff), p.floor_s)
             out["attn_prefill"] = OpCost("attn_prefill", L, L * flops, L * nbytes,
                                          sc["attn_prefill"] * L * float(t), bound, True)
-        if nds:
+        if nds and s.mla is not None:
+            out["attn_decode"] = self._mla_decode_cost(shape)
+        elif nds:
             ctx = shape.decode_context_sum
             t = K.decode_attention_time(nds, ctx, s.heads, s.kv_heads, s.head_dim, g,
                                         kp.attn_decode, s.kv_elem_bytes)
@@ -453,8 +546,62 @@ class CostModel:
                 nbytes = rows * ew.bytes_per_row
                 memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * kp.elementwise.memory_eff)
                 return 0.0, nbytes, _bound(0.0, memory, kp.elementwise.floor_s)
+        x = s.experts
+        if name == "moe_experts":
+            tokens = rows * x.dp
+            active, pairs = (float(v[0]) for v in K.expert_load([tokens], x.experts, x.topk, x.ep,
+                                                                 self.expert_load)[:2])
+            dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
+            p = kp.moe_for(dtype, g)
+            w8a8 = p is kp.moe_fp8
+            per_expert = 3.0 * x.hidden * x.width
+            flops = 2.0 * pairs * per_expert
+            nbytes = (active * per_expert * DTYPE_BYTES[dtype]
+                      + pairs * (2 * x.hidden + 3 * x.width) * (1 if w8a8 else ACT_BYTES))
+            compute = flops / (g.peak_flops("fp8" if w8a8 else "bf16") * p.compute_eff)
+            memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
+            return flops, nbytes, _bound(compute, memory, p.floor_s)
+        if name in ("ep_dispatch", "ep_combine"):
+            return 0.0, rows * x.dp * x.hidden * ACT_BYTES, "memory"
         per_row = s.gather_bytes_per_seq if name == "logits_gather" else s.allreduce_bytes_per_token
         return 0.0, rows * per_row, "memory"
+
+    def _mla_prefill_cost(self, shape: BatchShape) -> OpCost:
+        """Every layer's MLA prefill (`breakdown`), summed as `step_time` sums it."""
+        s, g, m, L = self.shapes, self.gpu, self.shapes.mla, self.shapes.num_layers
+        npt, qc, qq = shape.num_prefill_tokens, shape.prefill_q_context_sum, shape.prefill_q_sq_sum
+        ctx = shape.prefill_context_sum
+        floor, pair, per_seq, per_key, per_tok, per_ctx = self._prefill_coefficients()
+        pairs = qc + 0.5 * (qq + npt)
+        keys = max(shape.prefill_max_keys, (qq + qc) / npt)
+        t = (floor + pairs * pair + shape.num_prefill_seqs * per_seq + keys * per_key
+             + npt * per_tok + ctx * per_ctx)
+        qk, latent, nv = m.qk_head_dim, m.cached_values, m.qk_nope_head_dim + m.v_head_dim
+        flops = (pairs * s.heads * 2.0 * (qk + m.v_head_dim)
+                 + 2.0 * (npt + ctx) * m.kv_lora_rank * s.heads * nv)
+        kvb = s.kv_elem_bytes
+        nbytes = (npt * (s.heads * (qk + m.v_head_dim) * 2 + latent * (2 + kvb))
+                  + (npt + ctx) * s.heads * nv * 4 + ctx * latent * kvb)
+        p = self.kernels.mla_prefill
+        bound = _bound(flops / (g.peak_flops("bf16") * p.compute_eff),
+                       nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff), p.floor_s)
+        return OpCost("attn_prefill", L, L * flops, L * nbytes,
+                      self.scales["attn_prefill"] * L * t, bound, True)
+
+    def _mla_decode_cost(self, shape: BatchShape) -> OpCost:
+        """Every layer's MLA decode (`breakdown`)."""
+        s, g, m, L = self.shapes, self.gpu, self.shapes.mla, self.shapes.num_layers
+        nds, ctx = shape.num_decode_seqs, shape.decode_context_sum
+        intercept, slope = (float(v[0]) for v in self._mla_decode_lines(np.array([float(nds)])))
+        latent = m.cached_values
+        flops = 2.0 * s.heads * ctx * (latent + m.kv_lora_rank)
+        nbytes = ctx * latent * s.kv_elem_bytes
+        p = self.kernels.mla_decode
+        compute = flops / (g.peak_flops("bf16") * p.compute_eff)
+        memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
+        bound = "floor" if intercept >= slope * ctx else ("compute" if compute > memory else "memory")
+        return OpCost("attn_decode", L, L * flops, L * nbytes,
+                      self.scales["attn_decode"] * L * (intercept + slope * ctx), bound, True)
 
     def class_times(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per op class at scale 1 (`OP_CLASSES`): step_time == overhead +

@@ -27,15 +27,20 @@ Mixture-of-experts and MLA models (`Footprint`) are laid out as vLLM lays them o
   MLA models). Its query/KV down-projections are replicated and the per-head
   up-projections and o_proj split tp ways (vLLM `models/deepseek_v2.py`).
 
-The step-time cost model prices dense models only: `ShardedShapes.of` refuses the others.
+`ShardedShapes` is what the step-time cost model prices, for every model: the GEMMs and
+kernels of a dense model; for a mixture-of-experts model also its `ExpertShard` (the routed
+experts one GPU runs, priced by the fused-MoE kernel) and its router and shared experts as
+GEMMs; for an MLA model its projections as GEMMs and the latent attention itself as the
+MLA kernels (which include the per-head up-projection, `kv_b_proj`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from servelab.capacity import VLLM_FUSED_BF16
 from servelab.capacity import kv_capacity_blocks as engine_kv_capacity_blocks
-from servelab.models import ModelSpec, load_model_spec
+from servelab.models import MLASpec, ModelSpec, load_model_spec
 from servelab.simulator.gpus import DTYPE_BYTES, GIB, GPUSpec, get_gpu
 
 ACT_BYTES = 2
@@ -75,6 +80,24 @@ class Elementwise:
     """Runs over the sampled rows (one per sequence) rather than over every token."""
 
 
+class ExpertShard(NamedTuple):
+    """The routed experts of every MoE layer as one GPU of a replica runs them (vLLM's
+    fused MoE, `kernels.moe`): all `experts` route, this GPU holds experts / ep of them,
+    each `width` wide (whole under expert parallelism, split tp ways without it)."""
+
+    num_layers: int
+    """MoE layers (the others have the dense MLP)."""
+    experts: int
+    topk: int
+    hidden: int
+    width: int
+    """Intermediate width of one expert on this GPU."""
+    ep: int
+    dp: int
+    """Data-parallel attention ranks whose tokens every MoE layer runs over together:
+    ep / tp under expert parallelism wider than tp, else 1."""
+
+
 @dataclass(frozen=True, slots=True)
 class ShardedShapes:
     tp: int
@@ -97,26 +120,31 @@ class ShardedShapes:
     """K and V of one token across all layers on one GPU, in the KV dtype."""
     weight_dtype: str
     gemms: tuple[Gemm, ...]
-    """qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this order."""
+    """Dense models: qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this
+    order. Mixture-of-experts and MLA models (`_sparse_shapes`): their attention
+    projections, the dense layers' MLP, the router and shared experts, then lm_head."""
     elementwise: tuple[Elementwise, ...]
     allreduce_bytes_per_token: int
     """Message bytes per token of one all-reduce of the hidden state (two per layer under
     TP: after attention and after the MLP)."""
     gather_bytes_per_seq: int
     """Bytes of one sampled row's full-vocabulary logits, all-gathered under TP."""
+    experts: ExpertShard | None = None
+    """A mixture-of-experts model's routed experts (None for a dense model)."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention's dimensions (None: multi-head or grouped-query)."""
 
     @classmethod
     def of(cls, model: ModelSpec, tp: int = 1, weight_dtype: str = "bf16",
-           kv_dtype: str = "bf16") -> "ShardedShapes":
-        """The GEMMs and kernels of a dense model's step on one GPU. Raises ValueError for
-        a mixture-of-experts or MLA model: the cost model cannot price their steps yet
-        (their memory footprint is `Footprint`'s)."""
+           kv_dtype: str = "bf16", ep: int = 1) -> "ShardedShapes":
+        """The GEMMs and kernels of a model's step on one GPU under `tp` (and, for a
+        mixture-of-experts model, `ep`: see the module docstring). Raises ValueError for a
+        layout the model cannot take."""
+        _check_degree("ep", ep)
         if model.moe is not None or model.mla is not None:
-            kind = ("a mixture-of-experts" if model.moe is not None
-                    else "a multi-head latent attention")
-            raise ValueError(f"{model.name} is {kind} model: mixture-of-experts pricing is not "
-                             "available yet (servelab sizes its weights and KV cache, but "
-                             "cannot time its steps)")
+            return _sparse_shapes(model, tp, weight_dtype, kv_dtype, ep)
+        if ep != 1:
+            raise ValueError(f"ep={ep} spreads experts over GPUs, and {model.name} has none")
         _check_dtypes(weight_dtype, kv_dtype)
         _check_degree("tp", tp)
         if model.num_heads % tp or model.intermediate_size % tp:
@@ -163,6 +191,89 @@ class ShardedShapes:
             elementwise=elementwise, allreduce_bytes_per_token=h * a,
             gather_bytes_per_seq=vocab * tp * a if tp > 1 else 0,
         )
+
+
+def _sparse_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
+                   ep: int) -> ShardedShapes:
+    """`ShardedShapes` of a mixture-of-experts and/or MLA model (the module docstring says
+    how vLLM lays them out). Dense layers keep the dense MLP; MoE layers have the router
+    (BF16, replicated) and shared experts (tp-split) as GEMMs and the routed experts as an
+    `ExpertShard`. MLA's fused q/kv down-projection is replicated, q_b_proj and o_proj
+    split; the cache holds the whole latent on every GPU."""
+    _check_dtypes(weight_dtype, kv_dtype)
+    _check_degree("tp", tp)
+    _check_sparse_layout(model, tp, ep)
+    wb, kvb, a = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype], ACT_BYTES
+    L, h, m = model.num_layers, model.hidden_size, model.mla
+    heads = model.num_heads // tp
+    gemms: list[Gemm] = []
+    if m is not None:
+        latent = m.cached_values
+        if m.q_lora_rank:
+            down = m.q_lora_rank + latent
+            gemms += [Gemm("qkv_a_proj", down, h, h * down * wb, L),
+                      Gemm("q_b_proj", heads * m.qk_head_dim, m.q_lora_rank,
+                           m.q_lora_rank * heads * m.qk_head_dim * wb, L)]
+        else:
+            gemms += [Gemm("q_proj", heads * m.qk_head_dim, h, h * heads * m.qk_head_dim * wb, L),
+                      Gemm("kv_a_proj", latent, h, h * latent * wb, L)]
+        o_in = heads * m.v_head_dim
+        gemms.append(Gemm("o_proj", h, o_in, o_in * h * wb, L))
+        hd, kv_heads, q, kv = m.qk_head_dim, 1, heads * m.qk_head_dim, latent
+        kv_per_token = L * latent * kvb
+        rope = m.qk_rope_head_dim
+        attention_ew = (Elementwise("rotary", (2 * (heads + 1) * rope + rope) * a, L),
+                        # RMSNorms of the q and kv latents: read and write each
+                        Elementwise("latent_norms", 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank) * a, L))
+    else:
+        hd = model.head_dim
+        kv_heads = max(1, model.num_kv_heads // tp)
+        q, kv = heads * hd, kv_heads * hd
+        qkv_out = q + 2 * kv
+        bias = qkv_out * ACT_BYTES if model.attention_bias else 0
+        gemms += [Gemm("qkv_proj", qkv_out, h, h * qkv_out * wb + bias, L),
+                  Gemm("o_proj", h, q, q * h * wb, L)]
+        kv_per_token = 2 * L * kv * kvb
+        attention_ew = (Elementwise("rotary", (2 * (q + kv) + hd) * a, L),)
+    moe_layers = model.num_moe_layers
+    dense_layers = L - moe_layers
+    inter = model.intermediate_size // tp if dense_layers else 0
+    mlp_ew = []
+    if dense_layers:
+        gemms += [Gemm("mlp_gate_up", 2 * inter, h, h * 2 * inter * wb, dense_layers),
+                  Gemm("mlp_down", h, inter, inter * h * wb, dense_layers)]
+        mlp_ew.append(Elementwise("silu_mul", 3 * inter * a, dense_layers))
+    experts = None
+    if model.moe is not None:
+        e = model.moe
+        gemms.append(Gemm("moe_router", e.num_experts, h, e.num_experts * h * ACT_BYTES, moe_layers))
+        if e.shared_intermediate_size:
+            shared = e.shared_intermediate_size // tp
+            gemms += [Gemm("shared_gate_up", 2 * shared, h, h * 2 * shared * wb, moe_layers),
+                      Gemm("shared_down", h, shared, shared * h * wb, moe_layers)]
+            mlp_ew.append(Elementwise("shared_silu_mul", 3 * shared * a, moe_layers))
+        # softmax and top-k over the router logits: read them, write ids and weights
+        mlp_ew.append(Elementwise("moe_topk", e.num_experts * a + e.experts_per_token * 8, moe_layers))
+        width = e.expert_intermediate_size if ep > 1 else e.expert_intermediate_size // tp
+        experts = ExpertShard(moe_layers, e.num_experts, e.experts_per_token, h, width, ep,
+                              ep // tp if ep > tp else 1)
+    vocab = -(-model.vocab_size // tp)
+    gemms.append(Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1))
+    elementwise = (
+        Elementwise("input_norm", 4 * h * a, L),
+        *attention_ew,
+        Elementwise("post_attention_norm", 4 * h * a, L),
+        *mlp_ew,
+        Elementwise("embedding", 8 + 2 * h * a, 1),
+        Elementwise("final_norm", 4 * h * a, 1),
+        Elementwise("sampler", model.vocab_size * (a + 4), 1, per_seq=True),
+    )
+    return ShardedShapes(
+        tp=tp, num_layers=L, hidden=h, heads=heads, kv_heads=kv_heads, head_dim=hd,
+        q_dim=q, kv_dim=kv, intermediate=inter, vocab=vocab, kv_elem_bytes=kvb,
+        kv_bytes_per_token=kv_per_token, weight_dtype=weight_dtype, gemms=tuple(gemms),
+        elementwise=elementwise, allreduce_bytes_per_token=h * a,
+        gather_bytes_per_seq=vocab * tp * a if tp > 1 else 0, experts=experts, mla=m)
 
 
 def _check_dtypes(weight_dtype: str, kv_dtype: str) -> None:

@@ -50,7 +50,6 @@ def test_approximated_flags_give_one_note_each():
 
 
 @pytest.mark.parametrize("line, message", [
-    ("--enable-expert-parallel", "expert parallelism is not modelled yet"),
     ("-pp 2", "pipeline parallelism is not modelled yet"),
     ("--speculative-config '{\"num_speculative_tokens\": 3}'", "speculative decoding"),
     ("--frobnicate 3", "--frobnicate: not a vLLM flag servelab knows; it reads"),
@@ -64,6 +63,12 @@ def test_approximated_flags_give_one_note_each():
 def test_flags_servelab_cannot_model_are_refused_in_one_line(line, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         translate(line)
+
+
+def test_expert_parallelism_makes_the_data_parallel_ranks_one_deployment():
+    assert translate("-dp 2 --enable-expert-parallel").values == {
+        "replicas": 2, "router": "least-outstanding", "dp": 2}
+    assert translate("--enable-expert-parallel -tp 2").values == {"tp": 2, "dp": 1}
 
 
 def test_served_models_map_to_the_catalog(tmp_path):
@@ -110,7 +115,7 @@ def test_simulate_reads_a_vllm_command_line(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--max-num-seqs", "32", "--vllm-args", "--max-num-seqs 64"],
      "--max-num-seqs 32 disagrees with --vllm-args, which sets it to 64"),
-    (["--vllm-args", "--enable-expert-parallel"], "expert parallelism is not modelled yet"),
+    (["--vllm-args", "--enable-lora"], "LoRA adapters are not modelled"),
     (["--engine", "vllm-9"], "invalid choice: 'vllm-9'"),
     (["--calibration", "h100-sxm"], "calibration profile h100-sxm was fitted to kernels measured "
      "inside vLLM 0.14.0, not the chosen engine's 0.24.0: leave the calibration out to use "

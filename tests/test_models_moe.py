@@ -271,11 +271,30 @@ def test_expert_width_and_kv_heads_must_split_under_tp():
         Footprint.of(gqa, 6)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
-def test_step_pricing_is_refused_until_the_fused_moe_cost_exists(name):
-    with pytest.raises(ValueError, match=rf"^{name} is a mixture-of-experts model: "
-                                         r"mixture-of-experts pricing is not available yet"):
-        ShardedShapes.of(load_model_spec(name))
+@pytest.mark.parametrize("name, tp, ep, weights", [
+    ("qwen3-30b-a3b", 1, 1, "bf16"), ("qwen3-30b-a3b", 1, 2, "bf16"), ("qwen3-30b-a3b", 2, 1, "fp8"),
+    ("mixtral-8x7b", 2, 2, "bf16"), ("deepseek-v3", 8, 1, "fp8"), ("deepseek-v3", 1, 8, "fp8"),
+    ("tiny-moe", 1, 2, "bf16")])
+def test_every_weight_a_gpu_holds_is_streamed_by_a_priced_kernel(name, tp, ep, weights):
+    """The step's priced shapes and the memory footprint agree: the GEMMs, the routed
+    experts this GPU holds (the fused-MoE kernel) and MLA's per-head up-projection (inside
+    the MLA kernels), plus the embedding and norms no kernel streams, are the weights."""
+    m = load_model_spec(name)
+    s, f = ShardedShapes.of(m, tp, weights, ep=ep), Footprint.of(m, tp, weights, ep=ep)
+    wb, a, h, L = DTYPE_BYTES[weights], 2, m.hidden_size, m.num_layers
+    x = s.experts
+    total = sum(g.weight_bytes * g.repeat for g in s.gemms)
+    total += x.num_layers * (x.experts // ep) * 3 * h * x.width * wb
+    norms = (2 * L + 1) * h * a
+    if m.mla is not None:
+        total += L * m.mla.kv_lora_rank * s.heads * (m.mla.qk_nope_head_dim + m.mla.v_head_dim) * wb
+        norms += L * (m.mla.q_lora_rank + m.mla.kv_lora_rank) * a
+    if m.qk_norm:
+        norms += L * 2 * m.head_dim * a
+    embedding = 0 if m.tie_word_embeddings else s.vocab * h * a
+    assert total + embedding + norms == f.weight_bytes
+    assert s.kv_bytes_per_token == f.kv_bytes_per_token
+    assert x.dp == (ep // tp if ep > tp else 1)
 
 
 # --------------------------------------------------------------------------- docs/models.md

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import SHARED
 from servelab.cli import main
+from servelab.simulator.footprint import kv_capacity_blocks
 from servelab.validation.real_runs import (NotReplayable, catalog_model, error_metrics,
                                            load_recorded_run, parse_published, replay_run,
                                            run_gpu, vllm_engine_config)
@@ -107,13 +108,21 @@ def test_published_summary_is_parsed(tmp_path):
 # --------------------------------------------------------------------------- setup
 
 
-def test_moe_unknown_model_and_unknown_gpu_each_get_one_line(tmp_path):
+def test_an_expert_parallel_run_replays_with_its_data_parallel_layout(tmp_path):
+    """DP 2 with expert parallelism: two engines, the experts over their 2 GPUs; a dated
+    re-release ("-2507") maps to its catalog entry."""
     moe = load_recorded_run(write_run(tmp_path / "a" / "moe", [row(0, 1.0)],
                                       model="Qwen/Qwen3-30B-A3B-Instruct-2507",
                                       enable_expert_parallel=True, data_parallel_size=2))
-    with pytest.raises(NotReplayable, match=r"^a/moe: Qwen/Qwen3-30B-A3B-Instruct-2507 is a "
-                                            r"mixture-of-experts model;"):
-        catalog_model(moe)
+    assert catalog_model(moe) == "qwen3-30b-a3b"
+    c = vllm_engine_config(moe, "qwen3-30b-a3b", "rtx-pro-6000", "t.csv")
+    assert (c.tp, c.ep, c.replicas, c.router) == (1, 2, 2, "least-outstanding")
+    plain = load_recorded_run(write_run(tmp_path / "a" / "dp", [row(0, 1.0)],
+                                        model="Qwen/Qwen3-30B-A3B", data_parallel_size=2))
+    assert vllm_engine_config(plain, "qwen3-30b-a3b", "rtx-pro-6000", "t.csv").ep == 1
+
+
+def test_unknown_model_and_unknown_gpu_each_get_one_line(tmp_path):
     unknown = load_recorded_run(write_run(tmp_path / "a" / "odd", [row(0, 1.0)], model="org/Odd-7B"))
     with pytest.raises(NotReplayable, match=r"^a/odd: model 'org/Odd-7B' has no catalog entry; "
                                             r"supported: .*Qwen/Qwen3-32B \(qwen3-32b\)"
@@ -199,7 +208,7 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     text = out.read_text()
     assert text.startswith("# Whole runs") and f"--out {out}`" in text
     assert "| RTX4090/tiny | " in text and "| TTFT | mean | 25.0 |" not in text
-    assert "- RTX4090/moe: Qwen/Qwen3-30B-A3B is a mixture-of-experts model" in text
+    assert "- RTX4090/moe: cannot be replayed as recorded: qwen3-30b-a3b weights need" in text
     assert "| first request left out |" in text and "| TTFT | mean |" in text
     data = json.loads((out.parent / "real" / "real-runs.json").read_text())
     assert data["runs"]["RTX4090/tiny"]["published"]["ttft"]["mean"]["error_pct"] == 4.0
@@ -239,8 +248,17 @@ def test_public_runs_read_clean_and_agree_with_the_published_real_figures(real_r
         assert mean_ttft == pytest.approx(run.published["ttft"]["mean"]["real"], abs=0.1), label
         assert run_gpu(run) in ("rtx-4090", "rtx-pro-6000")
     moe = load_recorded_run(real_runs["RTXPRO6000/Qwen3-30B-A3B-Instruct-2507"])
-    with pytest.raises(NotReplayable, match="mixture-of-experts"):
-        catalog_model(moe)
+    assert catalog_model(moe) == "qwen3-30b-a3b"
+
+
+def test_public_moe_run_replays_with_data_parallel_expert_parallelism(real_runs):
+    rp = replay_run(load_recorded_run(real_runs["RTXPRO6000/Qwen3-30B-A3B-Instruct-2507"]))
+    c = rp.config
+    assert (c.gpu, c.model, c.tp, c.ep, c.replicas) == ("rtx-pro-6000", "qwen3-30b-a3b", 1, 2, 2)
+    assert rp.rejected == 0 and rp.errors["e2el"]["n"] == 300
+    # one GPU holds half the experts: more room for KV than the whole model leaves
+    whole = kv_capacity_blocks("qwen3-30b-a3b", "rtx-pro-6000")
+    assert rp.derived["kv_blocks_per_replica"] == rp.derived["formula_kv_blocks"] > 1.5 * whole
 
 
 def test_public_rtx4090_run_replays_with_its_recorded_engine(real_runs):

@@ -1,7 +1,7 @@
 """Whole real vLLM runs replayed through the simulator (`servelab validate --real-requests`).
 
     runs = [load_recorded_run(p) for p in paths]          # ValueError: one line per bad folder
-    replay = replay_run(runs[0])                          # NotReplayable: one line, e.g. MoE
+    replay = replay_run(runs[0])                          # NotReplayable: one line
     replay.errors["e2el"]["mape_pct"]
 
 A run folder holds `vllm_requests.jsonl` (one request a line: `input_toks`,
@@ -212,23 +212,19 @@ def parse_published(text: str) -> dict[str, dict[str, dict[str, float]]]:
 
 def catalog_model(run: RecordedRun) -> str:
     """The catalog model the run served (`servelab.vllm_args.catalog_model`: its Hugging
-    Face id). NotReplayable for a mixture-of-experts run (expert parallelism on, or a
-    Qwen-style "-A3B" active-parameter name) and for a model with no catalog entry."""
+    Face id), or the entry a dated re-release names once its date is dropped
+    ("Qwen/Qwen3-30B-A3B-Instruct-2507" -> qwen3-30b-a3b: a re-release with the base
+    entry's architecture is assumed, which only its context length may not share).
+    NotReplayable for a model with no catalog entry."""
     from servelab.models import catalog_names, load_model_spec
     from servelab.vllm_args import catalog_model as served_model
 
     name = run.model_name
-    try:
-        found = served_model(name)
-    except ValueError:
-        found = None
-    if found is not None and load_model_spec(found).moe is None:
-        return found
-    kwargs = run.meta.get("engine_kwargs") or {}
-    if found is not None or kwargs.get("enable_expert_parallel") or \
-            re.search(r"-A\d+(\.\d+)?B\b|moe|mixtral", name, re.I):
-        raise NotReplayable(f"{run.label}: {name} is a mixture-of-experts model; servelab does "
-                            "not price experts yet (the MoE issue), so this run is not replayed")
+    for candidate in dict.fromkeys((name, re.sub(r"-\d{4}$", "", name))):
+        try:
+            return served_model(candidate)
+        except ValueError:
+            continue
     hf_ids = sorted((load_model_spec(n).hf_config.get("_name_or_path", ""), n)
                     for n in catalog_names())
     supported = ", ".join(f"{hf} ({n})" for hf, n in hf_ids if "/" in hf)
@@ -263,7 +259,8 @@ def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
     engine kwargs: max_num_seqs, max_num_batched_tokens, max_model_len, tensor and data
     parallel sizes, dtype, kv_cache_dtype; its recorded KV cache: num_gpu_blocks as
     --num-gpu-blocks-override, block_size, gpu_memory_utilization, enable_prefix_caching).
-    Every other setting is the preset's (`servelab.engines`: vLLM V1's defaults), so the
+    A run with expert parallelism (`enable_expert_parallel`) spreads its experts over the
+    TP × DP GPUs, its DP ranks one deployment (`--dp`). Every other setting is the preset's (`servelab.engines`: vLLM V1's defaults), so the
     replay is what a user gets who passes the same flags."""
     from servelab.cli import CLIError, build_parser
     from servelab.simulator.cli import config_from_args
@@ -292,6 +289,8 @@ def vllm_flags(run: RecordedRun) -> list[str]:
     if cache.get("enable_prefix_caching") is not None:
         flags.append("--enable-prefix-caching" if cache["enable_prefix_caching"]
                      else "--no-enable-prefix-caching")
+    if kwargs.get("enable_expert_parallel"):
+        flags.append("--enable-expert-parallel")
     return flags
 
 
@@ -349,7 +348,7 @@ def replay_run(run: RecordedRun, calibration: str | None = None, **overrides: An
                                  gpu_memory_utilization=c.gpu_memory_utilization,
                                  kv_dtype=c.kv_dtype, weight_dtype=c.weight_dtype,
                                  max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-                                 max_num_seqs=c.scheduler.max_num_seqs)
+                                 max_num_seqs=c.scheduler.max_num_seqs, ep=c.ep)
     records = sorted(result.requests, key=lambda r: r.request_id)
     nan = float("nan")
     real = {"ttft": np.array([r.ttft_ms for r in run.requests]),
@@ -360,19 +359,28 @@ def replay_run(run: RecordedRun, calibration: str | None = None, **overrides: An
     return Replay(run, config, {**result.derived, "formula_kv_blocks": formula}, real, sim,
                   {m: error_metrics(real[m], sim[m]) for m in LATENCIES},
                   sum(r.status != "finished" for r in records),
-                  sum(r.num_preemptions for r in records), _timeline(result.steps),
+                  sum(r.num_preemptions for r in records),
+                  _timeline([r.steps.table() for r in simulation.cluster.replicas]),
                   simulation.cost_model)
 
 
-def _timeline(steps) -> dict[str, np.ndarray]:
-    """Running and waiting requests at each whole second, from the step records."""
-    start = np.array([s.start_s for s in steps])
-    if not len(start):
+def _timeline(replica_steps) -> dict[str, np.ndarray]:
+    """Running and waiting requests at each whole second, from each replica's step
+    records, summed over the replicas (a data-parallel run's engine counts every rank's,
+    as vllm_timeseries.csv does)."""
+    starts = [np.array([s.start_s for s in steps]) for steps in replica_steps]
+    last = max((float(s[-1]) for s in starts if len(s)), default=None)
+    if last is None:
         return {"t_s": np.zeros(0), "running": np.zeros(0), "waiting": np.zeros(0)}
-    t = np.arange(1.0, math.floor(start[-1]) + 1.0)
-    at = np.clip(np.searchsorted(start, t, side="right") - 1, 0, len(start) - 1)
-    return {"t_s": t, "running": np.array([steps[i].num_running for i in at]),
-            "waiting": np.array([steps[i].num_waiting for i in at])}
+    t = np.arange(1.0, math.floor(last) + 1.0)
+    running, waiting = np.zeros(len(t), dtype=np.int64), np.zeros(len(t), dtype=np.int64)
+    for steps, start in zip(replica_steps, starts):
+        if not len(start):
+            continue
+        at = np.clip(np.searchsorted(start, t, side="right") - 1, 0, len(start) - 1)
+        running += np.array([steps[i].num_running for i in at], dtype=np.int64)
+        waiting += np.array([steps[i].num_waiting for i in at], dtype=np.int64)
+    return {"t_s": t, "running": running, "waiting": waiting}
 
 
 def error_metrics(real: Sequence[float], sim: Sequence[float]) -> dict[str, Any]:

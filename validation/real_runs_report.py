@@ -6,12 +6,12 @@
 writes docs/real-runs.md, docs/real-runs/<run>_latency.png (simulated against real CDFs,
 per-request scatter), docs/real-runs/<run>_engine.png (running and waiting requests over
 time) and docs/real-runs/real-runs.json (every figure in the tables). Runs that cannot be
-replayed (a mixture-of-experts model, a model or GPU with no catalog entry) are listed
+replayed (a model or GPU with no catalog entry, a setup the simulator refuses) are listed
 with their reason; a folder that is not a recorded run stops the command with one line.
 
 Targets (issue 33): per-request E2E MAPE <= 5% and TTFT MAPE <= 10% on every run whose
-GPU is priced by kernels measured on it; other runs are reported against them too, with
-the profile they borrow named.
+GPU is priced by kernels measured on it (a mixture-of-experts run: 10% and 15%, issue 34);
+other runs are reported against them too, with the profile they borrow named.
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ __all__ = ["TARGETS_PCT", "render", "write_report"]
 
 TARGETS_PCT = {"e2el": 5.0, "ttft": 10.0}
 """Per-request MAPE targets, % (issue 33)."""
+MOE_TARGETS_PCT = {"e2el": 10.0, "ttft": 15.0}
+"""Per-request MAPE targets of a mixture-of-experts run, % (issue 34)."""
 _NAMES = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2E"}
 
 
@@ -87,6 +89,9 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
     else:
         changes[f"10% fewer KV blocks ({int(blocks * 0.9):,})"] = \
             (calibration, {"kv_blocks": int(blocks * 0.9)})
+    if rp.cost_model.shapes.experts is not None:
+        changes["skewed expert load (--expert-load power-law:1.2)"] = \
+            (calibration, {"expert_load": "power-law:1.2"})
     out = {"as replayed": rp.errors}
     for name, (profile, overrides) in changes.items():
         try:
@@ -120,8 +125,12 @@ def _checks(run: RecordedRun) -> dict[str, Any]:
                               if prefill_ms > 0 else None}}
 
 
+def _targets(rp: Replay) -> dict[str, float]:
+    return MOE_TARGETS_PCT if rp.cost_model.shapes.experts is not None else TARGETS_PCT
+
+
 def _meets(rp: Replay) -> dict[str, bool]:
-    return {m: rp.errors[m]["mape_pct"] <= t for m, t in TARGETS_PCT.items()}
+    return {m: rp.errors[m]["mape_pct"] <= t for m, t in _targets(rp).items()}
 
 
 def _measured(rp: Replay) -> bool:
@@ -140,7 +149,12 @@ def _setup_line(rp: Replay) -> str:
           if recorded else f"{d['kv_blocks_per_replica']:,} KV blocks (derived from GPU memory: "
                            "the run did not record vLLM's)")
     dp = f", {c.replicas} data-parallel replicas" if c.replicas > 1 else ""
-    return (f"`{c.model}` on `{c.gpu}` × {c.tp} (tp {c.tp}{dp}), {c.weight_dtype} weights, "
+    gpus = c.tp
+    if c.ep > 1:   # one deployment: attention data-parallel, experts over all its GPUs
+        gpus = c.tp * c.replicas
+        dp += (f", experts spread over {c.ep} GPUs (expert parallelism; every MoE layer "
+               f"runs over all {c.ep // c.tp} ranks' tokens)")
+    return (f"`{c.model}` on `{c.gpu}` × {gpus} (tp {c.tp}{dp}), {c.weight_dtype} weights, "
             f"{c.kv_dtype} KV; engine `{c.engine}`: max_num_seqs {s.max_num_seqs}, "
             f"max_num_batched_tokens {s.max_num_batched_tokens}, prefill chunk "
             f"{s.chunked_prefill}, {s.preemption} preemption, watermark {c.watermark:g}, "
@@ -188,7 +202,8 @@ def render(runs: Sequence[RecordedRun], replays: Sequence[Replay], skipped: dict
         "statistic of each side. *LLMServingSim* is that simulator's published error on the "
         "same run (its `validation_summary.txt`), the bar to beat. Targets (issue 33): "
         "per-request E2E MAPE <= 5% and TTFT MAPE <= 10% on a GPU priced by its own "
-        "measured kernels.", "",
+        "measured kernels; for a mixture-of-experts run (issue 34) E2E <= 10% and TTFT "
+        "<= 15%.", "",
         "## Summary", "",
         "| run | profile | requests | TTFT MAPE | TPOT MAPE | E2E MAPE "
         "| E2E mean (servelab / LLMServingSim) | targets |",
@@ -197,7 +212,7 @@ def render(runs: Sequence[RecordedRun], replays: Sequence[Replay], skipped: dict
         e, pub = rp.errors, rp.run.published or {}
         meets = _meets(rp)
         verdict = ("met" if all(meets.values()) else "missed: " + ", ".join(
-            f"{_NAMES[m]} MAPE > {TARGETS_PCT[m]:g}%" for m, ok in meets.items() if not ok))
+            f"{_NAMES[m]} MAPE > {_targets(rp)[m]:g}%" for m, ok in meets.items() if not ok))
         if not _measured(rp):
             verdict += " (no measured kernels: reported only)"
         lines.append(
@@ -259,7 +274,13 @@ def _run_section(run: RecordedRun, rp: Replay | None, figures: list[str],
               f"TTFT {first['ttft_ms']:.0f} ms{rate}; simulated {rp.sim['ttft'][0]:.0f} ms. "
               f"Simulated preemptions: {rp.preemptions}; rejected: {rp.rejected}."
               + (" Prefix caching was on, but the request rows carry no prompt content: the "
-                 "replay sees no prefix-cache hits." if rp.config.prefix_caching else ""), "",
+                 "replay sees no prefix-cache hits." if rp.config.prefix_caching else "")
+              + (" The data-parallel ranks are simulated as replicas behind one router that do "
+                 "not step in lock-step: each prices every MoE layer over all ranks' tokens "
+                 "as if the other ranks held as many as it does (`simulator/cost_model.py`), "
+                 "where vLLM aligns the ranks' forward passes (idle ranks run dummy ones) "
+                 "and a step lasts as long as the slowest rank's."
+                 if rp.config.ep > rp.config.tp else ""), "",
               "| metric | statistic | real (ms) | servelab (ms) | servelab error "
               "| LLMServingSim error |",
               "|---|---|---:|---:|---:|---:|"]

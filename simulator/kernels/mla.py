@@ -60,6 +60,31 @@ class MLAPrefillParams(_Params):
         self._check()
 
 
+def mla_prefill_coefficients(heads, gpu: GPUSpec, p: MLAPrefillParams, kv_bytes=2.0,
+                             kv_lora_rank: int = KV_LORA_RANK,
+                             qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+                             qk_nope_head_dim: int = QK_NOPE_HEAD_DIM,
+                             v_head_dim: int = V_HEAD_DIM):
+    """One layer's MLA prefill as (floor, per causal pair, per sequence, per key of the
+    longest chunk, per new token, per cached token) seconds — the layout of
+    `attention.prefill_attention_coefficients`, so that ragged chunks are priced from
+    their sums: Σ q·c + (Σ q² + Σ q)/2 pairs, the chunks, the longest chunk's keys,
+    Σ q and Σ c. The up-projection and K/V traffic run over every key (new and cached),
+    so they fall on the new- and cached-token coefficients alike."""
+    h = np.asarray(heads, dtype=np.float64)
+    peak = gpu.peak_flops("bf16")
+    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+    qk, latent = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank + qk_rope_head_dim
+    per_pair = 2.0 * (qk + v_head_dim)                     # FLOPs per (query, key) pair and head
+    pair = h * per_pair / (peak * p.compute_eff)
+    per_key = (2.0 * kv_lora_rank * h * (qk_nope_head_dim + v_head_dim) / (peak * p.gemm_eff)
+               + h * (qk_nope_head_dim + v_head_dim) * 2.0 * 2.0 / bw)   # expand, K/V traffic
+    per_token = per_key + (h * (qk + v_head_dim) * 2.0 + latent * (2.0 + kv_bytes)) / bw
+    per_ctx = per_key + latent * kv_bytes / bw
+    critical = p.critical_path * TILE_ROWS * per_pair / (peak / gpu.sm_count)
+    return p.floor_s, pair, p.padded_tile_pairs * pair, critical, per_token, per_ctx
+
+
 def mla_prefill_time(batch, tokens, heads, gpu: GPUSpec, p: MLAPrefillParams, context=0,
                      kv_bytes=2.0, kv_lora_rank: int = KV_LORA_RANK,
                      qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
@@ -70,20 +95,11 @@ def mla_prefill_time(batch, tokens, heads, gpu: GPUSpec, p: MLAPrefillParams, co
     b = np.asarray(batch, dtype=np.float64)
     s = np.asarray(tokens, dtype=np.float64)
     c = np.asarray(context, dtype=np.float64)
-    h = np.asarray(heads, dtype=np.float64)
-    peak = gpu.peak_flops("bf16")
-    bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
-    qk, latent = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank + qk_rope_head_dim
-    per_pair = 2.0 * (qk + v_head_dim)                     # FLOPs per (query, key) pair and head
+    floor, pair, per_seq, per_key, per_token, per_ctx = mla_prefill_coefficients(
+        heads, gpu, p, kv_bytes, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
     pairs = b * (s * c + 0.5 * s * (s + 1.0))
-    keys = s + c
-    attention = ((pairs + b * p.padded_tile_pairs) * h * per_pair / (peak * p.compute_eff)
-                 + p.critical_path * keys * TILE_ROWS * per_pair / (peak / gpu.sm_count))
-    expand = 2.0 * b * keys * kv_lora_rank * h * (qk_nope_head_dim + v_head_dim) / (peak * p.gemm_eff)
-    traffic = b * (s * (h * (qk + v_head_dim) * 2.0 + latent * (2.0 + kv_bytes))
-                   + keys * (h * (qk_nope_head_dim + v_head_dim) * 2.0 * 2.0)
-                   + c * latent * kv_bytes)
-    t = p.floor_s + attention + expand + traffic / bw
+    t = (floor + pairs * pair + b * per_seq + (s + c) * per_key + b * s * per_token
+         + b * c * per_ctx)
     return np.where((b > 0) & (s > 0), t, 0.0)
 
 
@@ -114,14 +130,14 @@ class MLADecodeParams(_Params):
         self._check()
 
 
-def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
-                    kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
-                    qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
-    """Seconds of one layer's MLA decode of `batch` sequences with `context_sum` cached
-    tokens in all, `heads` heads on this GPU. For a fixed batch the time is convex and
-    piecewise linear in the context sum (a run of decode steps sums in closed form)."""
+def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
+                     kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+                     qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+    """One layer's MLA decode of `batch` sequences costs intercept + slope·C seconds for C
+    cached tokens in all: (intercept, slope). Streaming the latents and their FLOPs are
+    both proportional to C, so their maximum is the steeper line: for a fixed batch the
+    time is linear in C (a run of decode steps sums in closed form)."""
     b = np.asarray(batch, dtype=np.float64)
-    ctx = np.asarray(context_sum, dtype=np.float64)
     h = np.asarray(heads, dtype=np.float64)
     peak = gpu.peak_flops("bf16") * p.compute_eff
     hbm = gpu.hbm_bandwidth_gbps * 1e9
@@ -129,10 +145,19 @@ def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams,
     rate = hbm * p.memory_eff
     if p.seq_stream_gbps:
         rate = np.minimum(rate, p.seq_stream_gbps * 1e9 * np.maximum(b, 1.0))
-    stream = ctx * latent * kv_bytes / rate
-    flops = 2.0 * h * ctx * (latent + kv_lora_rank) / peak
+    slope = np.maximum(latent * kv_bytes / rate, 2.0 * h * (latent + kv_lora_rank) / peak)
     absorb_weights = 2.0 * h * qk_nope_head_dim * kv_lora_rank * 2.0   # W_UK and W_UV, BF16
     absorb = (absorb_weights / (hbm * p.absorb_eff)
               + 2.0 * b * h * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / peak)
-    t = p.floor_s + np.maximum(stream, flops) + absorb + b * p.seq_s
-    return np.where(b > 0, t, 0.0)
+    live = b > 0
+    return np.where(live, p.floor_s + absorb + b * p.seq_s, 0.0), np.where(live, slope, 0.0)
+
+
+def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
+                    kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+                    qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+    """Seconds of one layer's MLA decode of `batch` sequences with `context_sum` cached
+    tokens in all, `heads` heads on this GPU (`mla_decode_lines`)."""
+    intercept, slope = mla_decode_lines(batch, heads, gpu, p, kv_bytes, kv_lora_rank,
+                                        qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
+    return intercept + slope * np.asarray(context_sum, dtype=np.float64)
