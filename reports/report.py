@@ -115,12 +115,16 @@ def _what_was_run(c: Comparison) -> list:
         f" (kernels: {cost['calibration']}, measured inside vLLM "
         f"{cost['calibration_engine_version']})" if cost.get("calibration_engine_version")
         and "gpu" not in swept else "")
+    pools = derived.get("disaggregation")   # a prefill and a decode pool (simulator/disaggregated_run.py)
+    layout = f"{cfg['replicas']} replica(s)" if pools is None else "disaggregated: " + " + ".join(
+        f"{'swept' if f'{name}_replicas' in swept else pools[name]['replicas']} {name} replica(s)"
+        for name in ("prefill", "decode")) + f", KV over {pools['kv_link']['name']} ({pools['kv_transfer']})"
     settings = [  # (the axis that would vary it, the words)
         ("engine", priced),
         ("model", f"model {cfg['model']}"), ("gpu", f"GPU {cfg['gpu']}"),
-        ("tp", f"tensor parallelism {cfg['tp']}"), (None, f"{cfg['replicas']} replica(s)"),
+        ("tp", f"tensor parallelism {cfg['tp']}"), (None, layout),
         (None, f"{derived.get('kv_blocks_per_replica', cfg['kv_blocks']):,} KV blocks per replica"
-            if "model" not in swept and "gpu" not in swept and "tp" not in swept else None),
+            if "model" not in swept and "gpu" not in swept and "tp" not in swept and pools is None else None),
         ("block_size", f"{cfg['block_size']}-token KV blocks"),
         ("block_manager", f"{cfg['block_manager']} block manager"),
         (None, f"{sched['batching']} batching of at most {sched['max_num_seqs']} sequences and "

@@ -54,13 +54,28 @@ def register(subparsers) -> None:
     h = p.add_argument_group("model, GPU and cost model")
     h.add_argument("--model", default="llama-3.1-8b", metavar="M",
                    help="catalog model (llama-2-7b, llama-2-13b, llama-2-70b, llama-3.1-8b, "
-                        "llama-3.1-70b, mistral-7b, qwen2.5-7b, tiny-llama) or a config.json path "
-                        "(default %(default)s)")
+                        "llama-3.1-70b, mistral-7b, qwen2.5-7b, qwen3-32b, mixtral-8x7b, "
+                        "qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, tiny-llama, tiny-moe) or a "
+                        "config.json path (default %(default)s)")
     h.add_argument("--gpu", default="h100-sxm", metavar="G",
                    help=f"catalog GPU ({', '.join(gpu_names())}) or a GPU spec .json file "
                         f"(default %(default)s)")
     h.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel GPUs per replica (default %(default)s)")
+    h.add_argument("--ep", type=positive_int, default=None, metavar="N",
+                   help="expert parallelism of a mixture-of-experts model: its routed experts "
+                        "spread over N = tp x dp GPUs (vLLM's --enable-expert-parallel); above "
+                        "--tp, each replica is one of N / tp data-parallel attention ranks "
+                        "(default 1: every GPU holds every expert, split --tp ways)")
+    h.add_argument("--dp", type=positive_int, default=None, metavar="N",
+                   help="data-parallel ranks of one deployment (vLLM's --data-parallel-size): N "
+                        "replicas, each with --tp GPUs; a mixture-of-experts model's experts "
+                        "spread over the N x tp GPUs (--ep N x tp), its MoE layers run over "
+                        "all ranks' tokens")
+    h.add_argument("--expert-load", default="balanced", metavar="LOAD",
+                   help="how a MoE layer's tokens spread over its experts: balanced, or "
+                        "power-law:ALPHA (skewed, as NVIDIA aiconfigurator measures; e.g. "
+                        "power-law:1.2) (default %(default)s)")
     h.add_argument("--weight-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
     h.add_argument("--kv-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
     h.add_argument("--calibration", metavar="FILE",
@@ -77,11 +92,14 @@ def register(subparsers) -> None:
 
     c = p.add_argument_group("cluster and simulation")
     c.add_argument("--replicas", type=positive_int, default=1,
-                   help="engine replicas, each with --tp GPUs (default %(default)s)")
+                   help="engine replicas, each with --tp GPUs (default %(default)s; with --dp "
+                        "or --ep above --tp, the data-parallel ranks: a multiple of them)")
     c.add_argument("--router", choices=ROUTER_NAMES, default="round-robin",
                    help="how arrivals are spread over replicas (default %(default)s)")
     c.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="simulate every decode step one by one (slower; same results)")
+    from servelab.simulator.disaggregation import add_disaggregation_arguments
+    add_disaggregation_arguments(p)   # --prefill-replicas, --decode-replicas, --kv-link, ...
     p.set_defaults(func=_cmd_simulate)
 
 
@@ -89,6 +107,7 @@ def config_from_args(args: argparse.Namespace):
     """The `SimulationConfig` the flags describe; user errors raise CLIError."""
     from servelab.models import load_model_spec
     from servelab.options import configs_from_args
+    from servelab.simulator.disaggregation import disaggregation_from_args
     from servelab.simulator.run import SimulationConfig
     from servelab.simulator.gpus import get_gpu
     from servelab.traces.cli import trace_dir_from
@@ -97,8 +116,10 @@ def config_from_args(args: argparse.Namespace):
     if getattr(args, "vllm_args", None):
         args = with_vllm_args(args)
     with user_errors():
-        context = None if args.max_model_len else load_model_spec(args.model).max_position_embeddings
+        spec = load_model_spec(args.model)
+        context = None if args.max_model_len else spec.max_position_embeddings
         gpu = get_gpu(args.gpu)
+    ep, replicas = expert_layout(args, spec)
     opts = configs_from_args(args, default_max_model_len=context,
                              device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)
     cache = opts.cache
@@ -110,7 +131,8 @@ def config_from_args(args: argparse.Namespace):
             arrival_cv=args.arrival_cv, rate_scale=args.rate_scale or 1.0,
             num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
             model=_absolute_if_file(args.model), gpu=_absolute_if_file(args.gpu), tp=args.tp,
-            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, ep=ep,
+            expert_load=getattr(args, "expert_load", None) or "balanced",
             calibration=_absolute_if_file(args.calibration), engine=opts.engine.name,
             gpu_memory_utilization=opts.gpu_memory_utilization, scheduler=opts.scheduler,
             policy=opts.policy, policy_options=opts.policy_options,
@@ -118,8 +140,35 @@ def config_from_args(args: argparse.Namespace):
             cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
             prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
             kv_offload_gb=opts.kv_offload_gb,
-            replicas=args.replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward)
+            replicas=replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
+            disaggregation=disaggregation_from_args(args))
+
+
+def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
+    """(ep, replicas) from --ep, --dp, --tp and --replicas. vLLM's expert-parallel group is
+    the TP × DP GPUs of a deployment ("The EP size is automatically calculated",
+    docs.vllm.ai serving/expert_parallel_deployment), each data-parallel rank an engine
+    with its own scheduler (serving/data_parallel_deployment): --dp N on a
+    mixture-of-experts model sets ep = N × tp, and --ep above --tp implies ep / tp ranks.
+    The ranks are replicas: --replicas left at 1 becomes their number, and a larger value
+    must be a multiple of it. On a dense model --dp N is N independent replicas, as vLLM
+    runs it. (Commands without these flags, such as the sweeps, get ep 1.)"""
+    tp, replicas = args.tp, args.replicas
+    ep, dp = getattr(args, "ep", None), getattr(args, "dp", None)
+    if dp is not None and model.moe is not None:
+        if ep is not None and ep != dp * tp:
+            raise CLIError(f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's "
+                           "expert-parallel group is the TP x DP GPUs of a deployment")
+        ep = dp * tp
+    ep = ep or 1
+    ranks = dp if dp is not None else (ep // tp if ep > tp and ep % tp == 0 else 1)
+    if ranks > 1 and replicas == 1:
+        replicas = ranks
+    elif replicas % ranks:
+        raise CLIError(f"--replicas {replicas} must be a multiple of the {ranks} data-parallel "
+                       "ranks of a deployment")
+    return ep, replicas
 
 
 _VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "replicas": 1, "router": "round-robin",
@@ -203,6 +252,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 1
     print(f"engine {config.engine or 'servelab'}; kernels priced by {sim.profile_line}")
     print(format_summary(result, out, args.output_format))
+    if result.disaggregation is not None:   # a prefill and a decode pool
+        from servelab.simulator.disaggregated_run import describe
+        print(describe(result.disaggregation, args.output_format))
     if not result.summary["completed"]:
         from servelab.reports.health import format_reasons, rejection_reasons
         print(f"servelab simulate: error: no request finished: {result.summary['rejected']:,} rejected "

@@ -56,7 +56,7 @@ Progress = Callable[[float, int, int], None]
 """progress(simulated seconds, requests done, requests in total)."""
 
 
-class _Timeout(Event):
+class PriorityTimeout(Event):
     """A SimPy timeout with an explicit priority (SimPy's `Timeout` is always NORMAL)."""
 
     def __init__(self, env: Environment, delay: float, priority: int) -> None:
@@ -90,7 +90,7 @@ def arrival_process(env: Environment, requests: Iterable[Request],
         while env.now < at:
             delay = at - env.now
             feed.next_s = env.now + delay      # the very sum SimPy schedules at
-            yield _Timeout(env, delay, URGENT)
+            yield PriorityTimeout(env, delay, URGENT)
         deliver(req)
     feed.next_s = math.inf
 
@@ -142,7 +142,7 @@ class Replica:
     def ran(self, step: EngineStep) -> Event:
         """Sleep the step's duration."""
         self.steps.append(step.step)
-        return _Timeout(self.env, step.result.duration_s, NORMAL)
+        return PriorityTimeout(self.env, step.result.duration_s, NORMAL)
 
     def finished(self, step: EngineStep) -> Event | None:
         """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
@@ -152,7 +152,7 @@ class Replica:
         if self.fast_forward and not step.output.scheduled.prefill_continues():
             duration = self._decode_run(self.env.now)
             if duration is not None:
-                return _Timeout(self.env, duration, NORMAL)
+                return PriorityTimeout(self.env, duration, NORMAL)
         return None
 
     def ran_nothing(self, step: EngineStep) -> None:

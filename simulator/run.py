@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -33,6 +34,7 @@ from servelab._validate import check_choice, check_float, check_int, check_known
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.record_table import RecordTable
 from servelab.engines import engine_names, get_preset
+from servelab.simulator.disaggregation import DisaggregationConfig, check_disaggregation
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
 
@@ -72,6 +74,13 @@ class SimulationConfig:
     tp: int = 1
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    ep: int = 1
+    """Expert parallelism of a mixture-of-experts model: 1, or tp × dp (vLLM's
+    --enable-expert-parallel spreads the experts over the TP × DP GPUs of a deployment).
+    Above tp, each replica is one of ep / tp data-parallel attention ranks, so `replicas`
+    is a multiple of ep / tp (see `cost_model`)."""
+    expert_load: str = "balanced"
+    """How a MoE layer's tokens spread over its experts: "balanced" or "power-law:ALPHA"."""
     calibration: str | None = None
     """A calibration profile for this GPU (a file, a packaged profile name, or "none" for
     the bare roofline); None: the GPU's packaged profile, fitted to measured kernel times."""
@@ -106,6 +115,10 @@ class SimulationConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     fast_forward: bool = True
+    # --- disaggregated prefill/decode (simulator/disaggregation.py) ----------------------
+    disaggregation: DisaggregationConfig | None = None
+    """A prefill pool and a decode pool joined by a KV link, in place of `replicas`
+    co-located replicas; None (the default): co-located."""
 
     def __post_init__(self) -> None:
         o = _OWNER
@@ -150,6 +163,7 @@ class SimulationConfig:
             raise ValueError(f"{o}.kv_offload_gb: a CPU tier holds prefix-cache blocks and needs "
                              "prefix caching (--prefix-caching)")
         check_int(o, "replicas", self.replicas, 1)
+        _check_experts(self)
         check_choice(o, "router", self.router, tuple(ROUTERS))
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) is not None:
@@ -165,6 +179,8 @@ class SimulationConfig:
             raise ValueError(f"{o}.policy_options must hold JSON values, got {self.policy_options!r}") from None
         from servelab.policies import make_policy
         make_policy(self.policy, **self.policy_options)   # unknown policy or bad options: ValueError
+        if self.disaggregation is not None:
+            check_disaggregation(self)
 
     @property
     def tenant_weights(self) -> dict[str, float] | None:
@@ -178,8 +194,15 @@ class SimulationConfig:
         for name in ("kv_offload_gb", "engine"):   # so that configs without them read as before
             if not out[name]:
                 del out[name]
+        for name, default in (("ep", 1), ("expert_load", "balanced")):   # likewise
+            if out[name] == default:
+                del out[name]
         out["scheduler"] = self.scheduler.to_dict()
         out["policy_options"] = json.loads(json.dumps(self.policy_options))
+        if self.disaggregation is None:   # co-located configs read as before
+            del out["disaggregation"]
+        else:
+            out["disaggregation"] = self.disaggregation.to_dict()
         return out
 
     @classmethod
@@ -196,7 +219,29 @@ class SimulationConfig:
             check_known_keys(sched, {f.name for f in fields(SchedulerConfig)},
                              "unknown scheduler config key(s)")
             values["scheduler"] = SchedulerConfig(**sched)
+        if values.get("disaggregation") is not None:
+            values["disaggregation"] = DisaggregationConfig.from_dict(values["disaggregation"])
         return cls(**values)
+
+
+def _check_experts(c: SimulationConfig) -> None:
+    """ep is 1 or a multiple of tp whose data-parallel ranks (ep / tp) the replicas fill;
+    the expert load parses. Whether the model has experts to spread is the cost model's
+    check (build time)."""
+    from servelab.simulator.kernels.moe import parse_expert_load
+
+    check_int(_OWNER, "ep", c.ep, 1)
+    if c.ep > 1 and c.ep % c.tp:
+        raise ValueError(f"{_OWNER}.ep {c.ep} must be a multiple of {_OWNER}.tp {c.tp}: vLLM "
+                         "spreads the experts over the TP × DP GPUs of a deployment")
+    dp = c.ep // c.tp
+    if dp > 1 and c.replicas % dp:
+        raise ValueError(f"{_OWNER}.replicas={c.replicas} must be a multiple of ep / tp = {dp}: "
+                         f"each replica is one of the {dp} data-parallel ranks of an ep={c.ep} "
+                         "deployment")
+    if not isinstance(c.expert_load, str):
+        raise ValueError(f"{_OWNER}.expert_load must be a string, got {c.expert_load!r}")
+    parse_expert_load(c.expert_load)
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -256,6 +301,9 @@ class SimulationResult:
     derived: dict[str, Any]
     """What the run derived from the config (KV blocks, cost model, trace provenance)."""
     out_dir: Path | None = None
+    disaggregation: Any = None
+    """A disaggregated run's handoffs and their report (`DisaggregationOutputs`,
+    simulator/disaggregated_run.py); None for a co-located run."""
 
 
 class RunCheckError(ValueError):
@@ -297,7 +345,8 @@ class Simulation:
         profile = resolve(gpu, c.calibration, engine_version=engine_version)
         self.profile_name, self.profile_line = _profile_choice(gpu, c.calibration, engine_version)
         cost = CostModel(model, gpu, tp=c.tp, weight_dtype=c.weight_dtype,
-                         kv_dtype=c.kv_dtype, calibration=profile, block_size=c.block_size)
+                         kv_dtype=c.kv_dtype, calibration=profile, block_size=c.block_size,
+                         ep=c.ep, expert_load=c.expert_load)
         self.cost_model = cost
         sched = c.scheduler
         if sched.speculative.enabled:
@@ -309,7 +358,8 @@ class Simulation:
             model, cost.gpu, tp=c.tp, block_size=c.block_size,
             gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs, **({"proposer": proposer} if proposer is not None else {}))
+            max_num_seqs=sched.max_num_seqs, ep=c.ep,
+            **({"proposer": proposer} if proposer is not None else {}))
         _check_some_request_fits(trace, self.kv_blocks, c.block_size)
         if c.prefix_caching:
             check_prefix_block_sizes(trace, c.block_size)
@@ -458,7 +508,8 @@ def check_host_tier(config: SimulationConfig) -> None:
     if not c.kv_offload_gb:
         return
     cost = CostModel(load_model_spec(c.model), get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
-                     kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size)
+                     kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size,
+                     ep=c.ep, expert_load=c.expert_load)
     host_tier_blocks(c.kv_offload_gb, cost.block_bytes * c.tp)
     check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * cost.block_bytes * c.tp)
 
@@ -466,6 +517,9 @@ def check_host_tier(config: SimulationConfig) -> None:
 def build_simulation(config: SimulationConfig) -> Simulation:
     """Load the trace, model and GPU, derive the KV capacity and wire the replicas.
     Raises ValueError (TraceError included) on anything wrong with the inputs."""
+    if config.disaggregation is not None:   # a prefill and a decode pool
+        from servelab.simulator.disaggregated_run import DisaggregatedSimulation
+        return DisaggregatedSimulation(config)
     return Simulation(config)
 
 
@@ -502,8 +556,7 @@ def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
         raise
     if out_dir is not None:
         write_run_dir(result, Path(out_dir), output_format)
-        result = SimulationResult(result.config, result.requests, result.steps, result.summary,
-                                  result.derived, Path(out_dir))
+        result = dataclasses.replace(result, out_dir=Path(out_dir))
     return result
 
 
@@ -521,6 +574,8 @@ def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = 
     else:
         write_json(out_dir / "summary.json", result.summary)
     write_records(out_dir, result.requests, result.steps, output_format)
+    if result.disaggregation is not None:   # disaggregation.json, handoffs.<format>
+        result.disaggregation.write(out_dir, output_format)
 
 
 def main(argv: list[str] | None = None) -> int:

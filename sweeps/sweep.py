@@ -112,7 +112,8 @@ class SweepPoint:
 
 _AXIS_SHORT = {"rate": "r", "block_size": "bs", "chunked_prefill": "chunk", "preemption": "",
                "router": "", "block_manager": "", "gpu": "", "model": "", "tp": "tp",
-               "replicas": "x", "speculative": "spec-", "num_speculative_tokens": "k"}
+               "replicas": "x", "speculative": "spec-", "num_speculative_tokens": "k",
+               "prefill_replicas": "p", "decode_replicas": "d"}
 
 
 def _slug(value: Any) -> str:

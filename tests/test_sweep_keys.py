@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from servelab.config import AdmissionConfig, SpeculativeConfig, SchedulerConfig
+from servelab.simulator.disaggregation import DisaggregationConfig, PoolConfig
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.sweep import SweepPoint, config_key
 
@@ -24,10 +25,12 @@ CHANGED = {
     "policy_options": {"max_wait_s": 5.0}, "block_size": 32, "kv_blocks": 300, "cpu_kv_blocks": 10,
     "block_manager": "contiguous-max", "prefix_caching": True, "watermark": 0.02, "replicas": 2,
     "router": "least-outstanding", "slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0, "fast_forward": False,
-    "kv_offload_gb": 4.0,
+    "kv_offload_gb": 4.0, "ep": 2, "expert_load": "power-law:1.2",
+    "disaggregation": DisaggregationConfig(PoolConfig(replicas=2), PoolConfig(replicas=1)),
 }
-#: Fields whose change needs another one changed too (a CPU tier needs prefix caching).
-ALONG = {"kv_offload_gb": {"prefix_caching": True}}
+#: Fields whose change needs another one changed too (a CPU tier needs prefix caching;
+#: expert parallelism over 2 GPUs at tp 1 makes 2 data-parallel ranks, 2 replicas).
+ALONG = {"kv_offload_gb": {"prefix_caching": True}, "ep": {"replicas": 2}}
 #: One other valid value for every SchedulerConfig field.
 CHANGED_SCHEDULER = {
     "max_num_seqs": 7, "max_num_batched_tokens": 4096, "chunked_prefill": None,
