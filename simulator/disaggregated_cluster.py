@@ -36,7 +36,6 @@ land at any prefill step's end, which a closed-form run would have to foresee).
 from __future__ import annotations
 
 import collections
-import math
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -50,7 +49,7 @@ from servelab.record_table import RecordLog, RecordTable
 from servelab.records import RequestRecord, StepRecord
 from servelab.request import Request, RequestStatus
 from servelab.simulator.cost_model import CostModel
-from servelab.simulator.engine import (ArrivalFeed, EngineStalled, PriorityTimeout, Progress, Replica,
+from servelab.simulator.engine import (ArrivalFeed, PriorityTimeout, Progress, Replica, simulate_to_end,
                                        arrival_process)
 from servelab.simulator.kv_handoff import (Handoff, HeldKV, decode_part, land, landing_status,
                                            prefill_part)
@@ -326,23 +325,8 @@ class DisaggregatedCluster:
 
     def run(self, progress: Progress | None = None, num_reports: int = 100) -> None:
         """Simulate until no event is left; raises EngineStalled if requests are left
-        undone (see `Cluster.run`)."""
-        env, total = self.env, self.num_requests
-        if progress is None:
-            env.run()
-        else:
-            every = max(self.last_arrival_s, 1.0) / num_reports
-            next_report = every
-            while env.peek() < math.inf:
-                env.step()
-                if env.now >= next_report:
-                    progress(env.now, self.num_done, total)
-                    next_report = env.now + every
-            progress(env.now, self.num_done, total)
-        done = self.num_done
-        if done != total:
-            raise EngineStalled(f"simulation ended with {done} of {total} requests done: "
-                                f"an engine stopped with work left")
+        undone (`simulator.engine.simulate_to_end`)."""
+        simulate_to_end(self, progress, num_reports)
 
     def request_records(self) -> RecordTable:
         """Every request's final record, by id: a handed-off request's from its decode

@@ -32,7 +32,7 @@ from servelab.record_table import RecordTable, stored_fields
 from servelab.simulator.disaggregated_cluster import DisaggregatedCluster
 from servelab.simulator.kv_handoff import Handoff, HeldKV
 from servelab.simulator.run import (RunCheckError, Simulation, SimulationConfig, _gc_paused,
-                                    _kernels_used, _profile_choice, load_workload)
+                                    _kernels_used, _profile_choice, load_workload, trace_provenance)
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,7 @@ class DisaggregatedSimulation(Simulation):
         with _gc_paused():
             requests = trace.requests(c.seed)
         self.num_requests = len(trace)
-        self.trace_provenance = {
-            "source": trace.source, "format": trace.format, "requests": len(trace),
-            "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
-            "notes": list(trace.notes)}
+        self.trace_provenance = trace_provenance(trace)
         del trace
         self.cluster = DisaggregatedCluster(
             prefill_schedulers, p.cost, decode_schedulers, q.cost, make_router(c.router, p.replicas),

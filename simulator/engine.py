@@ -266,28 +266,10 @@ class Cluster:
         return sum(len(r.records) for r in self.replicas)
 
     def run(self, progress: Progress | None = None, num_reports: int = 100) -> None:
-        """Simulate until no event is left (every engine idle, the trace exhausted).
-        `progress` is called about `num_reports` times over the trace span and at the
-        end; reporting adds no events, so it cannot change the simulation. Raises
-        EngineStalled if requests are left undone."""
-        env = self.env
-        total = self.num_requests
-        if progress is None:
-            env.run()
-        else:
-            every = max(self.last_arrival_s, 1.0) / num_reports
-            next_report = every
-            step, peek = env.step, env.peek
-            while peek() < math.inf:
-                step()
-                if env.now >= next_report:
-                    progress(env.now, self.num_done, total)
-                    next_report = env.now + every
-            progress(env.now, self.num_done, total)
-        done = self.num_done
-        if done != total:
-            raise EngineStalled(f"simulation ended with {done} of {total} requests done: "
-                                f"an engine stopped with work left")
+        """Simulate until no event is left (every engine idle, the trace exhausted); see
+        `simulate_to_end`."""
+        simulate_to_end(self, progress, num_reports)
+
 
     def request_records(self) -> RecordTable:
         """Every request's record, by request id."""
@@ -298,3 +280,29 @@ class Cluster:
         """All replicas' steps by start time (ties: replica index, then step order)."""
         steps = RecordTable.concat(StepRecord, [r.steps.table() for r in self.replicas])
         return steps.sorted_by("start_s")   # stable: replica order, then step order
+
+
+def simulate_to_end(cluster, progress: Progress | None = None, num_reports: int = 100) -> None:
+    """Run a cluster's SimPy environment (`cluster.env`) until no event is left.
+    `progress` is called about `num_reports` times over the trace span
+    (`cluster.last_arrival_s`) and at the end; reporting adds no events, so it cannot
+    change the simulation. Raises EngineStalled if fewer than `cluster.num_requests` are
+    done (`cluster.num_done`)."""
+    env = cluster.env
+    total = cluster.num_requests
+    if progress is None:
+        env.run()
+    else:
+        every = max(cluster.last_arrival_s, 1.0) / num_reports
+        next_report = every
+        step, peek = env.step, env.peek
+        while peek() < math.inf:
+            step()
+            if env.now >= next_report:
+                progress(env.now, cluster.num_done, total)
+                next_report = env.now + every
+        progress(env.now, cluster.num_done, total)
+    done = cluster.num_done
+    if done != total:
+        raise EngineStalled(f"simulation ended with {done} of {total} requests done: "
+                            f"an engine stopped with work left")

@@ -379,10 +379,7 @@ class Simulation:
         # needs; each is made as it arrives (a million records, or requests made up front,
         # would hold a few hundred MB through the run).
         self.num_requests = len(trace)
-        self.trace_provenance = {
-            "source": trace.source, "format": trace.format, "requests": len(trace),
-            "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
-            "notes": list(trace.notes)}
+        self.trace_provenance = trace_provenance(trace)
         del trace
         self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
                                fast_forward=c.fast_forward, executors=self.speculators)
@@ -458,6 +455,13 @@ class Simulation:
         if problem is not None:
             raise RunCheckError(problem, result)
         return result
+
+
+def trace_provenance(trace) -> dict[str, Any]:
+    """Where a run's requests came from, for config.json's `derived.trace`."""
+    return {"source": trace.source, "format": trace.format, "requests": len(trace),
+            "dropped_rows": trace.num_dropped, "clipped_requests": trace.num_clipped,
+            "notes": list(trace.notes)}
 
 
 def _kernels_used(cost) -> dict:
