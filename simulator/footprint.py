@@ -121,7 +121,7 @@ class ShardedShapes:
     weight_dtype: str
     gemms: tuple[Gemm, ...]
     """Dense models: qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this
-    order. Mixture-of-experts and MLA models (`_sparse_shapes`): their attention
+    order. Mixture-of-experts and MLA models (`_build_shapes`): their attention
     projections, the dense layers' MLP, the router and shared experts, then lm_head."""
     elementwise: tuple[Elementwise, ...]
     allreduce_bytes_per_token: int
@@ -142,7 +142,7 @@ class ShardedShapes:
         layout the model cannot take."""
         _check_degree("ep", ep)
         if model.moe is not None or model.mla is not None:
-            return _sparse_shapes(model, tp, weight_dtype, kv_dtype, ep)
+            return _build_shapes(model, tp, weight_dtype, kv_dtype, ep)
         if ep != 1:
             raise ValueError(f"ep={ep} spreads experts over GPUs, and {model.name} has none")
         _check_dtypes(weight_dtype, kv_dtype)
@@ -153,50 +153,13 @@ class ShardedShapes:
         if model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ValueError(f"tp={tp} must divide, or be a multiple of, {model.name}'s "
                              f"{model.num_kv_heads} KV heads")
-        wb, kvb, a = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype], ACT_BYTES
-        L, h, hd = model.num_layers, model.hidden_size, model.head_dim
-        heads, kv_heads = model.num_heads // tp, max(1, model.num_kv_heads // tp)
-        q, kv = heads * hd, kv_heads * hd
-        inter = model.intermediate_size // tp
-        vocab = -(-model.vocab_size // tp)          # engines pad the vocabulary to a multiple
-        qkv_out = q + 2 * kv
-        bias = qkv_out * ACT_BYTES if model.attention_bias else 0
-        gemms = (
-            Gemm("qkv_proj", qkv_out, h, h * qkv_out * wb + bias, L),
-            Gemm("o_proj", h, q, q * h * wb, L),
-            Gemm("mlp_gate_up", 2 * inter, h, h * 2 * inter * wb, L),
-            Gemm("mlp_down", h, inter, inter * h * wb, L),
-            Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1),
-        )
-        # The fused kernels of a vLLM-style engine, bytes read + written per row (the
-        # KV-cache write is launched with attention and priced there):
-        elementwise = (
-            # residual add + RMSNorm: read x and the residual, write both
-            Elementwise("input_norm", 4 * h * a, L),
-            # rotary on Q and K in place, reading cos/sin for the position
-            Elementwise("rotary", (2 * (q + kv) + hd) * a, L),
-            Elementwise("post_attention_norm", 4 * h * a, L),
-            # SiLU(gate) * up: read both halves, write one
-            Elementwise("silu_mul", 3 * inter * a, L),
-            # embedding gather: token id, the table row, the output row
-            Elementwise("embedding", 8 + 2 * h * a, 1),
-            Elementwise("final_norm", 4 * h * a, 1),
-            # sampling over the full vocabulary: read the logits, write FP32 probabilities
-            Elementwise("sampler", model.vocab_size * (a + 4), 1, per_seq=True),
-        )
-        return cls(
-            tp=tp, num_layers=L, hidden=h, heads=heads, kv_heads=kv_heads, head_dim=hd,
-            q_dim=q, kv_dim=kv, intermediate=inter, vocab=vocab, kv_elem_bytes=kvb,
-            kv_bytes_per_token=2 * L * kv * kvb, weight_dtype=weight_dtype, gemms=gemms,
-            elementwise=elementwise, allreduce_bytes_per_token=h * a,
-            gather_bytes_per_seq=vocab * tp * a if tp > 1 else 0,
-        )
+        return _build_shapes(model, tp, weight_dtype, kv_dtype, ep)
 
 
-def _sparse_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
-                   ep: int) -> ShardedShapes:
-    """`ShardedShapes` of a mixture-of-experts and/or MLA model (the module docstring says
-    how vLLM lays them out). Dense layers keep the dense MLP; MoE layers have the router
+def _build_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
+                  ep: int) -> ShardedShapes:
+    """`ShardedShapes` of any model (the module docstring says how vLLM lays out a
+    mixture-of-experts or MLA one; a dense model is the case with neither). Dense layers keep the dense MLP; MoE layers have the router
     (BF16, replicated) and shared experts (tp-split) as GEMMs and the routed experts as an
     `ExpertShard`. MLA's fused q/kv down-projection is replicated, q_b_proj and o_proj
     split; the cache holds the whole latent on every GPU."""
@@ -259,6 +222,10 @@ def _sparse_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
                               ep // tp if ep > tp else 1)
     vocab = -(-model.vocab_size // tp)
     gemms.append(Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1))
+    # The fused kernels of a vLLM-style engine, bytes read + written per row (the KV-cache
+    # write is launched with attention and priced there); the embedding gathers the token
+    # id, its table row and the output row; sampling reads the logits and writes FP32
+    # probabilities over the full vocabulary.
     elementwise = (
         Elementwise("input_norm", 4 * h * a, L),
         *attention_ew,
