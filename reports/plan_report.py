@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servelab.labels import count_words, is_disaggregated
 from servelab.reports import plots
 from servelab.reports.comparison import RUNS_DIR, load_comparison, offered_rate
 from servelab.reports.document import Bullets, Heading, Image, ReportFiles, Table, Text, write_document
@@ -66,10 +67,13 @@ class _Row:
 
 
 def layout_name(labels: Mapping[str, Any], replicas: int) -> str:
-    """"5 x h100-sxm (TP1), fcfs, round-robin": count and GPU first, then the other knobs."""
+    """"5 x h100-sxm (TP1), fcfs, round-robin": count and GPU first, then the other knobs;
+    a disaggregated layout reads "3 x [1P+3D] h100-sxm (TP1), ...": 3 units of one prefill
+    and three decode replicas."""
     named = [labels[k] for k in ("policy", "router") if k in labels]
-    rest = [*named, *(f"{k}={v}" for k, v in labels.items() if k not in ("gpu", "tp", "policy", "router"))]
-    return ", ".join([f"{replicas} x {labels['gpu']} (TP{labels['tp']})", *rest])
+    rest = [*named, *(f"{k}={v}" for k, v in labels.items() if k not in ("gpu", "tp", "pools", "policy", "router"))]
+    pools = f"[{labels['pools']}] " if is_disaggregated(labels) else ""
+    return ", ".join([f"{replicas} x {pools}{labels['gpu']} (TP{labels['tp']})", *rest])
 
 
 def _ranked(data: Mapping[str, Any], out_dir: Path) -> list[_Row]:
@@ -126,7 +130,7 @@ def _answer(data: Mapping[str, Any], rows: Sequence[_Row]) -> str:
     below = next((t for t in best.layout["trials"] if t["replicas"] == best.layout["replicas"] - 1), None)
     tail, notes = [], list(best.layout["edge_notes"])
     if below is not None:
-        fewer = f"{below['replicas']} replica{'s' if below['replicas'] != 1 else ''} missed"
+        fewer = f"{count_words(best.layout['labels'], below['replicas'])} missed"
         hair = [n for n in notes if n.startswith(fewer + " by a hair")]
         tail.append(f"{fewer}{' by a hair' if hair else ''}: {'; '.join(below['misses'])}")
         notes = [n for n in notes if n not in hair]
@@ -183,13 +187,13 @@ def _other_layouts(data: Mapping[str, Any]) -> list:
         who = layout_name(g["labels"], g["pruned_at"] or 0).split(", ", 1)
         where = who[0].split(" x ", 1)[1] + (f", {who[1]}" if len(who) > 1 else "")
         if g["status"] == "pruned":
-            items.append(f"{where}: pruned at {g['pruned_at']} replicas, which would cost at least "
+            items.append(f"{where}: pruned at {count_words(g['labels'], g['pruned_at'])}, which would cost at least "
                          f"{_cost(data, g['lower_bound'])}, more than the answer")
         elif g["status"] == "unmet":
             last = g["trials"][-1]
-            items.append(f"{where}: missed even at {last['replicas']} replicas ({'; '.join(last['misses'])})")
+            items.append(f"{where}: missed even at {count_words(g['labels'], last['replicas'])} ({'; '.join(last['misses'])})")
         elif g["status"] == "failed":
-            errors = "; ".join(f"{t['replicas']} replicas: {t['error']}" for t in g["trials"] if t["error"])
+            errors = "; ".join(f"{count_words(g['labels'], t['replicas'])}: {t['error']}" for t in g["trials"] if t["error"])
             items.append(f"{where}: a run failed ({errors})")
         elif g["status"] == "unresolved":
             items.append(f"{where}: not narrowed to one replica")

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         "elsewhere is pruned. Targets: `--p50|p90|p99-ttft-ms`, `--p50|p90|p99-tpot-ms`, `--percentile P` "
         "(reads `--slo-ttft-ms` / `--slo-tpot-ms` as that percentile), and `--attainment F` over "
         "per-request SLOs.\n\n"
+        "Disaggregated prefill/decode: with `--prefill-replicas P,... --decode-replicas D,...` (and `--prefill-tp`, `--decode-tp`, `--prefill-gpu`, `--decode-gpu`, `--kv-link` as in `simulate`), every P:D pair becomes a layout beside the co-located one of the same GPU and TP, named like `3 x [1P+2D(TP2)] h100-sxm (TP1)`: its searched count is of pool units, n units being n x P prefill and n x D decode replicas, each priced at its own GPUs.\n\n"
         "## Worked example: Llama-3.1-8B on the Azure code trace at 4x its rate, p99 TTFT under 2 s\n\n"
         "Made by `bash scripts/plan_example.sh`, which runs\n\n"
         f"```bash\nservelab {' '.join(command)} --trace-dir ../shared/traces --out runs/plan-azure\n```\n\n"

@@ -8,7 +8,9 @@
 
 A layout is every knob but the replica count (GPU kind, tensor parallelism, policy,
 router, ...); for each, the search finds the fewest replicas whose run meets every
-target, and across layouts the one that costs least (per hour, or in GPUs).
+target, and across layouts the one that costs least (per hour, or in GPUs). A
+disaggregated layout's count is of pool units instead: n units of a P:D shape are n x P
+prefill and n x D decode replicas (its `build` says so; the search is the same).
 
 Replica count is searched as a monotone quantity: at the same total traffic, another
 replica lowers every replica's load, so a count that meets the targets is taken to mean
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.labels import count_words
 from servelab.reports.slo import SloTargets
 from servelab.simulator.run import SimulationConfig
 from servelab.sweeps.runner import SweepRunner
@@ -225,13 +228,14 @@ class Plan:
         notes = []
         below = result.below
         if below is not None and below.tightness is not None and below.tightness <= 1 + EDGE:
-            notes.append(f"{below.replicas} replica{'s' if below.replicas != 1 else ''} missed by a hair "
+            notes.append(f"{count_words(result.labels, below.replicas)} missed by a hair "
                          f"({'; '.join(below.misses)})")
         met = result.met
         if met is not None and met.tightness is not None and met.tightness >= 1 - EDGE:
-            notes.append(f"{met.replicas} replica{'s' if met.replicas != 1 else ''} met with little margin "
+            notes.append(f"{count_words(result.labels, met.replicas)} met with little margin "
                          f"({_margin(met.tightness)} below the tightest target)")
         return notes
+
 
 
 def search_plan(layouts: Sequence[Layout], runner: SweepRunner, *, targets: SloTargets,
@@ -249,17 +253,16 @@ def search_plan(layouts: Sequence[Layout], runner: SweepRunner, *, targets: SloT
         if not active:
             break
         per_layout = max(1, runner.workers // len(active))
-        batch: list[tuple[_State, SweepPoint]] = []
+        batch: list[tuple[_State, int, SweepPoint]] = []
         for st in active:
             for n in st.next_counts(per_layout):
                 labels = (*st.layout.labels, ("replicas", n))
-                batch.append((st, SweepPoint(st.layout.build(n), labels)))
+                batch.append((st, n, SweepPoint(st.layout.build(n), labels)))
         round_no += 1
         if on_round is not None:
             on_round(round_no, len(batch))
-        outcomes = runner.run([point for _, point in batch], progress)
-        for (st, point), outcome in zip(batch, outcomes):
-            n = point.config.replicas
+        outcomes = runner.run([point for _, _, point in batch], progress)
+        for (st, n, _), outcome in zip(batch, outcomes):
             st.trials[n] = _trial(n, outcome, targets)
     return Plan(targets, tuple(st.result() for st in states))
 

@@ -7,7 +7,10 @@ within its SLOs, at the least cost.
 A layout is every value of every swept knob but the replica count: GPU kind (--gpus;
 default every catalog GPU with a price), tensor parallelism (--tps; default 1, 2, 4 and 8,
 those the model fits), policy (--policies; default --policy), router (--routers), and
-any other `compare` list. For each layout the search finds the fewest replicas that meet
+any other `compare` list, and, with --prefill-replicas/--decode-replicas, disaggregated
+pool shapes beside the co-located layouts (one layout per P:D pair: its searched count n
+runs n x P prefill and n x D decode replicas). For each layout the search finds the fewest
+replicas (pool units) that meet
 the targets at the traffic given (--rate or --rate-scale, default the trace's own), and
 ranks the layouts by cost an hour (--objective cost, prices from the GPU catalog or
 --gpu-price) or by GPUs (--objective gpus); see `sweeps/plan.py` for the search.
@@ -23,9 +26,11 @@ import argparse
 import functools
 import itertools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from servelab.cli import CLIError
+from servelab.labels import COLOCATED
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
 from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
@@ -128,33 +133,91 @@ def _layouts(args, parser):
         raise CLIError("plan sizes a deployment for one traffic: give --rate or --rate-scale, not --rates")
     if "replicas" in axes or args.replicas != (1,):
         raise CLIError("plan searches the replica count itself: drop --replicas (bound it with --max-gpus)")
+    for axis in POOL_AXES:
+        axes.pop(axis, None)
     layouts, skipped, checked = [], [], {}
+    shapes = _pool_shapes(args)
     for combo in itertools.product(*axes.values()):
-        values = dict(zip(axes, combo))
-        tp = values["tp"]
-        most = args.max_gpus // tp
-        if most < 1:
-            skipped.append((values, f"TP{tp} needs more than --max-gpus {args.max_gpus}"))
-            continue
-        build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]})
-        config = build(1)
-        machine = (config.model, config.gpu, config.tp, config.weight_dtype, config.kv_dtype, config.engine,
-                   config.block_size, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-        if machine not in checked:
-            try:
-                build_simulation(config)
-                checked[machine] = None
-            except ValueError as exc:
-                checked[machine] = str(exc)
-        if checked[machine] is not None:
-            skipped.append((values, checked[machine]))
-            continue
-        layouts.append(Layout(tuple(values.items()), tp, tp * _price_of(values["gpu"], args), build, most))
+        for shape in shapes:
+            values = dict(zip(axes, combo))
+            unit = _unit(args, values, shape)
+            if len(shapes) > 1:   # the pools' shape names every layout, after the GPU and TP
+                at = list(values).index("tp") + 1
+                values = dict([*list(values.items())[:at], ("pools", unit.name), *list(values.items())[at:]])
+            most = args.max_gpus // unit.gpus
+            if most < 1:
+                skipped.append((values, f"{unit.describe} needs more than --max-gpus {args.max_gpus}"))
+                continue
+            build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]}, shape)
+            config = build(1)
+            machine = (config.model, config.gpu, config.tp, config.weight_dtype, config.kv_dtype, config.engine,
+                       config.block_size, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                       config.disaggregation)
+            if machine not in checked:
+                try:
+                    build_simulation(config)
+                    checked[machine] = None
+                except ValueError as exc:
+                    checked[machine] = str(exc)
+            if checked[machine] is not None:
+                skipped.append((values, checked[machine]))
+                continue
+            layouts.append(Layout(tuple(values.items()), unit.gpus, unit.cost, build, most))
     return layouts, skipped, rates[0]
 
 
-def _config_at(args, parser, values: dict, replicas: int):
-    return point_config(args, parser, {**values, "replicas": replicas})
+POOL_AXES = ("prefill_replicas", "decode_replicas")
+POOL_FLAGS = ("prefill_tp", "decode_tp", "prefill_gpu", "decode_gpu", "prefill_kv_blocks",
+              "decode_kv_blocks", "kv_link", "kv_transfer")
+"""`simulate` flags that only a disaggregated run takes: unset for the co-located layouts."""
+
+
+def _pool_shapes(args) -> list[tuple[int, int] | None]:
+    """None (co-located) and, when --prefill-replicas and --decode-replicas are given,
+    every (P, D) pair of their lists: the unit a disaggregated layout scales."""
+    prefill, decode = args.prefill_replicas, args.decode_replicas
+    if prefill == (None,) and decode == (None,):
+        return [None]
+    if None in prefill or None in decode:
+        raise CLIError("plan's disaggregated layouts need both --prefill-replicas and --decode-replicas")
+    return [None, *itertools.product(prefill, decode)]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What the searched count multiplies: one replica, or one P:D set of pool replicas."""
+
+    name: str
+    gpus: int
+    cost: float
+    describe: str
+
+
+def _unit(args, values: dict, shape: tuple[int, int] | None) -> _Unit:
+    gpu, tp = values["gpu"], values["tp"]
+    if shape is None:
+        return _Unit(COLOCATED, tp, tp * _price_of(gpu, args), f"TP{tp}")
+    parts, gpus, cost = [], 0, 0.0
+    for pool, count in zip(("prefill", "decode"), shape):
+        pool_gpu = getattr(args, f"{pool}_gpu") or gpu
+        pool_tp = getattr(args, f"{pool}_tp") or tp
+        gpus += count * pool_tp
+        cost += count * pool_tp * _price_of(pool_gpu, args)
+        own = [f"TP{pool_tp}"] if pool_tp != tp else []
+        own += [pool_gpu] if pool_gpu != gpu else []
+        parts.append(f"{count}{pool[0].upper()}" + (f"({' '.join(own)})" if own else ""))
+    name = "+".join(parts)
+    return _Unit(name, gpus, cost, f"a {name} pool unit ({gpus} GPUs)")
+
+
+def _config_at(args, parser, values: dict, shape: tuple[int, int] | None, count: int):
+    """The run of a layout at `count` replicas, or `count` pool units of `shape`."""
+    values = {k: v for k, v in values.items() if k != "pools"}
+    if shape is None:
+        return point_config(args, parser, {**values, **dict.fromkeys((*POOL_AXES, *POOL_FLAGS)),
+                                           "replicas": count})
+    return point_config(args, parser, {**values, "prefill_replicas": count * shape[0],
+                                       "decode_replicas": count * shape[1]})
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

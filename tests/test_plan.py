@@ -151,6 +151,32 @@ def test_a_rerun_runs_nothing_new(small_plan, capsys):
     assert sorted(p.name for p in (out / "runs").iterdir()) == runs
 
 
+def test_plan_puts_disaggregated_pool_shapes_beside_co_located_layouts(tmp_path, capsys):
+    """--prefill-replicas/--decode-replicas lists make one layout per P:D shape, whose count
+    is of pool units (n units: n x P prefill and n x D decode replicas, each costing its
+    GPUs), searched beside the co-located layout of the same GPU and TP."""
+    out = tmp_path / "p"
+    assert main(["plan", "--trace", "default", "--num-requests", "200", "--rate", "40", "--gpu", "h100-sxm",
+                 "--tp", "1", "--prefill-replicas", "1", "--decode-replicas", "1,2", "--decode-tp", "2",
+                 "--p99-ttft-ms", "500", "--p99-tpot-ms", "40", "--objective", "gpus", "--workers", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "plan.json").read_text())
+    layouts = {g["labels"]["pools"]: g for g in data["layouts"]}
+    assert set(layouts) == {"co-located", "1P+1D(TP2)", "1P+2D(TP2)"}
+    assert [layouts[k]["gpus_per_replica"] for k in ("co-located", "1P+1D(TP2)", "1P+2D(TP2)")] == [1, 3, 5]
+    for shape, (p, d) in (("1P+1D(TP2)", (1, 1)), ("1P+2D(TP2)", (1, 2))):
+        for t in layouts[shape]["trials"]:   # each run holds its count of units, pool by pool
+            config = json.loads((out / "runs" / t["run"] / "config.json").read_text())["config"]
+            pools = config["disaggregation"]
+            assert (pools["prefill"]["replicas"], pools["decode"]["replicas"]) == (t["replicas"] * p, t["replicas"] * d)
+            assert pools["decode"]["tp"] == 2 and pools["prefill"].get("tp") is None
+    for t in layouts["co-located"]["trials"]:
+        config = json.loads((out / "runs" / t["run"] / "config.json").read_text())["config"]
+        assert "disaggregation" not in config and config["replicas"] == t["replicas"]
+    report = (out / "report.md").read_text()
+    assert "[1P+1D(TP2)] h100-sxm (TP1)" in report
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--p99-ttft-ms", "1", "--gpus", "h100-sxm", "--tps", "1", "--max-gpus", "2"],
      "error: no layout meets p99 TTFT <= 1 ms within 2 GPUs; the closest was 2 x h100-sxm (TP1), fcfs, "
