@@ -118,6 +118,14 @@ def register(subparsers) -> None:
     s.add_argument("--tp", type=positive_int, default=1, help="tensor parallelism (default 1)")
     s.add_argument("--weight-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
     s.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
+    s.add_argument("--ep", type=positive_int, default=None, metavar="N",
+                   help="a mixture-of-experts model's expert parallelism, as `simulate --ep` "
+                        "(default 1; above --tp, this GPU is one of N / tp data-parallel "
+                        "ranks, each carrying the step's tokens)")
+    s.add_argument("--dp", type=positive_int, default=None, metavar="N",
+                   help="data-parallel ranks, as `simulate --dp` (on a MoE model: --ep N x tp)")
+    s.add_argument("--expert-load", default=None, metavar="LOAD",
+                   help="balanced (default) or power-law:ALPHA, as `simulate --expert-load`")
     s.add_argument("--prefill", default="", metavar="T[:C],...",
                    help="prefill chunks: T new tokens after C cached (C defaults to 0)")
     s.add_argument("--decode", default="", metavar="B:C,...",

@@ -16,7 +16,7 @@ from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
                "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1, "hidden": 1,
-               "inter": 1, "experts": 1, "topk": 1, "ep": 1}
+               "inter": 1, "experts": 1, "topk": 1, "ep": 1, "dp": 1}
 """Integer options and their smallest allowed value."""
 _CHOICES = {"kv_dtype": ("bf16", "fp16", "fp8"), "weight_dtype": ("bf16", "fp16", "fp8"),
             "phase": ("prefill", "decode")}
@@ -263,11 +263,20 @@ def _step(opts: dict) -> dict:
     if not prefill and not decode:
         raise ValueError("cost step needs --prefill and/or --decode")
     profile, label = _profile(get_gpu(opts["gpu"]), opts)
-    cm = CostModel(opts["model"], opts["gpu"], tp=opts.get("tp") or 1,
+    tp, ep, dp = opts.get("tp") or 1, opts.get("ep"), opts.get("dp")
+    if dp is not None:   # vLLM's expert-parallel group is the TP x DP GPUs (`simulator/cli.expert_layout`)
+        if ep is not None and ep != dp * tp:
+            raise ValueError(f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's "
+                             "expert-parallel group is the TP x DP GPUs of a deployment")
+        ep = dp * tp
+    load = opts.get("expert_load") or "balanced"
+    K.parse_expert_load(load)
+    cm = CostModel(opts["model"], opts["gpu"], tp=tp,
                    weight_dtype=opts.get("weight_dtype") or "bf16",
-                   kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile)
+                   kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile,
+                   ep=ep or 1, expert_load=load)
     kv_capacity_blocks(cm.model, cm.gpu, tp=cm.tp, weight_dtype=cm.weight_dtype,
-                       kv_dtype=cm.kv_dtype)          # raises when the model does not fit
+                       kv_dtype=cm.kv_dtype, ep=cm.ep)   # raises when the model does not fit
     shape = BatchShape(
         num_prefill_seqs=len(prefill), num_prefill_tokens=sum(t for t, _ in prefill),
         prefill_context_sum=sum(c for _, c in prefill),
@@ -286,7 +295,8 @@ def _step(opts: dict) -> dict:
                     "bound": op.bound})
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "model": cm.model.name,
-            "tp": cm.tp, "layers": layers, "prefill": prefill, "decode": decode,
+            "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
+            "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
             "per_layer_ms": _ms(sum(op.time_s for op in cm.breakdown(shape).values()
                                     if op.per_layer) / layers),
@@ -340,7 +350,8 @@ def describe(kind: str, r: dict) -> str:
         return (text + f"\n  link: {r['link_ms']:.4f} ms to move 2(n-1)/n of "
                 f"{r['bytes'] / 1e6:.2f} MB at the GPU's peak; achieved bus bandwidth "
                 f"{r['bus_gbps']} GB/s")
-    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}, {r['layers']} layers, "
+    experts = f", ep={r['ep']}, {r['expert_load']} expert load" if "ep" in r else ""
+    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{experts}, {r['layers']} layers, "
              f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms",
              f"  {'op':<22}{'class':<14}{'calls':>6}{'per layer':>12}{'total':>12}{'share':>8}  bound"]
     for op in r["ops"]:

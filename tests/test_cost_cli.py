@@ -141,6 +141,24 @@ def test_step_is_the_cost_models_step_time(capsys, llama8b):
     assert re.search(r"^  attn_decode +attn_decode +32 ", out, re.M)
 
 
+def test_step_prices_a_mixture_of_experts_layout(capsys):
+    """--ep / --dp / --expert-load reach the cost model as `simulate` passes them."""
+    from servelab.simulator.cost_model import CostModel
+    shape = BatchShape(num_decode_seqs=64, decode_context_sum=64 * 1000)
+    base = ("step", "--gpu", GPU, "--model", "qwen3-30b-a3b", "--decode", "64:1000")
+    for flags, ep, load in (((), 1, "balanced"), (("--dp", 2), 2, "balanced"),
+                            (("--ep", 2, "--expert-load", "power-law:1.2"), 2, "power-law:1.2")):
+        r = cost_json(capsys, *base, *flags)
+        expected = CostModel("qwen3-30b-a3b", GPU, ep=ep, expert_load=load).step_time(shape)
+        assert r["predicted_ms"] == pytest.approx(expected * 1e3, abs=1e-6)
+        assert (r["ep"], r["expert_load"]) == (ep, load)
+    assert cost_json(capsys, *base, "--dp", 2)["predicted_ms"] != cost_json(capsys, *base)["predicted_ms"]
+    rc, _, err = cost(capsys, *base, "--dp", 2, "--ep", 4)
+    assert rc == 2 and "--ep 4 disagrees with --dp 2" in err
+    rc, _, err = cost(capsys, *base, "--expert-load", "zipf")
+    assert rc == 2 and err.count("\n") == 1
+
+
 def test_json_keys_per_kind(capsys):
     gemm = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 1, "--n", 4096, "--k", 4096)
     assert set(gemm) == {"kind", "gpu", "calibration", "engine_version", "m", "n", "k", "dtype",
