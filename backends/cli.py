@@ -59,6 +59,7 @@ def register(subparsers) -> None:
     add_workload_options(p)
 
     b = p.add_argument_group("real backend")
+    b.add_argument("--pp", type=int, default=1, metavar="N", help=argparse.SUPPRESS)   # refused below
     b.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="weights, activations and KV (default: bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
@@ -128,6 +129,9 @@ def check_backend_installed() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.pp != 1:
+        raise CLIError(f"--pp {args.pp}: pipeline parallelism is simulation-only (servelab simulate "
+                       "--pp); the real backend runs a model on one device")
     if args.model is None and args.checkpoint is None:
         raise CLIError("give --model, --checkpoint, or both")
     check_backend_installed()

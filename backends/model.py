@@ -30,7 +30,7 @@ from servelab.backends.kv_cache import KVCache
 from servelab.backends.weights import (init_random_weights, load_checkpoint,
                                        o_proj_has_bias, plan_checkpoint, resolve_device,
                                        resolve_dtype)
-from servelab.models import ModelSpec, load_model_spec
+from servelab.models import SIMULATION_ONLY_ARCHITECTURES, ModelSpec, load_model_spec
 
 __all__ = ["RopeConfig", "rope_config", "rope_inv_freq", "check_model_supported", "CausalLM",
            "ModelRunner"]
@@ -108,6 +108,9 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def check_model_supported(spec: ModelSpec) -> None:
     """Raises ValueError for config features this decoder does not implement."""
     cfg = spec.hf_config
+    if spec.architecture in SIMULATION_ONLY_ARCHITECTURES:
+        raise ValueError(f"{spec.name} ({spec.architecture}) is simulation-only: the real backend "
+                         "runs RoPE / RMSNorm / SwiGLU decoders; use servelab simulate")
     if spec.mla is not None:
         raise ValueError(f"{spec.architecture} uses multi-head latent attention, which the real "
                          "backend does not run (MLA is simulation-only)")

@@ -18,6 +18,18 @@ transformers' `Qwen3MoeDecoderLayer`), and DeepSeek-V2/V3 (`n_routed_experts`,
 `first_k_dense_replace`, and `moe_layer_freq` as vLLM's `models/deepseek_v2.py` reads it).
 DeepSeek's attention is multi-head latent attention (`MLASpec`).
 
+OPT (`OPTForCausalLM`, arXiv:2205.01068; transformers' `models/opt/modeling_opt.py`) is a
+dense decoder of another make: multi-head attention with biases on q, k, v and out_proj,
+a two-matrix MLP (fc1 hidden -> `ffn_dim`, ReLU, fc2 back, both with biases), pre-norm
+LayerNorms with a bias, and learned absolute positions (`OPTLearnedPositionalEmbedding`: a
+table of `max_position_embeddings` + 2 rows, added to the token embedding; no RoPE); the
+LM head is tied to the token embedding. The fields `gated_mlp`, `hidden_act`,
+`linear_bias`, `norm_bias` and `learned_positions` say so; their defaults are the
+Llama-style decoder every other architecture here is. OPT is simulation-only: the real
+backend runs Llama-style decoders (`SIMULATION_ONLY_ARCHITECTURES`). Refused: OPT configs
+whose `word_embed_proj_dim` differs from `hidden_size` (OPT-350m's project_in/out) or that
+normalise after the blocks (`do_layer_norm_before` false).
+
 Not modelled, and why that is honest: the router's scoring (DeepSeek's sigmoid with a
 bias, expert groups `n_group`/`topk_group`, `routed_scaling_factor`) picks experts but
 changes no shape; DeepSeek-V3's multi-token-prediction layer (`num_nextn_predict_layers`,
@@ -37,11 +49,14 @@ from importlib import resources
 from pathlib import Path
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                       "Qwen3ForCausalLM")
+                       "Qwen3ForCausalLM", "OPTForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
                      "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+SIMULATION_ONLY_ARCHITECTURES = ("OPTForCausalLM",)
+"""Architectures the simulator prices and the real backend does not run (it implements
+RoPE, RMSNorm and the SwiGLU MLP only)."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """Architectures that RMS-normalise every head of q and k (weights [head_dim]) before RoPE."""
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -132,6 +147,20 @@ class ModelSpec:
     """The experts of a mixture-of-experts model; None for a dense one."""
     mla: MLASpec | None = None
     """Multi-head latent attention (DeepSeek); None for multi-head / grouped-query."""
+    gated_mlp: bool = True
+    """The dense MLP is SwiGLU's three matrices (gate and up, then down); False: two,
+    fc1 (hidden -> intermediate) and fc2 (intermediate -> hidden) around `hidden_act`
+    (OPT)."""
+    hidden_act: str = "silu"
+    """The dense MLP's activation ("relu" for OPT)."""
+    linear_bias: bool = False
+    """o_proj and the dense MLP's matrices carry a bias (OPT's `enable_bias`); the q/k/v
+    biases are `attention_bias`'s."""
+    norm_bias: bool = False
+    """The norms are LayerNorms with a bias beside the scale (OPT), not RMSNorms."""
+    learned_positions: int = 0
+    """Rows of a learned absolute position table added to the token embedding (OPT:
+    max_position_embeddings + 2); 0: rotary positions, no table."""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     # --- parameters -------------------------------------------------------------------------
@@ -146,14 +175,17 @@ class ModelSpec:
             kv = h * m.cached_values + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
             return q + kv + heads * m.v_head_dim * h, (m.q_lora_rank or 0) + m.kv_lora_rank
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = q + 2 * kv if self.attention_bias else 0
+        bias = (q + 2 * kv if self.attention_bias else 0) + (h if self.linear_bias else 0)
         return h * q + 2 * h * kv + q * h, bias + (2 * self.head_dim if self.qk_norm else 0)
 
     def _mlp_params(self, layer: int) -> tuple[int, int]:
-        """(GEMM weights, router) of one layer's MLP or experts."""
+        """(GEMM weights, everything else: biases or the router) of one layer's MLP or
+        experts."""
         h, moe = self.hidden_size, self.moe
         if moe is None or layer in moe.dense_layers:
-            return 3 * h * self.intermediate_size, 0
+            f = self.intermediate_size
+            bias = f + h if self.linear_bias else 0
+            return (3 if self.gated_mlp else 2) * h * f, bias
         experts = moe.num_experts * moe.expert_intermediate_size + moe.shared_intermediate_size
         return 3 * h * experts, moe.num_experts * h
 
@@ -170,12 +202,13 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """Parameters of the transformer (embeddings and LM head included; every expert)."""
+        """Parameters of the transformer (embeddings, position table and LM head included;
+        every expert)."""
         attn = sum(self._attention_params())
-        layers = sum(attn + sum(self._mlp_params(i)) + 2 * self.hidden_size
-                     for i in range(self.num_layers))
+        norm = self.hidden_size * (2 if self.norm_bias else 1)
+        layers = sum(attn + sum(self._mlp_params(i)) + 2 * norm for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return layers + embed + self.hidden_size
+        return layers + embed + self.learned_positions * self.hidden_size + norm
 
     @property
     def num_active_params(self) -> int:
@@ -233,7 +266,8 @@ class ModelSpec:
             num_layers = int(config["num_hidden_layers"])
             moe = _moe_spec(arch, config, num_layers) if arch in MOE_ARCHITECTURES else None
             mla = _mla_spec(arch, config) if arch in MLA_ARCHITECTURES else None
-            spec = cls(
+            opt = arch == "OPTForCausalLM"
+            fields = dict(
                 name=name or config.get("_name_or_path") or config.get("model_type", "model"),
                 num_layers=num_layers,
                 hidden_size=hidden,
@@ -241,7 +275,7 @@ class ModelSpec:
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=(mla.qk_head_dim if mla
                           else int(config.get("head_dim") or hidden // heads)),
-                intermediate_size=int(config["intermediate_size"]),
+                intermediate_size=int(config["ffn_dim" if opt else "intermediate_size"]),
                 vocab_size=int(config["vocab_size"]),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
                 # transformers >= 5 nests it under rope_parameters
@@ -256,6 +290,9 @@ class ModelSpec:
                 mla=mla,
                 hf_config=dict(config),
             )
+            if opt:
+                fields.update(_opt_fields(config, hidden))
+            spec = cls(**fields)
         except KeyError as exc:
             raise ValueError(f"model config lacks the field {exc.args[0]!r}") from None
         if spec.num_heads % spec.num_kv_heads:
@@ -281,6 +318,32 @@ def _check_full_attention(arch: str, config: dict) -> None:
     if arch == "Qwen3MoeForCausalLM" and config.get("use_sliding_window"):
         raise ValueError(f"{arch}: use_sliding_window (sliding-window attention on the layers "
                          "past max_window_layers) is not modelled; servelab prices full attention")
+
+
+def _opt_fields(config: dict, hidden: int) -> dict:
+    """The `ModelSpec` fields in which OPT differs from a Llama-style decoder, read as
+    transformers' `OPTConfig` and `modeling_opt.py` read them: `enable_bias` (default
+    true) puts biases on every linear layer of the blocks, `activation_function` (default
+    relu) sits between fc1 and fc2, the position table has `max_position_embeddings` + 2
+    rows (`OPTLearnedPositionalEmbedding.offset`), and the LM head is tied unless the
+    config says otherwise (`PretrainedConfig`'s default)."""
+    arch = "OPTForCausalLM"
+    projected = int(config.get("word_embed_proj_dim") or hidden)
+    if projected != hidden:
+        raise ValueError(f"{arch}: word_embed_proj_dim {projected} != hidden_size {hidden} "
+                         "(project_in/project_out around the blocks) is not modelled")
+    if not config.get("do_layer_norm_before", True) or config.get("_remove_final_layer_norm"):
+        raise ValueError(f"{arch}: post-block LayerNorms (do_layer_norm_before false) are not "
+                         "modelled; servelab prices pre-norm OPT models")
+    if not config.get("layer_norm_elementwise_affine", True):
+        raise ValueError(f"{arch}: LayerNorms without weights (layer_norm_elementwise_affine "
+                         "false) are not modelled")
+    bias = bool(config.get("enable_bias", True))
+    return dict(gated_mlp=False, hidden_act=str(config.get("activation_function", "relu")),
+                attention_bias=bias, linear_bias=bias, norm_bias=True,
+                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                learned_positions=int(config.get("max_position_embeddings", 2048)) + 2,
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
 def _moe_spec(arch: str, config: dict, num_layers: int) -> MoESpec:

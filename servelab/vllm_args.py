@@ -6,7 +6,7 @@
 `values` is keyed by the `servelab simulate` option each flag sets (its argparse dest).
 A flag that changes nothing servelab models (host, port, logging, tokenizer) is accepted
 silently; one servelab models only approximately yields a note; one it cannot model yet
-(pipeline parallelism, speculative decoding, KV transfer) raises ValueError
+(speculative decoding, KV transfer) raises ValueError
 naming the flag. Flags are spelled as vLLM accepts them: `--flag value`, `--flag=value`,
 with dashes or underscores (`vllm/utils/argparse_utils.py` FlexibleArgumentParser).
 The meanings follow vLLM's `vllm/engine/arg_utils.py` (EngineArgs.add_cli_args).
@@ -70,18 +70,11 @@ def _long_prefill(flag: str, text: str) -> dict:
     return {"chunked_prefill": n if n else "budget"}
 
 
-def _one(flag: str, text: str, what: str) -> dict:
-    if _int(flag, text) != 1:
-        raise ValueError(f"--vllm-args {flag} {text}: {what} is not modelled yet (issue 34); "
-                         f"servelab runs tensor parallelism (--tp) and replicas (--replicas)")
-    return {}
-
-
 _VALUE_FLAGS: dict[str, Callable[[str, str], dict]] = {
     "--model": lambda f, t: {"model": t},
     "--tensor-parallel-size": lambda f, t: {"tp": _int(f, t)},
     "--data-parallel-size": _data_parallel,
-    "--pipeline-parallel-size": lambda f, t: _one(f, t, "pipeline parallelism"),
+    "--pipeline-parallel-size": lambda f, t: {"pp": _int(f, t)},
     "--max-num-seqs": lambda f, t: {"max_num_seqs": _int(f, t)},
     "--max-num-batched-tokens": lambda f, t: {"max_num_batched_tokens": _int(f, t)},
     "--max-model-len": lambda f, t: {"max_model_len": _int(f, t, low=2)},

@@ -62,6 +62,9 @@ def register(subparsers) -> None:
                         f"(default %(default)s)")
     h.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel GPUs per replica (default %(default)s)")
+    h.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                   help="pipeline stages per replica (vLLM's --pipeline-parallel-size): the layers "
+                        "split over N groups of --tp GPUs, N batches in flight (default %(default)s)")
     h.add_argument("--ep", type=positive_int, default=None, metavar="N",
                    help="expert parallelism of a mixture-of-experts model: its routed experts "
                         "spread over N = tp x dp GPUs (vLLM's --enable-expert-parallel); above "
@@ -131,6 +134,7 @@ def config_from_args(args: argparse.Namespace):
             arrival_cv=args.arrival_cv, rate_scale=args.rate_scale or 1.0,
             num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
             model=_absolute_if_file(args.model), gpu=_absolute_if_file(args.gpu), tp=args.tp,
+            pp=getattr(args, "pp", 1),
             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, ep=ep,
             expert_load=getattr(args, "expert_load", None) or "balanced",
             calibration=_absolute_if_file(args.calibration), engine=opts.engine.name,
@@ -171,7 +175,7 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
     return ep, replicas
 
 
-_VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "replicas": 1, "router": "round-robin",
+_VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "pp": 1, "replicas": 1, "router": "round-robin",
                         "weight_dtype": "bf16", "kv_dtype": "bf16", "policy": "fcfs"}
 """Flags --vllm-args may set whose parser default is not None: a value equal to the default
 counts as not given (so that --vllm-args can set it). tests/test_engines.py keeps these

@@ -22,6 +22,11 @@ Kernels and their classes, per layer unless marked once:
     kv_load        prefix hits loaded from the CPU tier, over PCIe                 host_link
     block_copy     copy-on-write block copies in HBM                               elementwise
 
+A two-matrix MLP (OPT: `ModelSpec.gated_mlp` false) has mlp_fc1, mlp_fc2 (gemm) and its
+activation, e.g. relu (elementwise), in place of mlp_gate_up, mlp_down and silu_mul;
+learned positions replace rotary with position_embedding and position_add (elementwise,
+once); biases ride with their GEMM as bytes streamed (`footprint._build_shapes`).
+
 Shapes are per GPU under tensor parallelism (`footprint.py`). Weights are read once per
 step, which is why decode is bandwidth-bound until the batch is large. Simplifications,
 stated once: activations are BF16 whatever the weight dtype (FP8 weights run W8A8 at the
@@ -47,10 +52,13 @@ dp = ep / tp data-parallel attention ranks (vLLM's DP + EP): each rank schedules
 batch, and every MoE layer runs over the tokens of all dp ranks, which vLLM gathers before
 the experts and reduce-scatters after them (its default `allgather_reducescatter`
 all2all backend; each moves dp × tokens × hidden activations, priced with the fitted
-all-to-all link model). The ranks' steps are not simulated in lock-step: each rank
-prices its step as if the other dp - 1 ranks carried as many tokens as it does (the
-symmetric load of a balanced router). An MLA cache holds 1-byte latents under
-`kv_dtype="fp8"`.
+all-to-all link model). `step_time` prices one rank's step as if the other dp - 1 ranks
+carried as many tokens as it does (a balanced deployment: what `servelab cost` shows). A
+simulation steps the ranks in lock-step as vLLM does (`simulator/data_parallel.py`): each
+rank's price is corrected to the MoE layers and exchange over the tokens the ranks
+actually carry (`lockstep_correction`), a rank with nothing scheduled runs vLLM's one-token
+dummy forward (`dummy_step_time`), and the step lasts as long as the slowest rank's. An
+MLA cache holds 1-byte latents under `kv_dtype="fp8"`.
 
 Cost. `step_time` is the hot path (called once per simulated step). Everything that
 depends only on the number of tokens (GEMMs, element-wise kernels, all-reduces) or of
@@ -76,7 +84,7 @@ from servelab.models import ModelSpec, load_model_spec
 from servelab.outputs import BatchShape
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import OP_CLASSES, CalibrationProfile, resolve
-from servelab.simulator.footprint import ACT_BYTES, ShardedShapes
+from servelab.simulator.footprint import ACT_BYTES, ShardedShapes, stage_shapes
 from servelab.simulator.footprint import kv_capacity_blocks
 from servelab.simulator.gpus import DTYPE_BYTES, GPUSpec, get_gpu
 
@@ -111,20 +119,27 @@ class CostModel:
     packaged profile (`GPUSpec.calibration`). `block_size` (tokens per KV block) prices
     swaps and block copies. `step_overhead_s` overrides the profile's. `ep` (expert
     parallelism) and `expert_load` ("balanced" or "power-law:ALPHA") apply to
-    mixture-of-experts models (see the module docstring).
+    mixture-of-experts models (see the module docstring). `first_stage` and `last_stage`
+    False price one pipeline stage (`simulator/pipeline.py`): `model` is then the stage's
+    layers (`footprint.stage_model`), and the once-per-step kernels of the other ends are
+    left out (`footprint.stage_shapes`); both True (the default) is the whole model.
     """
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  calibration: CalibrationProfile | str | Path | None = None,
                  block_size: int = 16, step_overhead_s: float | None = None, *,
-                 ep: int = 1, expert_load: str = "balanced") -> None:
+                 ep: int = 1, expert_load: str = "balanced", first_stage: bool = True,
+                 last_stage: bool = True) -> None:
         self.model = load_model_spec(model) if isinstance(model, str) else model
         self.catalog_gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.profile = resolve(self.catalog_gpu, calibration)
         overrides = self.profile.gpu_overrides
         self.gpu = self.catalog_gpu.with_overrides(**overrides) if overrides else self.catalog_gpu
         self.shapes = ShardedShapes.of(self.model, tp, weight_dtype, kv_dtype, ep=ep)
+        self.first_stage, self.last_stage = first_stage, last_stage
+        if not (first_stage and last_stage):   # one pipeline stage (simulator/pipeline.py)
+            self.shapes = stage_shapes(self.shapes, first_stage, last_stage)
         self.ep, self.expert_load = ep, expert_load
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -158,7 +173,8 @@ class CostModel:
         """This setup priced with another profile (which must be for this GPU)."""
         return CostModel(self.model, self.catalog_gpu, self.tp, self.weight_dtype,
                          self.kv_dtype, profile, self.block_size, ep=self.ep,
-                         expert_load=self.expert_load)
+                         expert_load=self.expert_load, first_stage=self.first_stage,
+                         last_stage=self.last_stage)
 
     def _check_experts(self) -> None:
         """One-line errors for an expert setup the fused-MoE kernel cannot price."""
@@ -241,11 +257,16 @@ class CostModel:
         return ops
 
     def _expert_ops(self, rows: np.ndarray) -> list[tuple[str, str, int, np.ndarray]]:
-        """The fused experts of every MoE layer, and under data-parallel attention the
-        gather of all ranks' tokens before them and the reduce-scatter after, for `rows`
-        tokens of this rank (the module docstring says what is approximated)."""
+        """The MoE layers' kernels for `rows` tokens of this rank, whose data-parallel
+        peers carry as many (`_group_expert_ops` over dp × rows tokens; the module
+        docstring says when that holds)."""
+        return self._group_expert_ops(rows * self.shapes.experts.dp)
+
+    def _group_expert_ops(self, tokens: np.ndarray) -> list[tuple[str, str, int, np.ndarray]]:
+        """The fused experts of every MoE layer over `tokens` tokens of the data-parallel
+        group, and under data-parallel attention the gather of all ranks' tokens before
+        them and the reduce-scatter after."""
         x, g = self.shapes.experts, self.gpu
-        tokens = rows * x.dp
         dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
         stats = K.expert_load(tokens, x.experts, x.topk, x.ep, self.expert_load)
         t = K.fused_moe_time(tokens, x.hidden, x.width, x.experts, x.topk, x.ep, stats, g,
@@ -305,6 +326,8 @@ class CostModel:
     def _fold_constants(self) -> None:
         s, g, kp, sc = self.shapes, self.gpu, self.kernels, self.scales
         self._gemm_tables: dict[str, np.ndarray] = {}
+        self._group_moe: list[float] = []
+        """MoE layers and EP exchange over a lock-step group's tokens (filled on first use)."""
         self._tok: list[float] = []
         self._seq: list[float] = []
         self._dec: list[tuple[float, float, float]] = []
@@ -372,6 +395,47 @@ class CostModel:
             t += self._copy[0] + shape.num_copy_blocks * self._copy[1]
         return t
 
+    # --- data-parallel ranks in lock-step (`simulator/data_parallel.py`) -------------------
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """dp: the data-parallel attention ranks whose tokens every MoE layer runs over
+        together (ep / tp under expert parallelism wider than tp), 1 for every other setup."""
+        return 1 if self.shapes.experts is None else self.shapes.experts.dp
+
+    def lockstep_correction(self, rank_tokens: int, group_tokens: int) -> float:
+        """Seconds to add to a data-parallel rank's `step_time` of `rank_tokens` tokens
+        when the ranks of its group carry `group_tokens` together: `step_time` runs the
+        MoE layers and the EP exchange over dp × rank_tokens tokens (peers as busy as
+        this rank), a lock-step group over the tokens its ranks actually carry. 0 when
+        every rank carries as many. O(1) once a count has been tabulated."""
+        dp = self.data_parallel_ranks
+        if dp == 1:
+            raise ValueError(f"lock-step pricing is for the data-parallel ranks of a mixture-of-"
+                             f"experts model with ep above tp; {self.model.name} at tp={self.tp}, "
+                             f"ep={self.ep} has none")
+        if isinstance(rank_tokens, bool) or not 0 <= rank_tokens <= group_tokens:
+            raise ValueError(f"rank_tokens must be an integer in [0, group_tokens={group_tokens}], "
+                             f"got {rank_tokens!r}")
+        table = self._group_moe
+        top = max(group_tokens, dp * rank_tokens)
+        if top >= len(table):
+            stop = max(top + 1, 2 * len(table), _TABLE_CHUNK)
+            counts = np.arange(len(table), stop, dtype=np.float64)
+            total = np.zeros(len(counts))
+            for _, op_class, calls, t in self._group_expert_ops(counts):
+                total += self.scales[op_class] * calls * t
+            table.extend(np.where(counts > 0, total, 0.0).tolist())
+        return table[group_tokens] - table[dp * rank_tokens]
+
+    def dummy_step_time(self, group_tokens: int) -> float:
+        """An idle rank's step in a lock-step group: vLLM's dummy batch, one token through
+        every layer (`Worker.execute_dummy_batch` runs `GPUModelRunner._dummy_run(1)`:
+        hidden states only, no LM head or sampler, no KV read), its MoE layers over the
+        group's `group_tokens` (which include that one token). The step overhead is
+        charged as for any step."""
+        return self.step_overhead_s + self._tok[1] + self.lockstep_correction(1, group_tokens)
+
     # --- fast-forward over runs of decode steps --------------------------------------------
 
     def _run_lines(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
@@ -388,6 +452,12 @@ class CostModel:
         # term step_time added recovers it to within a rounding or two.
         fixed = self.step_time(shape) - max(floor, c)
         return fixed, floor, 0.0, c, b * n
+
+    def decode_run_lines(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
+        """(fixed, a, b, c, d): step j of a decode run from `shape` (see
+        `decode_run_duration`) costs fixed + max(a + b·j, c + d·j)."""
+        _check_shape(shape)
+        return self._run_lines(shape)
 
     @staticmethod
     def _run_total(fixed: float, a: float, b: float, c: float, d: float, k: int) -> float:

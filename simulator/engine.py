@@ -7,7 +7,9 @@
 Every replica runs the shared `servelab.engine.engine_loop`, the loop the real backend
 runs, as a SimPy process with itself as the driver, so the simulator cannot drift from
 the engine it models. An idle engine waits on a SimPy event that the next arrival to it
-triggers: it never polls.
+triggers: it never polls. (The data-parallel ranks of a mixture-of-experts deployment
+are the exception: one process steps them together, each through the shared
+`engine_step`; see `simulator/data_parallel.py`.)
 
 Event order is explicit, as SimPy orders by (time, priority, insertion id): an arrival is
 released with URGENT priority, an engine step ends with NORMAL priority, so requests
@@ -125,9 +127,16 @@ class Replica:
         wake = self._wake
         if wake is not None:
             self._wake = None
-            wake.succeed()
+            if not wake.triggered:   # a lock-step group's event, which a peer's arrival triggered
+                wake.succeed()
 
-    def _publish(self, records: list[RequestRecord]) -> None:
+    def wake_on(self, event: Event) -> None:
+        """The next arrival here triggers `event` (unless something else did first): how
+        an idle engine, or an idle lock-step group of ranks, waits for work."""
+        self._wake = event
+
+    def publish(self, records: list[RequestRecord]) -> None:
+        """Records of requests done in a step that has ended (what a router can know)."""
         self.outstanding -= len(records)
         self.records.extend(records)
 
@@ -147,7 +156,7 @@ class Replica:
     def finished(self, step: EngineStep) -> Event | None:
         """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
         if step.records:
-            self._publish(step.records)
+            self.publish(step.records)
         # a prompt still prefilling runs again next step: no decode run can start
         if self.fast_forward and not step.output.scheduled.prefill_continues():
             duration = self._decode_run(self.env.now)
@@ -156,12 +165,13 @@ class Replica:
         return None
 
     def ran_nothing(self, step: EngineStep) -> None:
-        self._publish(step.records)
+        self.publish(step.records)
 
     def idle(self) -> tuple[Event]:
         """Sleep until an arrival wakes us (a replica waits for ever after the last)."""
-        self._wake = self.env.event()
-        return (self._wake,)
+        wake = self.env.event()
+        self.wake_on(wake)
+        return (wake,)
 
     def _decode_run(self, now: float) -> float | None:
         """Apply a run of plain decode steps starting `now`, if one of >= 2 steps is
@@ -192,13 +202,20 @@ class Replica:
             k, duration = cost.decode_run_until(shape, k, budget)
         if k < 2:
             return None
+        self.apply_decode_run(now, k, duration, shape)
+        return duration
+
+    def apply_decode_run(self, now: float, k: int, duration: float, shape: BatchShape) -> None:
+        """Advance the scheduler by a run of `k` plain decode steps starting `now` and
+        lasting `duration` (`decode_run_bound` allowed at least k; `shape` is the run's
+        first step, `decode_shape`), and write the run's steps.csv row."""
+        sched = self.scheduler
         sched.advance_decodes(k)
         bm = sched.bm
         self.steps.append(StepRecord(  # positional, in field order (see StepRecord)
-            now, duration, 0, num_seqs, 0, sched.num_running, sched.num_waiting,
+            now, duration, 0, shape.num_decode_seqs, 0, sched.num_running, sched.num_waiting,
             sched.num_swapped, bm.num_used_blocks, bm.num_gpu_blocks, 0, k, 0, 0, 0,
             shape.decode_context_sum))
-        return duration
 
 
 class EngineStalled(RuntimeError):
@@ -218,11 +235,17 @@ class Cluster:
     flight (a scheduler lets a request go once its record is out). The requests are
     consumed: their serving state is the schedulers' (replay a list from
     `Request.fresh_copy()`; a `TraceRequests` makes fresh ones each time).
+
+    `lock_step_ranks` > 1: every that many consecutive replicas are the data-parallel
+    ranks of one mixture-of-experts deployment, stepped together by a `DataParallelGroup`
+    (`simulator/data_parallel.py`) instead of each by its own engine loop; `groups` lists
+    them (empty otherwise). The cost model must have that many ranks
+    (`CostModel.data_parallel_ranks`).
     """
 
     def __init__(self, schedulers: Sequence[Scheduler], cost_model: CostModel, router: Router,
                  requests: Sequence[Request], *, fast_forward: bool = True,
-                 executors: Sequence | None = None) -> None:
+                 executors: Sequence | None = None, lock_step_ranks: int = 1) -> None:
         if not schedulers:
             raise ValueError("a cluster needs at least one replica")
         if len(schedulers) != router.num_replicas:
@@ -253,8 +276,20 @@ class Cluster:
                 env.process(arrival_process(env, map(requests.__getitem__, own), replica.submit, feeds[i]))
         else:
             env.process(arrival_process(env, requests, self._route, feeds[0]))
-        for replica in self.replicas:
-            env.process(replica.run())
+        self.groups = []
+        if lock_step_ranks > 1:   # each run of that many replicas: one deployment's DP ranks
+            from servelab.simulator.data_parallel import DataParallelGroup
+            if n % lock_step_ranks:
+                raise ValueError(f"{n} replicas do not form whole groups of {lock_step_ranks} "
+                                 "data-parallel ranks")
+            self.groups = [DataParallelGroup(env, self.replicas[g:g + lock_step_ranks], cost_model,
+                                             fast_forward=fast_forward)
+                           for g in range(0, n, lock_step_ranks)]
+            for group in self.groups:
+                env.process(group.run())
+        else:
+            for replica in self.replicas:
+                env.process(replica.run())
 
     def _route(self, req: Request) -> None:
         replicas = self.replicas

@@ -35,7 +35,7 @@ MLA kernels (which include the per-head up-projection, `kv_b_proj`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from servelab.capacity import VLLM_FUSED_BF16
@@ -121,8 +121,9 @@ class ShardedShapes:
     weight_dtype: str
     gemms: tuple[Gemm, ...]
     """Dense models: qkv_proj, o_proj, mlp_gate_up, mlp_down (per layer), lm_head — in this
-    order. Mixture-of-experts and MLA models (`_build_shapes`): their attention
-    projections, the dense layers' MLP, the router and shared experts, then lm_head."""
+    order; a two-matrix MLP (OPT) has mlp_fc1, mlp_fc2 in place of mlp_gate_up, mlp_down.
+    Mixture-of-experts and MLA models (`_build_shapes`): their attention projections, the
+    dense layers' MLP, the router and shared experts, then lm_head."""
     elementwise: tuple[Elementwise, ...]
     allreduce_bytes_per_token: int
     """Message bytes per token of one all-reduce of the hidden state (two per layer under
@@ -159,10 +160,19 @@ class ShardedShapes:
 def _build_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
                   ep: int) -> ShardedShapes:
     """`ShardedShapes` of any model (the module docstring says how vLLM lays out a
-    mixture-of-experts or MLA one; a dense model is the case with neither). Dense layers keep the dense MLP; MoE layers have the router
-    (BF16, replicated) and shared experts (tp-split) as GEMMs and the routed experts as an
-    `ExpertShard`. MLA's fused q/kv down-projection is replicated, q_b_proj and o_proj
-    split; the cache holds the whole latent on every GPU."""
+    mixture-of-experts or MLA one; a dense model is the case with neither). Dense layers
+    keep the dense MLP; MoE layers have the router (BF16, replicated) and shared experts
+    (tp-split) as GEMMs and the routed experts as an `ExpertShard`. MLA's fused q/kv
+    down-projection is replicated, q_b_proj and o_proj split; the cache holds the whole
+    latent on every GPU.
+
+    OPT's differences (`ModelSpec.gated_mlp`, `linear_bias`, `learned_positions`), as
+    vLLM's `models/opt.py` runs them: fc1 and fc2 instead of gate_up and down, the
+    activation reading and writing fc1's output; biases streamed with their GEMM, the
+    column-parallel ones (qkv, fc1) split tp ways and the row-parallel ones (o_proj, fc2)
+    whole on every GPU; no rotary kernel; the position table (replicated) gathered and
+    added to the token embedding once per step. The defaults add nothing: a Llama-style
+    model's shapes are what they were."""
     _check_dtypes(weight_dtype, kv_dtype)
     _check_degree("tp", tp)
     _check_sparse_layout(model, tp, ep)
@@ -194,18 +204,25 @@ def _build_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
         q, kv = heads * hd, kv_heads * hd
         qkv_out = q + 2 * kv
         bias = qkv_out * ACT_BYTES if model.attention_bias else 0
+        out_bias = h * ACT_BYTES if model.linear_bias else 0
         gemms += [Gemm("qkv_proj", qkv_out, h, h * qkv_out * wb + bias, L),
-                  Gemm("o_proj", h, q, q * h * wb, L)]
+                  Gemm("o_proj", h, q, q * h * wb + out_bias, L)]
         kv_per_token = 2 * L * kv * kvb
-        attention_ew = (Elementwise("rotary", (2 * (q + kv) + hd) * a, L),)
+        attention_ew = (() if model.learned_positions
+                        else (Elementwise("rotary", (2 * (q + kv) + hd) * a, L),))
     moe_layers = model.num_moe_layers
     dense_layers = L - moe_layers
     inter = model.intermediate_size // tp if dense_layers else 0
     mlp_ew = []
-    if dense_layers:
+    if dense_layers and model.gated_mlp:
         gemms += [Gemm("mlp_gate_up", 2 * inter, h, h * 2 * inter * wb, dense_layers),
                   Gemm("mlp_down", h, inter, inter * h * wb, dense_layers)]
         mlp_ew.append(Elementwise("silu_mul", 3 * inter * a, dense_layers))
+    elif dense_layers:
+        fc1_bias, fc2_bias = (inter * a, h * a) if model.linear_bias else (0, 0)
+        gemms += [Gemm("mlp_fc1", inter, h, h * inter * wb + fc1_bias, dense_layers),
+                  Gemm("mlp_fc2", h, inter, inter * h * wb + fc2_bias, dense_layers)]
+        mlp_ew.append(Elementwise(model.hidden_act, 2 * inter * a, dense_layers))
     experts = None
     if model.moe is not None:
         e = model.moe
@@ -225,13 +242,17 @@ def _build_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
     # The fused kernels of a vLLM-style engine, bytes read + written per row (the KV-cache
     # write is launched with attention and priced there); the embedding gathers the token
     # id, its table row and the output row; sampling reads the logits and writes FP32
-    # probabilities over the full vocabulary.
+    # probabilities over the full vocabulary. A learned position table is a second
+    # gather (its row) and an add of the two rows.
+    positions = ((Elementwise("position_embedding", 8 + 2 * h * a, 1),
+                  Elementwise("position_add", 3 * h * a, 1)) if model.learned_positions else ())
     elementwise = (
         Elementwise("input_norm", 4 * h * a, L),
         *attention_ew,
         Elementwise("post_attention_norm", 4 * h * a, L),
         *mlp_ew,
         Elementwise("embedding", 8 + 2 * h * a, 1),
+        *positions,
         Elementwise("final_norm", 4 * h * a, 1),
         Elementwise("sampler", model.vocab_size * (a + 4), 1, per_seq=True),
     )
@@ -255,13 +276,15 @@ def _check_degree(name: str, degree: int) -> None:
 
 
 def _dense_weight_bytes(model: ModelSpec, s: ShardedShapes) -> int:
-    """A dense model's weights on one GPU: its GEMM shards, the embedding shard (shared
-    with the LM head when tied) and the replicated norms."""
+    """A dense model's weights on one GPU: its GEMM shards (with their biases), the
+    embedding shard (shared with the LM head when tied), the replicated norms (scale, and
+    bias for a LayerNorm) and the replicated position table of learned positions."""
     gemms = sum(g.weight_bytes * g.repeat for g in s.gemms)
     embedding = 0 if model.tie_word_embeddings else s.vocab * s.hidden * ACT_BYTES
-    norms = (2 * s.num_layers + 1) * s.hidden * ACT_BYTES
+    norms = (2 * s.num_layers + 1) * s.hidden * ACT_BYTES * (2 if model.norm_bias else 1)
     qk_norms = 2 * s.num_layers * s.head_dim * ACT_BYTES if model.qk_norm else 0   # Qwen3
-    return gemms + embedding + norms + qk_norms
+    positions = model.learned_positions * s.hidden * ACT_BYTES                       # OPT
+    return gemms + embedding + norms + qk_norms + positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,3 +471,72 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
         memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, reserve_bytes=reserve,
         block_bytes=block_size * kv_per_token, where=f"{model.name} on {gpu.name}")
+
+
+# --- pipeline stages (simulator/pipeline.py) ---------------------------------------------
+
+FIRST_STAGE_KERNELS = frozenset({"embedding", "position_embedding", "position_add"})
+"""Once-per-step kernels only the first pipeline stage runs: the token (and learned
+position) embedding. vLLM builds `embed_tokens` on the first rank only (a `PPMissingLayer`
+elsewhere; `vllm/model_executor/models/llama.py::LlamaModel.__init__`), and its forward
+embeds the input ids there only (`if get_pp_group().is_first_rank`)."""
+LAST_STAGE_KERNELS = frozenset({"final_norm", "lm_head", "sampler"})
+"""Once-per-step kernels only the last stage runs: the final norm, the LM head and the
+sampler (and, under TP, the logits all-gather): vLLM builds `norm` and `lm_head` on the
+last rank only, and only the last rank computes logits and samples
+(`vllm/v1/worker/gpu_model_runner.py`: a non-last rank returns its intermediate tensors)."""
+
+
+def stage_shapes(shapes: ShardedShapes, first: bool, last: bool) -> ShardedShapes:
+    """The kernels one pipeline stage runs: `shapes` of the stage's layers (`stage_model`)
+    without the once-per-step kernels of the other ends (`FIRST_STAGE_KERNELS`,
+    `LAST_STAGE_KERNELS`; a stage that is not the last gathers no logits). A stage that is
+    both first and last is the whole model: `shapes` unchanged."""
+    drop = (set() if first else FIRST_STAGE_KERNELS) | (set() if last else LAST_STAGE_KERNELS)
+    if not drop:
+        return shapes
+    return replace(shapes, gemms=tuple(g for g in shapes.gemms if g.name not in drop),
+                   elementwise=tuple(e for e in shapes.elementwise if e.name not in drop),
+                   gather_bytes_per_seq=shapes.gather_bytes_per_seq if last else 0)
+
+
+def stage_model(model: ModelSpec, start: int, end: int) -> ModelSpec:
+    """Layers [start, end) of `model` as a model of end - start layers: what one pipeline
+    stage computes and holds (its MoE layers and dense layers those of the range: a
+    DeepSeek-V3 first stage keeps the three dense leading layers). Everything but the
+    layer count (and, for a mixture-of-experts model, which layers are dense) is the
+    model's; which once-per-step kernels and weights a stage keeps is `stage_shapes`' and
+    `stage_footprint`'s business."""
+    if not 0 <= start <= end <= model.num_layers:
+        raise ValueError(f"layers [{start}, {end}) are not a range of {model.name}'s "
+                         f"{model.num_layers} layers")
+    moe = model.moe
+    if moe is not None:
+        moe = replace(moe, dense_layers=tuple(i - start for i in moe.dense_layers if start <= i < end))
+    return replace(model, num_layers=end - start, moe=moe)
+
+
+def stage_footprint(model: ModelSpec, start: int, end: int, pp_rank: int, pp: int, tp: int = 1,
+                    weight_dtype: str = "bf16", kv_dtype: str = "bf16", ep: int = 1) -> Footprint:
+    """What one GPU of pipeline stage `pp_rank` of `pp` holds, the stage computing layers
+    [start, end): those layers' weights and KV, plus the embedding on the first stage and
+    the final norm and LM head on the last, as vLLM builds them (`FIRST_STAGE_KERNELS`,
+    `LAST_STAGE_KERNELS`). A model with tied embeddings keeps a second copy of the table
+    on the last stage, which its LM head reads: vLLM builds `embed_tokens` on the first
+    rank "or (config.tie_word_embeddings and get_pp_group().is_last_rank)". `vocab` is the
+    LM head's rows on the last stage and 0 elsewhere (no logits, so no logits peak in the
+    activation reserve). With pp = 1 this is `Footprint.of(model, ...)`."""
+    whole = Footprint.of(stage_model(model, start, end), tp, weight_dtype, kv_dtype, ep=ep)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first and last:
+        return whole
+    # once-per-step weights on one GPU: every model without its layers
+    once = Footprint.of(stage_model(model, 0, 0), tp, weight_dtype, kv_dtype, ep=ep).weight_bytes
+    table = whole.vocab * whole.hidden * ACT_BYTES        # one vocabulary table's shard
+    final_norm = whole.hidden * ACT_BYTES * (2 if model.norm_bias else 1)
+    weights = whole.weight_bytes - once
+    if first:   # the embedding (and a position table): what is once-only but the LM head's
+        weights += once - table - final_norm + (table if model.tie_word_embeddings else 0)
+    if last:
+        weights += table + final_norm
+    return replace(whole, weight_bytes=weights, vocab=whole.vocab if last else 0)

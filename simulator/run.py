@@ -72,6 +72,10 @@ class SimulationConfig:
     model: str = "llama-3.1-8b"
     gpu: str = "h100-sxm"
     tp: int = 1
+    pp: int = 1
+    """Pipeline stages per replica, each on tp GPUs (`simulator/pipeline.py`): a replica
+    then has tp × pp GPUs and runs pp virtual engines, one batch in flight each, which
+    share its KV blocks, CPU blocks and CPU tier equally."""
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     ep: int = 1
@@ -164,6 +168,7 @@ class SimulationConfig:
                              "prefix caching (--prefix-caching)")
         check_int(o, "replicas", self.replicas, 1)
         _check_experts(self)
+        _check_pipeline(self)
         check_choice(o, "router", self.router, tuple(ROUTERS))
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) is not None:
@@ -194,7 +199,7 @@ class SimulationConfig:
         for name in ("kv_offload_gb", "engine"):   # so that configs without them read as before
             if not out[name]:
                 del out[name]
-        for name, default in (("ep", 1), ("expert_load", "balanced")):   # likewise
+        for name, default in (("ep", 1), ("expert_load", "balanced"), ("pp", 1)):   # likewise
             if out[name] == default:
                 del out[name]
         out["scheduler"] = self.scheduler.to_dict()
@@ -222,6 +227,21 @@ class SimulationConfig:
         if values.get("disaggregation") is not None:
             values["disaggregation"] = DisaggregationConfig.from_dict(values["disaggregation"])
         return cls(**values)
+
+
+def _check_pipeline(c: SimulationConfig) -> None:
+    """pp is an integer >= 1; pipelined replicas (pp > 1) are co-located, plain-decoding
+    and without data-parallel ranks. Whether the model has pp layers is checked when the
+    stages are built (`pipeline.stage_layer_ranges`)."""
+    check_int(_OWNER, "pp", c.pp, 1)
+    if c.pp == 1:
+        return
+    why = ("speculative decoding" if c.scheduler.speculative.enabled else
+           "disaggregated prefill/decode pools" if c.disaggregation is not None else
+           f"data-parallel expert parallelism (ep={c.ep} above tp={c.tp})" if c.ep > c.tp else None)
+    if why is not None:
+        raise ValueError(f"{_OWNER}.pp {c.pp} with {why} is not modelled: pipeline stages run "
+                         "plain decoding in co-located replicas without data-parallel ranks")
 
 
 def _check_experts(c: SimulationConfig) -> None:
@@ -354,24 +374,33 @@ class Simulation:
             proposer = proposer_spec(sched.speculative, model)
         else:
             proposer = None
-        self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else kv_capacity_blocks(
+        self.pipeline = self.stage_kv_blocks = None
+        if c.pp > 1:   # pipeline stages, pp virtual engines per replica (simulator/pipeline.py)
+            from servelab.simulator.pipeline import PipelineLayout
+            self.pipeline = PipelineLayout(model, cost, c.pp)
+            if c.kv_blocks is None:   # the engine's capacity is its smallest stage's
+                self.stage_kv_blocks = self.pipeline.stage_kv_blocks(
+                    c.gpu_memory_utilization, sched.max_num_batched_tokens, sched.max_num_seqs)
+        self.kv_blocks = c.kv_blocks if c.kv_blocks is not None else \
+            min(self.stage_kv_blocks) if self.stage_kv_blocks is not None else kv_capacity_blocks(
             model, cost.gpu, tp=c.tp, block_size=c.block_size,
             gpu_memory_utilization=c.gpu_memory_utilization, kv_dtype=c.kv_dtype,
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs, ep=c.ep,
             **({"proposer": proposer} if proposer is not None else {}))
-        _check_some_request_fits(trace, self.kv_blocks, c.block_size)
+        _check_some_request_fits(trace, self.kv_blocks // c.pp, c.block_size)
         if c.prefix_caching:
             check_prefix_block_sizes(trace, c.block_size)
         replica_block_bytes = cost.block_bytes * c.tp
         self.host_blocks = host_tier_blocks(c.kv_offload_gb, replica_block_bytes)
-        check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * replica_block_bytes)
-        cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks,
-                            num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
+        check_host_memory(cost.gpu, c.tp * c.pp, c.kv_offload_gb, c.cpu_kv_blocks * replica_block_bytes)
+        # a pipelined replica's virtual engines each get 1/pp of its blocks, as vLLM V0's did
+        cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=self.kv_blocks // c.pp,
+                            num_cpu_blocks=c.cpu_kv_blocks // c.pp, watermark=c.watermark,
                             enable_prefix_caching=c.prefix_caching, block_manager=c.block_manager,
-                            num_host_blocks=self.host_blocks)
+                            num_host_blocks=self.host_blocks // c.pp)
         schedulers = [build_scheduler(sched, cache, c.policy, c.policy_options)
-                      for _ in range(c.replicas)]
+                      for _ in range(c.replicas * c.pp)]
         self.speculators = self._speculators(trace, model, cost) if sched.speculative.enabled else None
         with _gc_paused():
             requests = trace.requests(c.seed)
@@ -381,8 +410,15 @@ class Simulation:
         self.num_requests = len(trace)
         self.trace_provenance = trace_provenance(trace)
         del trace
+        if self.pipeline is not None:
+            from servelab.simulator.pipeline import PipelinedCluster
+            self.cluster = PipelinedCluster(schedulers, self.pipeline, make_router(c.router, c.replicas),
+                                            requests)
+            return
+        # the data-parallel ranks of a mixture-of-experts deployment step in lock-step
         self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
-                               fast_forward=c.fast_forward, executors=self.speculators)
+                               fast_forward=c.fast_forward, executors=self.speculators,
+                               lock_step_ranks=cost.data_parallel_ranks)
 
     def _speculators(self, trace, model, cost) -> list:
         """One speculating executor per replica (`simulator/speculation.py`), with each
@@ -417,7 +453,25 @@ class Simulation:
                            "kernels": _kernels_used(cost)},
             "trace": self.trace_provenance,
             **({"speculation": self._speculation_stats()} if self.speculators else {}),
+            **({"pipeline": self._pipeline_stats()} if self.pipeline is not None else {}),
+            **({"data_parallel": self._lock_step_stats()} if getattr(self.cluster, "groups", None)
+               else {}),
         }
+
+    def _lock_step_stats(self) -> dict:
+        """The lock-step groups of a data-parallel MoE deployment (`simulator/data_parallel.py`)
+        and the dummy forward passes each rank ran while a peer had work."""
+        groups = self.cluster.groups
+        return {"groups": len(groups), "ranks_per_group": len(groups[0].ranks),
+                "dummy_steps_per_rank": [n for g in groups for n in g.dummy_steps]}
+
+    def _pipeline_stats(self) -> dict:
+        """A pipelined replica's stages, links, KV per stage and virtual engine, and how busy
+        each stage was (`simulator/pipeline.py`)."""
+        pp = self.config.pp
+        return {**self.pipeline.describe(), "virtual_engines": pp,
+                "kv_blocks_per_stage": self.stage_kv_blocks,
+                "kv_blocks_per_virtual_engine": self.kv_blocks // pp, **self.cluster.stats()}
 
     def _speculation_stats(self) -> dict:
         """Acceptance over every replica's verify steps, and per request."""

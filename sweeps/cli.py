@@ -5,7 +5,7 @@
 Every `servelab simulate` flag is accepted and applies to every point. The list flags
 sweep: --policies, --rates (mean request rate, req/s: the trace's arrivals are rescaled to
 it), --block-sizes, --chunk-sizes (tokens, budget or off), --preemptions, --block-managers,
---gpus, --models, --tps, --engines, --routers; and --replicas, --speculative and
+--gpus, --models, --tps, --engines, --routers; and --replicas, --pp, --speculative and
 --num-speculative-tokens take a list too (--replicas 3,4,5; --speculative off,draft:llama-3.1-8b),
 and so do a disaggregated run's --prefill-replicas and --decode-replicas (--prefill-replicas 1,2).
 Each point's config is built from the flags exactly as `servelab simulate` builds it (its run directory's config.json reruns it), and a policy flag such as
@@ -83,13 +83,14 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
 #: them): (flag, the sweep axis = the flag's dest, item parser, metavar).
 LIST_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--replicas", "replicas", _positive_int, "N[,N,...]"),
+    ("--pp", "pp", _positive_int, "N[,N,...]"),
     ("--speculative", "speculative", _name, "off|ngram|draft:M,..."),
     ("--num-speculative-tokens", "num_speculative_tokens", _positive_int, "K[,K,...]"),
     ("--prefill-replicas", "prefill_replicas", _positive_int, "N[,N,...]"),
     ("--decode-replicas", "decode_replicas", _positive_int, "M[,M,...]"),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
-AXIS_ORDER = ("engine", "model", "gpu", "tp", "replicas", "prefill_replicas", "decode_replicas",
+AXIS_ORDER = ("engine", "model", "gpu", "tp", "pp", "replicas", "prefill_replicas", "decode_replicas",
               "block_manager", "block_size",
               "chunked_prefill", "preemption", "speculative", "num_speculative_tokens", "router",
               "policy", "rate")

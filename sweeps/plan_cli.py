@@ -150,7 +150,7 @@ def _layouts(args, parser):
                 continue
             build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]}, shape)
             config = build(1)
-            machine = (config.model, config.gpu, config.tp, config.weight_dtype, config.kv_dtype, config.engine,
+            machine = (config.model, config.gpu, config.tp, config.pp, config.weight_dtype, config.kv_dtype, config.engine,
                        config.block_size, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                        config.disaggregation)
             if machine not in checked:
@@ -195,8 +195,10 @@ class _Unit:
 
 def _unit(args, values: dict, shape: tuple[int, int] | None) -> _Unit:
     gpu, tp = values["gpu"], values["tp"]
-    if shape is None:
-        return _Unit(COLOCATED, tp, tp * _price_of(gpu, args), f"TP{tp}")
+    if shape is None:   # a replica of pipeline stages has tp GPUs per stage
+        pp = values.get("pp", args.pp[0])
+        return _Unit(COLOCATED, tp * pp, tp * pp * _price_of(gpu, args),
+                     f"TP{tp}" + (f" PP{pp}" if pp > 1 else ""))
     parts, gpus, cost = [], 0, 0.0
     for pool, count in zip(("prefill", "decode"), shape):
         pool_gpu = getattr(args, f"{pool}_gpu") or gpu

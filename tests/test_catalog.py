@@ -45,9 +45,10 @@ def _raw(name: str) -> dict:
 
 
 def test_catalog_lists_every_model():
-    """Dense models here; the mixture-of-experts ones in tests/test_models_moe.py."""
+    """Dense models here (OPT-13B in tests/test_opt.py); the mixture-of-experts ones in
+    tests/test_models_moe.py."""
     dense = [n for n in catalog_names() if load_model_spec(n).moe is None and load_model_spec(n).mla is None]
-    assert dense == sorted(SHAPES)
+    assert dense == sorted([*SHAPES, "opt-13b"])
     assert set(catalog_names()) - set(dense) == {"deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b",
                                                  "qwen3-30b-a3b", "tiny-moe"}
 

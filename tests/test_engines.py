@@ -40,6 +40,7 @@ def test_dtypes_resolve_whatever_their_order():
         "weight_dtype": "fp8", "kv_dtype": "bf16"}
     assert translate("--long-prefill-token-threshold 0").values == {"chunked_prefill": "budget"}
     assert translate("--no-enable-chunked-prefill").values == {"chunked_prefill": "off"}
+    assert translate("-pp 2 -tp 8").values == {"pp": 2, "tp": 8}
 
 
 def test_approximated_flags_give_one_note_each():
@@ -50,7 +51,6 @@ def test_approximated_flags_give_one_note_each():
 
 
 @pytest.mark.parametrize("line, message", [
-    ("-pp 2", "pipeline parallelism is not modelled yet"),
     ("--speculative-config '{\"num_speculative_tokens\": 3}'", "speculative decoding"),
     ("--frobnicate 3", "--frobnicate: not a vLLM flag servelab knows; it reads"),
     ("--max-num-seqs", "--max-num-seqs: expects a value"),

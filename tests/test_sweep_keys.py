@@ -18,7 +18,7 @@ BASE = SimulationConfig(trace="default", model="llama-2-7b", rate=10.0, num_requ
 CHANGED = {
     "trace": "other.csv", "trace_dir": "/data/traces", "trace_format": "azure", "on_bad_row": "drop",
     "rate": 11.0, "arrival_cv": 2.0, "rate_scale": 1.5, "num_requests": 41, "seed": 1,
-    "download": False, "model": "llama-3.1-8b", "gpu": "a100-80gb", "tp": 2, "weight_dtype": "fp8",
+    "download": False, "model": "llama-3.1-8b", "gpu": "a100-80gb", "tp": 2, "pp": 2, "weight_dtype": "fp8",
     "kv_dtype": "fp8", "calibration": "cal.json", "engine": "vllm-0.24",
     "gpu_memory_utilization": 0.8,
     "scheduler": SchedulerConfig(max_num_seqs=64), "policy": "fcfs",

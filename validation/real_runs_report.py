@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -77,7 +78,9 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
     """The same run replayed with one thing changed, to show what moves the error: the bare
     roofline instead of the profile; the KV capacity servelab derives instead of the
     recorded one (or 10% fewer blocks when none was recorded); the first, cold request
-    left out of the figures. Each: latency -> `error_metrics`; a variant the simulator
+    left out of the figures; for a data-parallel EP run whose profile measured no all-to-all
+    on its GPU, the EP exchange at that GPU's measured NCCL ring speed
+    (`_ring_exchange_profile`). Each: latency -> `error_metrics`; a variant the simulator
     refuses is left out."""
     run, blocks = rp.run, rp.derived["kv_blocks_per_replica"]
     changes = {}
@@ -93,14 +96,63 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
         changes["skewed expert load (--expert-load power-law:1.2)"] = \
             (calibration, {"expert_load": "power-law:1.2"})
     out = {"as replayed": rp.errors}
-    for name, (profile, overrides) in changes.items():
-        try:
-            out[name] = replay_run(run, profile, **overrides).errors
-        except NotReplayable:
-            continue
+    with tempfile.TemporaryDirectory(prefix="servelab-real-run-profile-") as tmp:
+        ring = _ring_exchange_profile(rp)
+        if ring is not None:
+            changes["EP exchange at this GPU's measured ring speed"] = \
+                (str(ring.save(Path(tmp) / "profile.json")), {})
+        for name, (profile, overrides) in changes.items():
+            try:
+                out[name] = replay_run(run, profile, **overrides).errors
+            except NotReplayable:
+                continue
     out["first request left out"] = {m: error_metrics(rp.real[m][1:], rp.sim[m][1:])
                                      for m in LATENCIES}
     return out
+
+
+def _lock_step_note(rp: Replay) -> str:
+    """How a data-parallel expert-parallel run's ranks are simulated, and how its EP
+    exchange is priced when the profile measured none on this GPU ("" for other runs)."""
+    lock_step = rp.derived.get("data_parallel")
+    if lock_step is None:
+        return ""
+    dummies = sum(lock_step["dummy_steps_per_rank"])
+    note = (f" The {lock_step['ranks_per_group']} data-parallel ranks step in lock-step, as "
+            "vLLM runs them (`simulator/data_parallel.py`): each rank schedules its own batch; "
+            "every step, each MoE layer and the EP exchange around it run over the tokens all "
+            "ranks carry, attention and the dense layers over each rank's own; a rank with "
+            f"nothing scheduled runs a one-token dummy forward pass ({dummies:,} in this "
+            "replay); the step ends for every rank when the slowest rank's does.")
+    if _ring_exchange_profile(rp) is not None:
+        note += (" The EP exchange (vLLM's default all-gather before and reduce-scatter "
+                 "after each MoE layer, over NCCL) is priced with an all-to-all link measured "
+                 "on another GPU (the profile's `kernels.alltoall`: "
+                 f"{rp.cost_model.profile.source.get('kernels.alltoall')}); the row *EP "
+                 "exchange at this GPU's measured ring speed* prices it at the NCCL ring "
+                 "latency and bus bandwidth fitted to this GPU's own all-reduce table.")
+    return note
+
+
+def _ring_exchange_profile(rp: Replay):
+    """The replay's profile with the EP exchange priced at this GPU's own NCCL ring (the
+    ring latency, per-peer hop and bus-bandwidth fraction of its `collective` fit: an
+    all-gather or reduce-scatter moves (n-1)/n of the buffer per GPU, half a ring
+    all-reduce, over the same links), for a data-parallel EP run whose profile carries its
+    all-to-all from another GPU; None otherwise."""
+    from dataclasses import replace
+
+    cost = rp.cost_model
+    profile = cost.profile
+    if cost.data_parallel_ranks == 1 or \
+            not str(profile.source.get("kernels.alltoall", "")).startswith("no measurements"):
+        return None
+    ring, carried = profile.kernels.collective, profile.kernels.alltoall
+    # a fresh parameter set: nothing of the carried link is kept but the topology setting
+    alltoall = type(carried)(latency_s=ring.ring_latency_s, hop_s=ring.hop_s,
+                             link_eff=ring.ring_link_eff, fabric_gbps=ring.fabric_gbps,
+                             pcie_direct_max_gpus=carried.pcie_direct_max_gpus)
+    return replace(profile, kernels=replace(profile.kernels, alltoall=alltoall))
 
 
 def _slug(label: str) -> str:
@@ -152,8 +204,8 @@ def _setup_line(rp: Replay) -> str:
     gpus = c.tp
     if c.ep > 1:   # one deployment: attention data-parallel, experts over all its GPUs
         gpus = c.tp * c.replicas
-        dp += (f", experts spread over {c.ep} GPUs (expert parallelism; every MoE layer "
-               f"runs over all {c.ep // c.tp} ranks' tokens)")
+        dp = (f", {c.replicas} data-parallel ranks, experts spread over {c.ep} GPUs (expert "
+              "parallelism; the ranks step in lock-step)")
     return (f"`{c.model}` on `{c.gpu}` × {gpus} (tp {c.tp}{dp}), {c.weight_dtype} weights, "
             f"{c.kv_dtype} KV; engine `{c.engine}`: max_num_seqs {s.max_num_seqs}, "
             f"max_num_batched_tokens {s.max_num_batched_tokens}, prefill chunk "
@@ -275,12 +327,7 @@ def _run_section(run: RecordedRun, rp: Replay | None, figures: list[str],
               f"Simulated preemptions: {rp.preemptions}; rejected: {rp.rejected}."
               + (" Prefix caching was on, but the request rows carry no prompt content: the "
                  "replay sees no prefix-cache hits." if rp.config.prefix_caching else "")
-              + (" The data-parallel ranks are simulated as replicas behind one router that do "
-                 "not step in lock-step: each prices every MoE layer over all ranks' tokens "
-                 "as if the other ranks held as many as it does (`simulator/cost_model.py`), "
-                 "where vLLM aligns the ranks' forward passes (idle ranks run dummy ones) "
-                 "and a step lasts as long as the slowest rank's."
-                 if rp.config.ep > rp.config.tp else ""), "",
+              + _lock_step_note(rp), "",
               "| metric | statistic | real (ms) | servelab (ms) | servelab error "
               "| LLMServingSim error |",
               "|---|---|---:|---:|---:|---:|"]
