@@ -4,7 +4,10 @@
         --num-requests 200 --policy fcfs --out runs/real-fcfs
 
 Scheduler, KV-cache and policy flags are the ones `servelab simulate` takes
-(`servelab.options`), so a simulated and a real run of the same trace are spelled alike.
+(`servelab.options`), so a simulated and a real run of the same trace are spelled alike;
+so are its disaggregation flags (`simulator.disaggregation`): `--prefill-replicas 1
+--decode-replicas 1` runs a prefill engine and a decode engine (`backends.disaggregated`),
+and the flags that only a simulated pool or link has are refused in one line.
 `--triton` on a CPU runs the kernels in Triton's interpreter: this command then sets
 TRITON_INTERPRET=1 itself, before anything imports triton.
 
@@ -33,14 +36,16 @@ def _top_p(text: str) -> float:
 
 def register(subparsers) -> None:
     from servelab.policies import policy_names
+    from servelab.backends.disaggregated import add_arguments as add_disaggregation_arguments
     from servelab.traces.cli import add_trace_arguments
 
     p = subparsers.add_parser(
         "run", help="replay a trace on a real model (PyTorch + Triton paged attention)",
         description="Replay a trace through the shared scheduler on a real Llama-family model "
                     "and write a run directory (config.json, summary.json, requests and steps "
-                    "as .csv or .parquet, outputs.jsonl; speculation.json when speculating) "
-                    "comparable with `servelab simulate`'s.")
+                    "as .csv or .parquet, outputs.jsonl; speculation.json when speculating; "
+                    "handoffs and disaggregation.json when disaggregated) comparable with "
+                    "`servelab simulate`'s.")
     p.add_argument("--backend", choices=("torch",), default="torch",
                    help="model runtime (default %(default)s)")
     p.add_argument("--device", default="auto",
@@ -57,6 +62,7 @@ def register(subparsers) -> None:
     add_trace_arguments(p)
     add_scheduler_options(p, policies=policy_names())
     add_workload_options(p)
+    add_disaggregation_arguments(p)   # one prefill and one decode engine: docs/disaggregation-real.md
 
     b = p.add_argument_group("real backend")
     b.add_argument("--pp", type=int, default=1, metavar="N", help=argparse.SUPPRESS)   # refused below
@@ -144,6 +150,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                            "are imported; set it in the environment")
         os.environ["TRITON_INTERPRET"] = "1"
 
+    from servelab.backends.disaggregated import RealDisaggregation
     from servelab.backends.run import RealRunConfig, RunSetupError, run_real
     from servelab.backends.sampling import SamplingParams
     from servelab.models import load_model_spec
@@ -151,6 +158,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from servelab.traces.record import TraceError
     from servelab.traces.transforms import first_n, scale_rate
 
+    try:
+        disaggregation = RealDisaggregation.from_args(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     try:
         spec = load_model_spec(args.model if args.model is not None else args.checkpoint)
     except (ValueError, OSError) as exc:  # unknown model, unsupported architecture
@@ -185,7 +196,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=opts.gpu_memory_utilization, trace=trace,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
             save_outputs=args.save_outputs, cli_args=_recorded(args),
-            output_format=args.output_format, kv_offload_gb=opts.kv_offload_gb)
+            output_format=args.output_format, kv_offload_gb=opts.kv_offload_gb,
+            disaggregation=disaggregation)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -204,8 +216,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         speculated = (f", speculative acceptance {spec['acceptance_rate']:.1%} "
                       f"({spec['tokens_per_verify_step']:.2f} tokens per verify step)"
                       if spec["proposed_tokens"] else ", nothing speculated")
+    handed = ""
+    if result.disaggregation is not None:
+        r = result.disaggregation.report
+        transfer = r["handoff_ms"]["transfer"]
+        handed = (f", {r['transfers']['count']} handoffs ({r['transfers']['bytes'] / 2**20:.1f} MiB, "
+                  f"copy mean {transfer['mean'] or 0.0:.3f} ms, "
+                  f"{r['back_pressure']['requests_that_waited']} waited for the decode engine)")
     print(f"{s['completed']} requests finished, {s['rejected']} rejected in {s['duration']:.3f} s "
           f"({args.clock} clock): {s['output_throughput']:.1f} output tok/s, "
           f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
-          f"{s['num_preemptions']} preemptions{hits}{speculated} -> {out}")
+          f"{s['num_preemptions']} preemptions{hits}{speculated}{handed} -> {out}")
     return 0

@@ -300,6 +300,16 @@ class RealExecutor:
             gen = self._generators[key] = make_generator(seed)
         return gen
 
+    def hand_over(self, request_id: int, to: "RealExecutor") -> None:
+        """Moves a request's random streams to the executor that continues it (a
+        disaggregated run's decode engine, `backends/disaggregated.py`), so that its
+        samples go on drawing the numbers they would have drawn on one engine."""
+        req = self.requests.get(request_id)
+        for i in range(req.n if req is not None else 1):
+            generator = self._generators.pop((request_id, i), None)
+            if generator is not None:
+                to._generators[(request_id, i)] = generator
+
     def release(self, request_id: int) -> None:
         """Forget a finished or rejected request's random streams and synthetic prompt."""
         self._prompts.pop(request_id, None)

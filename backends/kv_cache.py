@@ -3,6 +3,8 @@
 The host pools are the CPU swap pool (preempted sequences' KV, `swap_out` / `swap_in`) and
 the CPU tier of the prefix cache (prefix blocks evicted from the device, `offload` /
 `load`). The block manager numbers their blocks separately, so they are separate tensors.
+A disaggregated run (`backends/disaggregated.py`) keeps two caches of one layout (`like`)
+and moves a prompt's blocks from one to the other (`copy_blocks_to`).
 
 Every pool holds all layers in one tensor per K and V, shaped
 `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, so `layer(i)` is a view and
@@ -64,6 +66,14 @@ class KVCache:
                                  pin_memory=pin)
         self.host_v = torch.full((num_layers, num_host_blocks, *block), fill, dtype=dtype,
                                  pin_memory=pin)
+
+    def like(self, num_blocks: int, num_cpu_blocks: int = 0, poison: bool = False) -> "KVCache":
+        """A new, empty cache of this one's layout (layers, block shape, dtype, device) with
+        `num_blocks` device blocks and `num_cpu_blocks` swap blocks, and no CPU tier."""
+        _, _, block_size, num_kv_heads, head_dim = self.k.shape
+        return KVCache(num_layers=self.num_layers, num_blocks=num_blocks, block_size=block_size,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.k.dtype,
+                       device=self.device, num_cpu_blocks=num_cpu_blocks, poison=poison)
 
     @property
     def num_layers(self) -> int:
@@ -145,6 +155,25 @@ class KVCache:
                 staged = self._host_buffer((host.shape[0], len(src), *host.shape[2:]))
                 torch.index_select(host, 1, src, out=staged)
                 pool.index_copy_(1, dst, staged.to(self.device))
+
+    def copy_blocks_to(self, other: "KVCache", pairs: list[tuple[int, int]]) -> int:
+        """Copies device blocks of this cache into device blocks of `other`, given
+        (src, dst) pairs, every layer's K and V; returns the bytes copied. `other` must
+        have this cache's layout (`like`); on one CUDA device the copy stays on the device
+        (a gather and a scatter per chunk of TRANSFER_BYTES), across devices it goes
+        device to device. The copy is queued on the current stream, not waited for."""
+        if not pairs:
+            return 0
+        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:] \
+                or other.k.dtype != self.k.dtype:
+            raise ValueError(f"copy_blocks_to: caches differ in layout ({tuple(self.k.shape)} "
+                             f"{self.k.dtype} -> {tuple(other.k.shape)} {other.k.dtype}): KV "
+                             "moves block for block, without conversion")
+        src, dst = self._indices(pairs, "copy_blocks_to", self.num_blocks, other.num_blocks)
+        for src, dst in self._chunks(src.to(self.device), dst.to(other.device)):
+            for pool, into in ((self.k, other.k), (self.v, other.v)):
+                into.index_copy_(1, dst, pool.index_select(1, src).to(other.device))
+        return len(pairs) * self.bytes_per_block
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copies device block src to device block dst, given (src, dst) pairs.

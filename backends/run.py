@@ -22,6 +22,9 @@ prefix caching, requests.csv says how many prompt tokens each request found cach
 many of those came from the CPU tier (`kv_offload_gb`), and summary.json the hit rates.
 With speculative decoding (`--speculative draft:MODEL` or `ngram`, `backends.speculative`)
 it also holds speculation.json: tokens proposed and accepted, in total and per request.
+Disaggregated (`--prefill-replicas 1 --decode-replicas 1`, `backends.disaggregated`), a
+prefill engine and a decode engine share the model, and the run also writes handoffs.csv
+and disaggregation.json, as `servelab simulate` does for a disaggregated run.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from servelab.atomic import atomic_path
 from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
 from servelab.backends.attention import SeqWork
 from servelab.backends.clocks import Progress, VirtualClock, WallClock
+from servelab.backends.disaggregated import (LINK, RealDisaggregation, DisaggregatedServer,
+                                             build_schedulers, check_requests,
+                                             decode_cache_config, decode_runner, pool_blocks)
 from servelab.backends.executor import RealExecutor, with_prompt_tokens
 from servelab.backends.host_pools import check_host_memory, host_tier_blocks
 from servelab.backends.model import ModelRunner, sliding_window, check_model_supported
@@ -120,6 +126,9 @@ class RealRunConfig:
     """The command's parsed flags (JSON values), recorded in config.json."""
     output_format: str = "csv"
     """How requests and steps are written: csv or parquet."""
+    disaggregation: RealDisaggregation | None = None
+    """One prefill engine and one decode engine (`backends.disaggregated`); None: one
+    engine serves everything."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -139,6 +148,13 @@ class RealRunConfig:
                              "and needs enable_prefix_caching (--prefix-caching)")
         if self.kv_offload_gb and self.cache.get("num_host_blocks"):
             raise ValueError("RealRunConfig: give kv_offload_gb or cache num_host_blocks, not both")
+        if self.disaggregation is not None:
+            if not isinstance(self.disaggregation, RealDisaggregation):
+                raise ValueError("RealRunConfig.disaggregation must be a RealDisaggregation or "
+                                 f"None, got {self.disaggregation!r}")
+            if self.scheduler.speculative.enabled:
+                raise ValueError("disaggregated prefill/decode does not run with speculative "
+                                 "decoding: drop --speculative or the pool flags")
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"RealRunConfig.output_format must be one of {OUTPUT_FORMATS}, "
                              f"got {self.output_format!r}")
@@ -168,6 +184,10 @@ class RealRunResult:
     out_dir: Path | None
     speculation: dict | None = None
     """What speculation.json holds (`speculation_summary`); None without speculation."""
+    disaggregation: object | None = None
+    """Disaggregated: the `DisaggregationOutputs` (handoffs.csv and disaggregation.json of
+    `simulator.disaggregated_run`); None otherwise. num_gpu_blocks and block_usage are
+    then the prefill engine's."""
 
 
 # --------------------------------------------------------------------------- setup
@@ -287,7 +307,12 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         block_size = cache_kwargs.get("block_size", CacheConfig.block_size)
         num_blocks = cache_kwargs.get("num_gpu_blocks")
         blocks_source = "given" if num_blocks else "derived"
-        if not num_blocks:
+        disagg = config.disaggregation
+        if disagg is not None:   # num_blocks: the prefill engine's
+            num_blocks, decode_blocks, blocks_source = pool_blocks(
+                disagg, num_blocks, lambda: derive_num_gpu_blocks(
+                    spec, device, dtype, block_size, sched_cfg, config.gpu_memory_utilization))
+        elif not num_blocks:
             num_blocks = derive_num_gpu_blocks(spec, device, dtype, block_size, sched_cfg,
                                                config.gpu_memory_utilization, draft)
         if config.kv_offload_gb:
@@ -297,15 +322,22 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         check_host_memory(spec, device, dtype, cache_cfg, config.kv_offload_gb)
         if cache_cfg.enable_prefix_caching and requests is None and config.trace is not None:
             check_prefix_block_sizes(config.trace, block_size)
-        scheduler = build_scheduler(sched_cfg, cache_cfg, config.policy,
-                                    dict(config.policy_options), emit_block_tables=True,
-                                    keep_token_times=True)
+        if disagg is None:
+            scheduler = build_scheduler(sched_cfg, cache_cfg, config.policy,
+                                        dict(config.policy_options), emit_block_tables=True,
+                                        keep_token_times=True)
+        else:
+            decode_cache = decode_cache_config(cache_cfg, decode_blocks)
+            scheduler, decode_scheduler = build_schedulers(sched_cfg, cache_cfg, decode_cache,
+                                                           config.policy, dict(config.policy_options))
         if requests is None:
             if config.trace is None:
                 raise RunSetupError("no requests: give RealRunConfig.trace or requests=")
             requests = config.trace.to_requests(seed=config.seed)
         if not requests:
             raise RunSetupError("the trace has no requests")
+        if disagg is not None:
+            check_requests(requests, num_blocks, decode_blocks, block_size)
         window = sliding_window(spec)
         if window is not None and sched_cfg.max_model_len > window:
             raise RunSetupError(f"max_model_len {sched_cfg.max_model_len} exceeds {spec.name}'s "
@@ -317,6 +349,12 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         eos = spec.hf_config.get("eos_token_id")
         described = _describe(config, spec, device, dtype, use_triton, cache_cfg, blocks_source,
                               scheduler.policy.describe(), eos, len(live), draft)
+        if disagg is not None:   # so that co-located configs read as before
+            described["config"]["disaggregation"] = disagg.to_dict()
+            described["derived"]["disaggregation"] = {
+                "prefill": {"kv_blocks": num_blocks}, "decode": {"kv_blocks": decode_blocks},
+                "decode_cache": decode_cache.to_dict(), "kv_link": LINK,
+                "weights": "shared by both engines"}
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:   # before the model is built: a refusal costs nothing
             check_out_dir(out, described["config"], force=force)
@@ -329,25 +367,40 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
 
         runner = make_runner(spec, config.checkpoint)
         proposer = build_proposer(speculative, draft, make_runner) if speculative.enabled else None
-    executor = RealExecutor(runner, live, config.sampling, replay=config.replay,
-                            eos_token_id=eos, seed=config.seed, proposer=proposer)
+    executor = RealExecutor(runner, live if disagg is None else {}, config.sampling,
+                            replay=config.replay, eos_token_id=eos, seed=config.seed,
+                            proposer=proposer)
+    runners = list(executor.runners)
+    if disagg is not None:
+        decode_executor = RealExecutor(decode_runner(runner, decode_blocks, cache_cfg.num_cpu_blocks),
+                                       {}, config.sampling, replay=config.replay,
+                                       eos_token_id=eos, seed=config.seed)
+        runners.append(decode_executor.runner)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", described)
 
     if config.warmup and device.type == "cuda":
-        for warmed in executor.runners:
+        for warmed in runners:
             _warm_up(warmed, sched_cfg.max_model_len)
     progress = Progress(len(live), config.progress, config.clock)
-    records, steps, preempted = _serve(scheduler, executor, list(live.values()),
-                                       WallClock() if config.clock == "wall" else VirtualClock(),
-                                       progress)
-    records.sort(key=lambda r: r.request_id)
+    clock = WallClock() if config.clock == "wall" else VirtualClock()
+    if disagg is None:
+        records, steps, preempted = _serve(scheduler, executor, list(live.values()), clock,
+                                           progress)
+        records.sort(key=lambda r: r.request_id)
+        outputs = {rid: [list(s.output_token_ids) for s in req.seqs]
+                   for rid, req in sorted(live.items())}
+    else:
+        server = DisaggregatedServer((scheduler, executor), (decode_scheduler, decode_executor),
+                                     list(live.values()), clock, progress, replay=config.replay)
+        server.run()
+        records, steps, preempted, outputs = (server.records, server.steps, server.preempted,
+                                              server.outputs())
     summary = summarize(records, steps, slo_ttft_ms=config.slo_ttft_ms,
                         slo_tpot_ms=config.slo_tpot_ms,
                         tenant_weights=scheduler.policy.tenant_weights)
-    outputs = {rid: [list(s.output_token_ids) for s in req.seqs]
-               for rid, req in sorted(live.items())}
+    disaggregated = server.run_outputs(summary, str(device)) if disagg is not None else None
     speculation = (speculation_summary(speculative, executor.acceptance, sorted(live))
                    if speculative.enabled else None)
     if out is not None:
@@ -357,6 +410,8 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
             _write_outputs(out / "outputs.jsonl", outputs)
         if speculation is not None:
             write_json(out / "speculation.json", speculation)
+        if disaggregated is not None:
+            disaggregated.write(out, config.output_format)
     return RealRunResult(
         summary, records, steps, outputs, num_blocks,
         num_swap_preemptions=preempted[PreemptionMode.SWAP],
@@ -366,7 +421,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
         num_offloaded_blocks=sum(s.num_offload_blocks for s in steps),
         num_loaded_blocks=sum(s.num_load_blocks for s in steps),
         block_usage=scheduler.bm.usage(), config=described, out_dir=out,
-        speculation=speculation)
+        speculation=speculation, disaggregation=disaggregated)
 
 
 def _serve(scheduler, executor: RealExecutor, requests: list[Request], clock,

@@ -263,33 +263,21 @@ def _pool_use(replicas, span: float) -> dict[str, float | None]:
     return {"gpu_busy_fraction": float(np.mean(busy)), "mean_kv_usage": kv / weight if weight else None}
 
 
-def disaggregation_report(sim: DisaggregatedSimulation, result, handoffs: RecordTable) -> dict[str, Any]:
-    """disaggregation.json (see the module docstring). Times in ms, sizes in bytes and
-    blocks; statistics over the handed-off requests, except `per_gpu`'s (the summary's
-    rates over every GPU of both pools)."""
+def handoff_statistics(handoffs: RecordTable, block_bytes: int, span: float) -> dict[str, Any]:
+    """The part of disaggregation.json both executors compute alike from the handoffs
+    (the simulator's here, the real backend's in `backends/disaggregated.py`): requests
+    handed off, the TTFT and handoff splits, the transfers (with their summed seconds) and
+    the back-pressure. Times in ms, sizes in bytes and blocks."""
     col = handoffs.column
-    summary = result.summary or {}
     landed = np.isfinite(col("landed_s"))
     prefill_end, blocks = col("prefill_end_s"), col("held_blocks")
     waited_until = np.where(landed, col("landed_s"), col("released_s"))
-    span = summary.get("duration") or 0.0
-    gpus = sim.prefill.gpus + sim.decode.gpus
     sent = col("kv_bytes")[landed]
     transfer = (col("transfer_end_s") - col("transfer_start_s"))[landed]
-    block_bytes = sim.kv_bytes_per_token * sim.config.block_size
     waiting_peak, waiting_integral = held(prefill_end, waited_until, blocks)
     held_peak, held_integral = held(prefill_end, col("released_s"), blocks)
-    rate = {key: None if summary.get(key) is None else summary[key] / gpus
-            for key in ("request_throughput", "request_goodput", "output_throughput")}
     return {
-        "layout": {name: {"replicas": pool.replicas, "gpu": pool.cost.gpu.name, "tp": pool.tp,
-                          "gpus": pool.gpus} for name, pool in (("prefill", sim.prefill), ("decode", sim.decode))}
-                  | {"gpus": gpus, "kv_link": sim.link.name, "transfer_lanes": sim.lanes,
-                     "kv_transfer": sim.config.disaggregation.kv_transfer},
-        "requests": {"handed_off": int(landed.sum()),
-                     "ended_on_prefill_pool": len(result.requests) - len(handoffs),
-                     "fit_no_decode_replica": int((~landed).sum()),
-                     "decode_rejections_for_memory": sim.cluster.decode_rejections_for_memory},
+        "requests": {"handed_off": int(landed.sum()), "fit_no_decode_replica": int((~landed).sum())},
         "ttft_ms": {"queueing": _stats_ms(col("scheduled_s") - col("arrival_s")),
                     "prefill": _stats_ms(prefill_end - col("scheduled_s"))},
         "handoff_ms": {"waiting_for_decode_replica": _stats_ms((waited_until - prefill_end)[landed]),
@@ -298,18 +286,45 @@ def disaggregation_report(sim: DisaggregatedSimulation, result, handoffs: Record
                        "total": _stats_ms((col("transfer_end_s") - prefill_end)[landed])},
         "transfers": {"count": len(sent), "bytes": int(sent.sum()),
                       "mean_bytes": float(sent.mean()) if len(sent) else None,
-                      "link_busy_fraction": float(transfer.sum()) / (span * sim.prefill.replicas)
-                      if span else None},
+                      "seconds": float(transfer.sum())},
         "back_pressure": {"requests_that_waited": int(((waited_until - prefill_end)[landed] > 0).sum()),
                           "waiting_peak_blocks": waiting_peak,
                           "waiting_peak_bytes": waiting_peak * block_bytes,
                           "waiting_block_seconds": waiting_integral,
                           "held_peak_blocks": held_peak, "held_block_seconds": held_integral},
+    }
+
+
+def disaggregation_report(sim: DisaggregatedSimulation, result, handoffs: RecordTable) -> dict[str, Any]:
+    """disaggregation.json (see the module docstring). Times in ms, sizes in bytes and
+    blocks; statistics over the handed-off requests, except `per_gpu`'s (the summary's
+    rates over every GPU of both pools)."""
+    summary = result.summary or {}
+    span = summary.get("duration") or 0.0
+    gpus = sim.prefill.gpus + sim.decode.gpus
+    stats = handoff_statistics(handoffs, sim.kv_bytes_per_token * sim.config.block_size, span)
+    transfers = stats["transfers"]
+    seconds = transfers.pop("seconds")
+    transfers["link_busy_fraction"] = seconds / (span * sim.prefill.replicas) if span else None
+    rate = {key: None if summary.get(key) is None else summary[key] / gpus
+            for key in ("request_throughput", "request_goodput", "output_throughput")}
+    return {
+        "layout": {name: {"replicas": pool.replicas, "gpu": pool.cost.gpu.name, "tp": pool.tp,
+                          "gpus": pool.gpus} for name, pool in (("prefill", sim.prefill), ("decode", sim.decode))}
+                  | {"gpus": gpus, "kv_link": sim.link.name, "transfer_lanes": sim.lanes,
+                     "kv_transfer": sim.config.disaggregation.kv_transfer},
+        "requests": {"handed_off": stats["requests"]["handed_off"],
+                     "ended_on_prefill_pool": len(result.requests) - len(handoffs),
+                     "fit_no_decode_replica": stats["requests"]["fit_no_decode_replica"],
+                     "decode_rejections_for_memory": sim.cluster.decode_rejections_for_memory},
+        "ttft_ms": stats["ttft_ms"],
+        "handoff_ms": stats["handoff_ms"],
+        "transfers": transfers,
+        "back_pressure": stats["back_pressure"],
         "utilisation": {"prefill": _pool_use(sim.cluster.prefill, span),
                         "decode": _pool_use(sim.cluster.decode, span)},
         "per_gpu": rate,
     }
-
 
 def describe(outputs: DisaggregationOutputs, output_format: str = "csv") -> str:
     """What `servelab simulate` prints about a disaggregated run's handoffs."""
