@@ -26,37 +26,14 @@ and, as any hash, only finds candidates that the cache then checks.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from operator import is_
 from typing import Hashable, Iterable, Sequence
+
+from servelab.request import RegionOffset, region_offsets   # the keys Request.block_contents makes
 
 from . import prefix_cache
 
 _DEFAULT_CHAIN_HASH = prefix_cache.chain_hash
-
-
-class RegionOffset(int):
-    """The key of the block `j` blocks after its region's first block (1 <= j < the
-    region's size in blocks, `size`). Equal to, and hashing as, the int j; take them from
-    `region_offsets` (shared objects, so long prompts allocate none)."""
-
-    size: int
-
-    def __new__(cls, offset: int, size: int) -> "RegionOffset":
-        if not 0 < offset < size:
-            raise ValueError(f"a region offset lies in 1 .. size - 1, not {offset} (size {size})")
-        self = super().__new__(cls, offset)
-        self.size = size
-        return self
-
-    def __getnewargs__(self) -> tuple[int, int]:
-        return int(self), self.size
-
-
-@lru_cache(maxsize=None)
-def region_offsets(size: int) -> tuple[RegionOffset, ...]:
-    """The offsets 1 .. size - 1 of a region of `size` blocks, as shared keys."""
-    return tuple(RegionOffset(j, size) for j in range(1, size))
 
 
 class BlockKeys(Sequence):

@@ -7,10 +7,10 @@ request to admit (`peek`), tells it what happened (`add`, `requeue`, `remove`,
 (`victim_key`: the running request with the largest key is preempted first). What a
 policy can do beyond ordering is declared, never guessed: `preemptive` (it may preempt
 running requests for a waiting one), `reorders_running` (whom it may preempt changes as
-running requests draw tokens), `charges_service` (it accounts each step's
-service), `reads_prefix_cache` (it orders by what the prefix cache holds), its
-command-line `flags`, the `tenant_weights` it shares service by, and the workload traits
-it `acts_on`.
+running requests draw tokens), `victims_by_admission` (its victim is the most recently
+admitted request), `charges_service` (it accounts each step's service),
+`reads_prefix_cache` (it orders by what the prefix cache holds), its command-line
+`flags`, the `tenant_weights` it shares service by, and the workload traits it `acts_on`.
 
 A new policy is one file holding a subclass decorated with `@register_policy("name")`
 (docs/extending.md); nothing else changes. Keys are tuples ending in the unique request
@@ -181,6 +181,12 @@ class Policy(abc.ABC):
     (Victim order may change freely: nothing is preempted within a run of plain decode
     steps.)"""
 
+    victims_by_admission: ClassVar[bool] = True
+    """Is the victim always the most recently admitted running request (the default
+    `victim_key`)? Then the scheduler keeps running requests in admission order instead
+    of sorting them by `victim_key` every step. A policy that defines `victim_key` sets
+    it False; defining one without doing so is an error when the class is created."""
+
     flags: ClassVar[tuple[PolicyFlag, ...]] = ()
     """Command-line flags of this policy's options (`servelab simulate`, `run`, `compare`)."""
 
@@ -194,6 +200,10 @@ class Policy(abc.ABC):
         if cls.on_service is not Policy.on_service and not cls.charges_service:
             raise TypeError(f"{cls.__qualname__} overrides on_service but does not declare "
                             "charges_service = True, so it would never be called")
+        if cls.victim_key is not Policy.victim_key and cls.victims_by_admission:
+            raise TypeError(f"{cls.__qualname__} overrides victim_key but does not declare "
+                            "victims_by_admission = False, so running requests would be "
+                            "preempted in admission order instead")
 
     def __init__(self) -> None:
         self._queue = KeyedQueue()
@@ -260,7 +270,8 @@ class Policy(abc.ABC):
     # --- preemption ----------------------------------------------------------------
     def victim_key(self, req: Request, admit_seq: int) -> tuple:
         """The running request with the largest key is preempted first. Default: the
-        most recently admitted (`admit_seq` grows with every admission)."""
+        most recently admitted (`admit_seq` grows with every admission). A policy that
+        defines its own declares `victims_by_admission = False`."""
         return (admit_seq, req.request_id)
 
     def may_preempt_for(self, head: Request, running: Request) -> bool:

@@ -27,6 +27,7 @@ class EDFPolicy(Policy):
     recently admitted.
     """
 
+    victims_by_admission = False
     acts_on = (TTFT_SLOS,)
     flags = (
         PolicyFlag("edf-default-slo-ms", "default_slo_ms", "TTFT deadline in ms of requests "

@@ -41,6 +41,7 @@ class FairSharePolicy(Policy):
     Cost of `peek`: O(number of backlogged tenants).
     """
 
+    victims_by_admission = False
     acts_on = (TENANTS,)
     charges_service = True
     flags = (PolicyFlag("tenant-weights", "weights", "tenant shares (default 1 each)",

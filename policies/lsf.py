@@ -43,6 +43,7 @@ class LeastSlackFirstPolicy(Policy):
     differ, and edf stays the plain rule its docstring proves a claim about.
     """
 
+    victims_by_admission = False
     flags = (
         PolicyFlag("lsf-default-slo-ms", "default_slo_ms", "TTFT deadline in ms of requests "
                    "without an SLO of their own", parse=positive_float, metavar="MS"),

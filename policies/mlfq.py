@@ -63,6 +63,7 @@ class MLFQPolicy(Policy):
     Victim order alone may change within a run: nothing is preempted there.
     """
 
+    victims_by_admission = False
     reorders_running = True
     flags = (
         PolicyFlag("mlfq-quantum-tokens", "quantum_tokens", "output tokens of the top level's "

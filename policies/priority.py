@@ -23,6 +23,7 @@ class PriorityPolicy(Policy):
     continuous batching only: a static batch is never preempted for a waiting request.
     """
 
+    victims_by_admission = False
     acts_on = (PRIORITIES,)
     flags = (
         PolicyFlag("priority-aging-rate", "aging_rate", "effective priority improves by R per "

@@ -244,7 +244,7 @@ class Scheduler:
         """Running requests, most protected first (ascending victim key), so that the
         victim — taken from the end — is always one not yet scheduled this step."""
         adm = self._admit_seq
-        if type(self.policy).victim_key is Policy.victim_key:
+        if self.policy.victims_by_admission:
             if requests is self._running:
                 return list(requests.values())  # admission order is the victim order
             return sorted(requests.values(), key=lambda r: adm[r.request_id])

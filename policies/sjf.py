@@ -65,6 +65,7 @@ class SJFPolicy(Policy):
     Victim: the running request with the longest predicted remaining output.
     """
 
+    victims_by_admission = False
     flags = (
         PolicyFlag("sjf-predictor", "predictor", "output-length predictor", choices=PREDICTORS),
         max_wait_flag("sjf-max-wait-s"),

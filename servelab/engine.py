@@ -57,13 +57,11 @@ def engine_step(scheduler, executor: Executor, now: float, kv_blocks_total: int,
     result = executor.execute(output)
     records = scheduler.update(output, result)
     shape = result.shape or BatchShape.from_output(output)
-    step = StepRecord(  # positional, in field order (see StepRecord)
-        now, result.duration_s, shape.num_prefill_tokens, shape.num_decode_seqs,
-        shape.num_prefill_seqs, scheduler.num_running, scheduler.num_waiting,
-        scheduler.num_swapped, kv_blocks_used(), kv_blocks_total, len(output.preempted), 1,
-        shape.prefill_context_sum, shape.prefill_q_context_sum, shape.prefill_q_sq_sum,
-        shape.decode_context_sum, shape.num_swap_blocks, shape.num_copy_blocks,
-        shape.num_offload_blocks, shape.num_load_blocks)
+    step = StepRecord.from_shape(
+        shape, start_s=now, duration_s=result.duration_s, num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting, num_swapped=scheduler.num_swapped,
+        kv_blocks_used=kv_blocks_used(), kv_blocks_total=kv_blocks_total,
+        num_preempted=len(output.preempted))
     return EngineStep(output, result, records, step)
 
 

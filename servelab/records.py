@@ -6,8 +6,12 @@ Both are flat so that they map one-to-one onto the rows of the requests and step
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from servelab.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from servelab.outputs import BatchShape
 
 
 @dataclass(slots=True)
@@ -81,8 +85,8 @@ class RequestRecord:
 
 @dataclass(slots=True)
 class StepRecord:
-    # The engine step and the simulator's fast-forward build one per step positionally
-    # (keywords cost ~2 µs more each time): keep this field order, which a test pins.
+    # Built by `from_shape` (the engine step and the simulator's fast-forward, once per
+    # step), which passes the fields positionally: keep this field order, which a test pins.
     start_s: float
     duration_s: float
     """Duration of one step; for a fast-forwarded run, of all `num_steps` together."""
@@ -108,6 +112,23 @@ class StepRecord:
     """Prefix blocks copied from the GPU to the CPU tier (evicted there) before the step."""
     num_load_blocks: int = 0
     """Prefix-cache hits copied from the CPU tier to the GPU before the step."""
+
+    @classmethod
+    def from_shape(cls, shape: BatchShape, *, start_s: float, duration_s: float,
+                   num_running: int, num_waiting: int, num_swapped: int, kv_blocks_used: int,
+                   kv_blocks_total: int, num_preempted: int = 0, num_steps: int = 1) -> "StepRecord":
+        """The record of a step (or a fast-forwarded run of `num_steps` decode steps) that
+        computed the batch `shape` (its token counts, context sums and block moves, one
+        decode token per decoding sequence), with the engine's state after it. Callers
+        name what they pass; this passes the fields in order, since twenty keywords to the
+        constructor cost more than building the record (measure a change here with
+        benchmarks/count_instructions.sh)."""
+        return cls(start_s, duration_s, shape.num_prefill_tokens, shape.num_decode_seqs,
+                   shape.num_prefill_seqs, num_running, num_waiting, num_swapped, kv_blocks_used,
+                   kv_blocks_total, num_preempted, num_steps, shape.prefill_context_sum,
+                   shape.prefill_q_context_sum, shape.prefill_q_sq_sum, shape.decode_context_sum,
+                   shape.num_swap_blocks, shape.num_copy_blocks, shape.num_offload_blocks,
+                   shape.num_load_blocks)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -1,5 +1,5 @@
 """Named registries: one per extension point (policies, preemption strategies, block
-managers), and the discovery that fills them.
+managers, routers, trace formats), and the discovery that fills them.
 
 Each entry registers itself, by name, in the module that defines it; a package imports
 every one of its modules (`import_submodules`), so adding an entry is adding one file.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -58,6 +58,14 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         """(name, entry) pairs in the order they were registered."""
         return list(self._entries.items())
+
+    def __iter__(self) -> Iterator[str]:
+        """The names, as `names()` (so `tuple(registry)` and `choices=registry` list them
+        as they are when read, entries registered later included)."""
+        return iter(list(self._entries))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._entries
 
 
 def import_submodules(package: str, path: Iterable[str]) -> None:

@@ -12,12 +12,40 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import repeat
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
-from servelab.memory.block_keys import BlockKeys, region_offsets
+if TYPE_CHECKING:
+    from servelab.memory.block_keys import BlockKeys
 
 SeqId = tuple[int, int]
+
+
+class RegionOffset(int):
+    """The key of the block `j` blocks after its region's first block (1 <= j < the
+    region's size in blocks, `size`), in a trace that names content per region of several
+    blocks (`Request.block_contents`; memory/block_keys.py hashes such keys). Equal to,
+    and hashing as, the int j; take them from `region_offsets` (shared objects, so long
+    prompts allocate none)."""
+
+    size: int
+
+    def __new__(cls, offset: int, size: int) -> "RegionOffset":
+        if not 0 < offset < size:
+            raise ValueError(f"a region offset lies in 1 .. size - 1, not {offset} (size {size})")
+        self = super().__new__(cls, offset)
+        self.size = size
+        return self
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return int(self), self.size
+
+
+@lru_cache(maxsize=None)
+def region_offsets(size: int) -> tuple[RegionOffset, ...]:
+    """The offsets 1 .. size - 1 of a region of `size` blocks, as shared keys."""
+    return tuple(RegionOffset(j, size) for j in range(1, size))
 
 
 class RequestStatus(enum.Enum):

@@ -27,7 +27,6 @@ from typing import Iterator
 from servelab.cli import CLIError
 from servelab.simulator.gpus import DTYPE_BYTES, gpu_names
 
-ROUTER_NAMES = ("round-robin", "least-outstanding", "prefix-affinity")
 DTYPES = tuple(DTYPE_BYTES)
 """--weight-dtype / --kv-dtype choices: every dtype the cost model prices."""
 
@@ -36,6 +35,7 @@ def register(subparsers) -> None:
     from servelab.options import (add_output_options, add_scheduler_options, add_workload_options,
                                   positive_float, positive_int)
     from servelab.policies import policy_names
+    from servelab.simulator.router import router_names
     from servelab.traces.cli import add_trace_arguments
 
     p = subparsers.add_parser(
@@ -97,7 +97,7 @@ def register(subparsers) -> None:
     c.add_argument("--replicas", type=positive_int, default=1,
                    help="engine replicas, each with --tp GPUs (default %(default)s; with --dp "
                         "or --ep above --tp, the data-parallel ranks: a multiple of them)")
-    c.add_argument("--router", choices=ROUTER_NAMES, default="round-robin",
+    c.add_argument("--router", choices=router_names(), default="round-robin",
                    help="how arrivals are spread over replicas (default %(default)s)")
     c.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="simulate every decode step one by one (slower; same results)")

@@ -212,10 +212,10 @@ class Replica:
         sched = self.scheduler
         sched.advance_decodes(k)
         bm = sched.bm
-        self.steps.append(StepRecord(  # positional, in field order (see StepRecord)
-            now, duration, 0, shape.num_decode_seqs, 0, sched.num_running, sched.num_waiting,
-            sched.num_swapped, bm.num_used_blocks, bm.num_gpu_blocks, 0, k, 0, 0, 0,
-            shape.decode_context_sum))
+        self.steps.append(StepRecord.from_shape(
+            shape, start_s=now, duration_s=duration, num_running=sched.num_running,
+            num_waiting=sched.num_waiting, num_swapped=sched.num_swapped,
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_gpu_blocks, num_steps=k))
 
 
 class EngineStalled(RuntimeError):

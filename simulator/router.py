@@ -13,17 +13,44 @@ Ties go to the lowest index, so routing is deterministic.
   without prefix information, or an affinity replica more than `max_imbalance` requests
   busier than the least-loaded one falls back to least-outstanding (and the prefix, all
   of it, moves there).
+
+Routers register themselves by name (`@register_router("name")`, the registry of
+`servelab.registry`): `--router`, `compare --routers` and `SimulationConfig.router` offer
+every registered name, and `make_router` builds one. A new router is a subclass registered
+where it is defined (docs/extending.md).
 """
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
+from servelab.registry import Registry
 from servelab.request import Request
+
+ROUTERS: Registry[type["Router"]] = Registry("router")
+
+
+def register_router(name: str) -> Callable[[type["Router"]], type["Router"]]:
+    """Class decorator adding a router under `name`; a duplicate name is an error."""
+    return ROUTERS.named(name)
+
+
+def router_names() -> list[str]:
+    """In the order they were registered: the default, round-robin, first."""
+    return ROUTERS.names()
+
+
+def make_router(name: str, num_replicas: int) -> "Router":
+    """The registered router `name` for `num_replicas` replicas; an unknown name is a
+    ValueError listing the known ones."""
+    return ROUTERS.get(name)(num_replicas)
 
 
 class Router(abc.ABC):
-    name: ClassVar[str]
+    """Base class: a subclass implements `route` (or `assign_upfront`) and is registered
+    with `@register_router`, which sets its `name`. Built as `cls(num_replicas)`."""
+
+    name: ClassVar[str] = "abstract"
 
     def __init__(self, num_replicas: int) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
@@ -52,9 +79,8 @@ def least_loaded(outstanding: Sequence[int]) -> int:
     return best
 
 
+@register_router("round-robin")
 class RoundRobinRouter(Router):
-    name = "round-robin"
-
     def route(self, req: Request, outstanding: Sequence[int]) -> int:
         raise NotImplementedError("round-robin assigns every request up front")
 
@@ -63,13 +89,13 @@ class RoundRobinRouter(Router):
         return [i % n for i in range(len(requests))]
 
 
+@register_router("least-outstanding")
 class LeastOutstandingRouter(Router):
-    name = "least-outstanding"
-
     def route(self, req: Request, outstanding: Sequence[int]) -> int:
         return least_loaded(outstanding)
 
 
+@register_router("prefix-affinity")
 class PrefixAffinityRouter(Router):
     """Routes to the replica that last served the longest known prefix of the prompt, so
     its prefix cache hits (SGLang's cache-aware routing, on an approximate prefix tree of
@@ -136,14 +162,3 @@ def affinity_keys(req: Request, unit_tokens: int) -> list[int]:
         keys.append(key)
     return keys
 
-
-ROUTERS: dict[str, type[Router]] = {
-    cls.name: cls for cls in (RoundRobinRouter, LeastOutstandingRouter, PrefixAffinityRouter)}
-
-
-def make_router(name: str, num_replicas: int) -> Router:
-    try:
-        cls = ROUTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}") from None
-    return cls(num_replicas)

@@ -37,10 +37,10 @@ from servelab.engines import engine_names, get_preset
 from servelab.simulator.disaggregation import DisaggregationConfig, check_disaggregation
 from servelab.simulator.gpus import DTYPE_BYTES
 from servelab.simulator.router import ROUTERS
+from servelab.traces.formats import trace_format_names
 
 CONFIG_FORMAT = "servelab.simulation/1"
 _OWNER = "SimulationConfig"
-_TRACE_FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
 _DTYPES = tuple(DTYPE_BYTES)
 """Weight and KV-cache dtypes a simulation accepts: every dtype the cost model prices
 (fp32 included, which is what the real backend runs on a CPU, so CPU runs replay)."""
@@ -136,7 +136,7 @@ class SimulationConfig:
                 raise ValueError(f"{o}.{name} must be a non-empty string or None, got {value!r}")
         if self.engine is not None:
             check_choice(o, "engine", self.engine, tuple(engine_names()))
-        check_choice(o, "trace_format", self.trace_format, _TRACE_FORMATS)
+        check_choice(o, "trace_format", self.trace_format, ("auto", *trace_format_names()))
         check_choice(o, "on_bad_row", self.on_bad_row, ("error", "drop"))
         if self.rate is not None:
             _check_positive("rate", self.rate)

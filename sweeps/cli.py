@@ -29,7 +29,7 @@ from servelab.memory import block_manager_names
 from servelab.options import policy_flag_owners
 from servelab.policies import preemption_names
 from servelab.progress import PointProgress
-from servelab.simulator.router import ROUTERS
+from servelab.simulator.router import router_names
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
 
@@ -76,7 +76,7 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
     ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|budget|off,..."),
     ("--preemptions", "preemption", "--preemption",
      _one_of(tuple(preemption_names())), "MODE,MODE,..."),
-    ("--routers", "router", "--router", _one_of(tuple(ROUTERS)), "R,R,..."),
+    ("--routers", "router", "--router", _one_of(tuple(router_names())), "R,R,..."),
     ("--engines", "engine", "--engine", _one_of(tuple(engine_names())), "E,E,..."),
 )
 #: `simulate` flags that take a comma-separated list here (more than one value sweeps

@@ -21,13 +21,27 @@ def sections() -> dict[str, str]:
     return out
 
 
+TITLES = ["Adding a policy", "Adding a preemption mode", "Adding a block manager",
+          "Adding a router", "Adding a trace format", "Adding a GPU"]
+
+
 def test_the_doc_covers_every_extension_point():
-    assert set(sections()) == {"Adding a policy", "Adding a preemption mode",
-                               "Adding a block manager", "Adding a GPU"}
+    assert set(sections()) == set(TITLES)
 
 
-@pytest.mark.parametrize("title", ["Adding a policy", "Adding a preemption mode",
-                                   "Adding a block manager", "Adding a GPU"])
+def test_every_registry_has_its_section():
+    """Each registry's entries are "Adding a <what>" (preemption strategies are modes)."""
+    from servelab.memory.registry import BLOCK_MANAGERS
+    from servelab.policies.base import POLICIES
+    from servelab.policies.preemption import PREEMPTIONS
+    from servelab.simulator.router import ROUTERS
+    from servelab.traces.formats import TRACE_FORMATS
+
+    whats = [r.what for r in (POLICIES, PREEMPTIONS, BLOCK_MANAGERS, ROUTERS, TRACE_FORMATS)]
+    assert [f"Adding a {w}" + (" mode" if w == "preemption" else "") for w in whats] == TITLES[:5]
+
+
+@pytest.mark.parametrize("title", TITLES)
 def test_the_example_runs(title, tmp_path):
     code = sections()[title]
     # a code entry registers itself; a GPU is a data file the example writes

@@ -61,3 +61,69 @@ def test_a_package_imports_every_public_module_so_a_new_file_registers_itself(tm
     finally:
         for name in [m for m in sys.modules if m.split(".")[0] == "plugins_demo"]:
             del sys.modules[name]
+
+
+def test_a_policy_with_its_own_victim_order_must_declare_it():
+    """The scheduler reads the declaration, never which methods a policy overrides: a
+    victim_key without victims_by_admission = False would be ignored when a running
+    request must give up its memory, so the class is refused."""
+    key = {"waiting_key": lambda self, r: (r.request_id,),
+           "victim_key": lambda self, r, admit_seq: (r.prompt_len, r.request_id)}
+    with pytest.raises(TypeError, match="does not declare victims_by_admission = False"):
+        type("Sneaky", (Policy,), key)
+    assert not type("Declared", (Policy,), {**key, "victims_by_admission": False}).victims_by_admission
+    assert FCFSPolicy.victims_by_admission
+    from servelab.policies import policy_classes
+    own_order = sorted(name for name, cls in policy_classes().items() if not cls.victims_by_admission)
+    assert own_order == ["edf", "fair", "lsf", "mlfq", "priority", "sjf"]
+
+
+def test_routers_have_one_registry():
+    from servelab.simulator.router import Router, make_router, register_router, router_names
+    assert router_names() == ["round-robin", "least-outstanding", "prefix-affinity"]
+    with pytest.raises(ValueError, match="router name 'round-robin' is already registered by "
+                                         "servelab.simulator.router.RoundRobinRouter"):
+        register_router("round-robin")(type("Other", (Router,), {"route": lambda self, r, o: 0}))
+    with pytest.raises(ValueError, match="unknown router 'random'; known: round-robin, "
+                                         "least-outstanding, prefix-affinity"):
+        make_router("random", 2)
+    assert make_router("prefix-affinity", 3).describe()["name"] == "prefix-affinity"
+
+
+def test_trace_formats_have_one_registry_that_detection_reads(monkeypatch, tmp_path):
+    from servelab.traces.formats import (TRACE_FORMATS, TraceFormat, detect, register_trace_format,
+                                         trace_format_names)
+    from servelab.traces.loaders import load_trace
+    from servelab.traces.record import TraceError
+    assert trace_format_names() == ["azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab"]
+    with pytest.raises(ValueError, match="trace format name 'azure' is already registered"):
+        register_trace_format(TraceFormat("azure", {"prompt": "a", "output": "b"}))
+    with pytest.raises(TraceError, match="unknown trace format 'csv'; expected auto or one of "
+                                         "azure, splitwise, mooncake, lengths, burstgpt, servelab"):
+        load_trace(tmp_path / "none.csv", format="csv")
+    for bad, message in [({"name": "x", "columns": {"prompt": "a"}}, "needs a column for output"),
+                         ({"name": "x", "columns": {"prompt": "a", "output": "b", "size": "c"}},
+                          "unknown column role"),
+                         ({"name": "x", "columns": {"prompt": "A", "output": "b"}}, "lower-case"),
+                         ({"name": "x", "columns": {"prompt": "a", "output": "a"}}, "its own column"),
+                         ({"name": "auto", "columns": {"prompt": "a", "output": "b"}}, "other than 'auto'"),
+                         ({"name": "x", "columns": {"prompt": "a", "output": "b"}, "time_unit": "h"},
+                          "time_unit must be one of"),
+                         ({"name": "x", "columns": {"time": "t", "prompt": "a", "output": "b"},
+                           "time_unit": "datetime", "json_lines": True}, "JSON-lines")]:
+        with pytest.raises(ValueError, match=message):
+            TraceFormat(**bad)
+    # the most specific format wins: a length table's columns are also in Splitwise's header
+    assert detect("arrived_at,num_prefill_tokens,num_decode_tokens").name == "splitwise"
+    assert detect("num_prefill_tokens,num_decode_tokens,pd_ratio").name == "lengths"
+    monkeypatch.setattr(TRACE_FORMATS, "_entries", dict(TRACE_FORMATS._entries))  # undone after
+    register_trace_format(TraceFormat("timed-lengths", {"time": "t_us", "prompt": "num_prefill_tokens",
+                                                        "output": "num_decode_tokens"}, time_unit="us"))
+    assert detect("T_us, num_prefill_tokens, num_decode_tokens").name == "timed-lengths"
+    path = tmp_path / "t.csv"
+    path.write_text("t_us,num_prefill_tokens,num_decode_tokens\n5000000,10,2\n5500000,11,3\n")
+    trace = load_trace(path)
+    assert (trace.format, [r.arrival_s for r in trace.records]) == ("timed-lengths", [0.0, 0.5])
+    path.write_text("t_us,num_prefill_tokens,num_decode_tokens\n5000000,10,2\n\"4000000\",11,3\n")
+    with pytest.raises(TraceError, match=r"line 3: out-of-order timestamp: time 4000000.0 us"):
+        load_trace(path)

@@ -231,8 +231,9 @@ def test_least_outstanding_spreads_a_burst_over_replicas():
 
 
 def test_step_record_field_order_is_what_the_positional_builders_assume():
-    """engine_step and the fast-forward build StepRecords positionally: a reordered
-    field would silently swap columns, so the order is pinned here."""
+    """`StepRecord.from_shape` (engine_step's and the fast-forward's builder) passes the
+    fields positionally: a reordered field would silently swap columns, so the order is
+    pinned here."""
     from servelab.records import StepRecord
     assert StepRecord.field_names() == [
         "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",

@@ -16,7 +16,7 @@ from servelab.policies import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.engine import Cluster
-from servelab.simulator.router import make_router
+from servelab.simulator.router import make_router, router_names
 
 from _policy_options import admission_configs, policies
 
@@ -56,7 +56,7 @@ def scenarios(draw):
                         watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
                         enable_prefix_caching=draw(st.booleans()), block_manager=manager)
     replicas = draw(st.sampled_from([1, 1, 1, 2, 3]))
-    router = draw(st.sampled_from(["round-robin", "least-outstanding", "prefix-affinity"]))
+    router = draw(st.sampled_from(router_names()))
     model = draw(st.sampled_from([("llama-2-7b", "a100-80gb"), ("tiny-llama", "h100-sxm")]))
     shared = tuple(range(100, 400))
     t = 0.0

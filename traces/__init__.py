@@ -15,7 +15,8 @@ import importlib
 _EXPORTS = {
     "record": ("TraceRecord", "Trace", "RowIssue", "TraceError", "TraceFormatError"),
     "requests": ("TraceRequests",),
-    "loaders": ("load_trace", "detect_format", "FORMATS"),
+    "loaders": ("load_trace", "detect_format"),
+    "formats": ("TraceFormat", "TRACE_FORMATS", "register_trace_format", "trace_format_names"),
     "canonical": ("write_csv", "to_csv_text"),
     "datasets": ("DATASETS", "Dataset", "DatasetUnavailableError", "dataset_path", "resolve_trace",
                  "DEFAULT_TRACE_DIR"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 
 from servelab.traces._rows import MAX_LENGTH, BadRow, parse_azure_ns
+from servelab.traces.formats import TraceFormat
 
 _DECIMAL = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?"
 _SYNTAX = {  # the whole cell, per kind of column
@@ -41,8 +43,6 @@ _NOT_AN_OBJECT = re.compile(rb"^[ \t]*[^{\s]", re.MULTILINE)
 """A non-blank line that does not open a JSON object. Such a file goes to the row parser
 (which names the line): pyarrow 26.0.1's JSON reader crashes the process (SIGSEGV) on a
 file whose first value is `null`, found by tests/test_traces_corruption.py."""
-_MOONCAKE_SCHEMA = pa.schema([("timestamp", pa.int64()), ("input_length", pa.int64()),
-                              ("output_length", pa.int64()), ("hash_ids", pa.list_(pa.int64()))])
 
 
 def _returns_memory(read):
@@ -59,18 +59,19 @@ def _returns_memory(read):
 
 
 @_returns_memory
-def csv_columns(data: bytes, names: list[str], roles: dict[str, str], fmt: str):
-    """The columns of a clean CSV trace whose header (line 1) is `names`, or None.
+def csv_columns(data: bytes, names: list[str], roles: dict[str, str], fmt: TraceFormat):
+    """The columns of a clean CSV trace of format `fmt` whose header (line 1) is `names`,
+    or None.
 
     `roles` maps 'time', 'prompt', 'output' to column names (no 'time' for a length-only
-    table). Azure times come back as integer ns since 0001-01-01, others as float
-    seconds; a servelab file also gives its extra fields per row."""
+    table). Datetimes (Azure's) come back as integer ns since 0001-01-01, other times as
+    floats in the format's unit; a servelab file also gives its extra fields per row."""
     if b'"' in data or data.count(b"\r") != data.count(b"\r\n"):
         return None   # quoting and lone CRs are split differently by Arrow and the csv module
     kinds = {roles["prompt"]: "length", roles["output"]: "length"}
     if "time" in roles:
-        kinds[roles["time"]] = "azure time" if fmt == "azure" else "decimal"
-    if fmt == "servelab":
+        kinds[roles["time"]] = "azure time" if fmt.time_unit == "datetime" else "decimal"
+    if fmt.name == "servelab":
         kinds.update({n: _SERVELAB_KINDS[n.lower()] for n in names if n.lower() in _SERVELAB_KINDS})
     cells = _read_csv(data, names, kinds)
     if cells is None:
@@ -80,11 +81,12 @@ def csv_columns(data: bytes, names: list[str], roles: dict[str, str], fmt: str):
         return None
     if "time" not in roles:
         return None, prompts, outputs, None
-    times = _azure_times(cells[roles["time"]]) if fmt == "azure" else _seconds(cells[roles["time"]])
-    if times is None or (fmt == "servelab" and len(times) and not times[0] >= 0):
+    times = _azure_times(cells[roles["time"]]) if fmt.time_unit == "datetime" \
+        else _seconds(cells[roles["time"]])
+    if times is None or (fmt.name == "servelab" and len(times) and not times[0] >= 0):
         return None
     extras = None
-    if fmt == "servelab":
+    if fmt.name == "servelab":
         extras = _servelab_extras({n.lower(): c for n, c in cells.items()}, len(prompts))
         if extras is None:
             return None
@@ -92,20 +94,26 @@ def csv_columns(data: bytes, names: list[str], roles: dict[str, str], fmt: str):
 
 
 @_returns_memory
-def json_columns(data: bytes, num_rows: int):
-    """(times in ms, prompts, outputs, prefix hash tuples) of a clean Mooncake JSONL file
-    of `num_rows` non-blank lines, or None."""
+def json_columns(data: bytes, num_rows: int, keys: Mapping[str, str]):
+    """(raw times, prompts, outputs, prefix hash tuples) of a clean JSON-lines file of
+    `num_rows` non-blank lines whose `keys` map 'time', 'prompt' and 'output' to its keys
+    (Mooncake's: timestamp, input_length, output_length) and whose every line has
+    `hash_ids`, or None. Integer times only (Mooncake's milliseconds); anything else goes
+    row by row."""
     if data.count(b"\r") != data.count(b"\r\n") or _NOT_AN_OBJECT.search(data):
         return None
+    time_key, prompt_key, output_key = keys["time"], keys["prompt"], keys["output"]
+    schema = pa.schema([(time_key, pa.int64()), (prompt_key, pa.int64()), (output_key, pa.int64()),
+                        ("hash_ids", pa.list_(pa.int64()))])
     try:
         table = pajson.read_json(pa.py_buffer(data), parse_options=pajson.ParseOptions(
-            explicit_schema=_MOONCAKE_SCHEMA, unexpected_field_behavior="ignore"))
+            explicit_schema=schema, unexpected_field_behavior="ignore"))
     except pa.ArrowInvalid:
         return None
     if table.num_rows != num_rows or any(c.null_count for c in table.columns):
         return None   # two objects on a line, or a field missing
-    prompts, outputs = _in_range(table["input_length"]), _in_range(table["output_length"])
-    times = table["timestamp"].to_numpy()
+    prompts, outputs = _in_range(table[prompt_key]), _in_range(table[output_key])
+    times = table[time_key].to_numpy()
     hashes = table["hash_ids"]
     if prompts is None or outputs is None or not _sorted(times) or (
             num_rows and (pc.min(pc.list_value_length(hashes)).as_py() < 1

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from servelab.cli import CLIError
 from servelab.options import positive_int
+from servelab.traces.formats import trace_format_names
 
 TRACE_DIR_ENV = "SERVELAB_TRACE_DIR"
-_FORMATS = ("auto", "azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
 
 
 def trace_dir_from(cli_value: str | None, environ=os.environ) -> Path:
@@ -36,7 +36,7 @@ def _add_load_options(p: argparse.ArgumentParser, *, short_aliases: bool = False
     p.add_argument("--trace-dir", metavar="DIR",
                    help=f"where named datasets live (default: ${TRACE_DIR_ENV} or ~/.cache/servelab/traces)")
     p.add_argument("--trace-format", *aliases["--trace-format"], dest="trace_format",
-                   choices=_FORMATS, default="auto",
+                   choices=("auto", *trace_format_names()), default="auto",
                    help="trace file format (default: detected from the header)")
     p.add_argument("--on-bad-row", choices=("error", "drop"), default="error",
                    help="stop at the first malformed row (default) or drop and count such rows")

@@ -1,13 +1,10 @@
-"""Load trace files of the public formats into a `Trace`, detecting the format from the header.
+"""Load trace files into a `Trace`, detecting the format from the header.
 
-| format     | detected by (header / first line)                      | time column              |
-|------------|--------------------------------------------------------|--------------------------|
-| azure      | TIMESTAMP, ContextTokens, GeneratedTokens              | datetime, 7 fractional digits |
-| splitwise  | arrived_at, num_prefill_tokens, num_decode_tokens      | seconds                  |
-| lengths    | num_prefill_tokens, num_decode_tokens (no time column) | drawn: rate, cv, seed    |
-| burstgpt   | Timestamp, Model, Request tokens, Response tokens      | seconds                  |
-| mooncake   | a JSON object per line (timestamp, input_length, ...)  | milliseconds             |
-| servelab   | arrival_s, prompt_tokens, output_tokens [, ...]        | seconds, kept verbatim   |
+The formats (their columns, time units, detection) are the registry's in `formats.py`;
+any CSV format registered there is read by the generic row reader and the bulk path, and
+the built-in formats that carry more than arrival, prompt and output have their own
+readers here (BurstGPT's failed requests, servelab's optional columns, Mooncake's prefix
+hash ids in JSON lines).
 
 Foreign formats are re-based so the first kept request arrives at 0 s. Azure datetimes are
 parsed to integer nanoseconds (Python's datetime keeps only microseconds), so relative
@@ -28,24 +25,14 @@ from servelab.traces._arrow import csv_columns as arrow_csv
 from servelab.traces._arrow import json_columns as arrow_json
 from servelab.traces._rows import (NS, BadRow, RowSink, enforce_order, parse_azure_ns, parse_int,
                                    parse_length, parse_number, read_lines, split_cells)
+from servelab.traces.formats import TRACE_FORMATS, TraceFormat, detect, trace_format_names
 from servelab.traces.record import MAX_HASH, NeedsRateError, Trace, TraceError, TraceFormatError, TraceRecord
 
-FORMATS = ("azure", "splitwise", "mooncake", "lengths", "burstgpt", "servelab")
 FAILED_REASON = "failed request (0 response tokens)"
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per `hash_ids` block in the Mooncake traces (FAST'25 release README)."""
 
-# format -> (required lower-case columns: role -> name). Roles: time, prompt, output, model.
-_CSV_COLUMNS = {
-    "azure": {"time": "timestamp", "prompt": "contexttokens", "output": "generatedtokens"},
-    "splitwise": {"time": "arrived_at", "prompt": "num_prefill_tokens", "output": "num_decode_tokens"},
-    "lengths": {"prompt": "num_prefill_tokens", "output": "num_decode_tokens"},
-    "burstgpt": {"time": "timestamp", "model": "model", "prompt": "request tokens",
-                 "output": "response tokens"},
-    "servelab": {"time": "arrival_s", "prompt": "prompt_tokens", "output": "output_tokens"},
-}
 _SERVELAB_OPTIONAL = ("tenant", "priority", "slo_ttft_ms", "slo_tpot_ms", "prefix_block_size", "prefix_hashes")
-_TIME_DIVISOR = {"azure": NS, "mooncake": 1000}  # raw time units per second
 
 Row = tuple  # (line, time, prompt, output, hashes, block_size, tenant, priority, slo_ttft, slo_tpot)
 
@@ -55,15 +42,12 @@ def detect_format(path: str | os.PathLike, first_line: str | None = None) -> str
     if first_line is None:
         with open(path, "rb") as f:
             first_line = _first_nonblank(read_lines(f.read(65536)))[1] or ""
-    head = first_line.strip()
-    if head.startswith("{"):
-        return "mooncake"
-    names = {c.strip().lower() for c in head.split(",")}
-    for fmt in ("azure", "splitwise", "burstgpt", "servelab", "lengths"):
-        if set(_CSV_COLUMNS[fmt].values()) <= names:
-            return fmt
-    raise TraceFormatError(str(path), 1, f"cannot tell the trace format from the first line {head[:120]!r}; "
-                           f"expected one of the headers of {', '.join(FORMATS)} (or pass format=...)")
+    fmt = detect(first_line)
+    if fmt is None:
+        raise TraceFormatError(str(path), 1, f"cannot tell the trace format from the first line "
+                               f"{first_line.strip()[:120]!r}; expected one of the headers of "
+                               f"{', '.join(trace_format_names())} (or pass format=...)")
+    return fmt.name
 
 
 def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str = "error",
@@ -81,8 +65,9 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
     max_model_len: clip prompt+output to this many tokens (`clip_lengths`), counted.
     """
     path_s = str(path)
-    if format != "auto" and format not in FORMATS:
-        raise TraceError(f"unknown trace format {format!r}; expected auto or one of {', '.join(FORMATS)}")
+    if format != "auto" and format not in TRACE_FORMATS:
+        raise TraceError(f"unknown trace format {format!r}; expected auto or one of "
+                         f"{', '.join(trace_format_names())}")
     sink, clips = RowSink(path_s, on_bad_row), RowSink(path_s, "drop")
     with open(path, "rb") as f:
         data = f.read()
@@ -93,29 +78,30 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
     if header is None:
         raise TraceFormatError(path_s, header_no, "the first line is not valid UTF-8 text")
     fmt = detect_format(path_s, header) if format == "auto" else format
-    if fmt == "lengths" and rate is None:
+    spec = TRACE_FORMATS.get(fmt)
+    if not spec.has_times and rate is None:
         raise NeedsRateError(f"{path_s} is a length-only table (no timestamps): pass a request rate "
                              "(rate=..., --rate) for the synthetic arrival process")
-    if fmt != "lengths" and cv != 1.0:
+    if spec.has_times and cv != 1.0:
         raise TraceError(f"cv applies only to length-only tables (drawn arrivals); {path_s} is {fmt}")
     if keep_failed and fmt != "burstgpt":
         raise TraceError("keep_failed applies only to BurstGPT traces")
 
-    times, prompts, outputs, extras, data_rows = _parse(path_s, data, lines, header_no, header, fmt, sink,
+    times, prompts, outputs, extras, data_rows = _parse(path_s, data, lines, header_no, header, spec, sink,
                                                         clips, keep_failed)
     del data, lines
     notes = [f"format {fmt}"]
-    if fmt == "lengths":
+    if not spec.has_times:
         import numpy as np
 
         from servelab.traces.distributions import ArrivalProcess
         process = ArrivalProcess(rate, cv)
         times = process.times(np.random.default_rng(seed), n=len(prompts)).tolist()
         notes.append(f"arrivals drawn: {process.describe()} seed={seed}")
-    elif fmt != "servelab" and times:
-        if fmt == "azure":
+    elif not spec.keeps_times and times:
+        if spec.time_unit == "datetime":
             notes.append(f"time origin {_format_ns(times[0])} (the first kept row)")
-        t0, div = times[0], _TIME_DIVISOR.get(fmt, 1)
+        t0, div = times[0], spec.units_per_s
         times = [(t - t0) / div for t in times]
     if extras is None:
         records = [TraceRecord(t, p, o) for t, p, o in zip(times, prompts, outputs)]
@@ -123,7 +109,7 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
         records = [TraceRecord(t, p, o, *x) for t, p, o, x in zip(times, prompts, outputs, extras)]
     trace = Trace(tuple(records), source=path_s, format=fmt, source_rows=data_rows,
                   dropped=sink.report(), clipped=clips.report(), notes=tuple(notes))
-    if rate is not None and fmt != "lengths":
+    if rate is not None and spec.has_times:
         from servelab.traces.transforms import with_rate
         trace = with_rate(trace, rate)
     if max_model_len is not None:
@@ -133,23 +119,23 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
 
 
 # ----------------------------------------------------------------------------- reading rows
-def _parse(path: str, data: bytes, lines: list[str | None], header_no: int, header: str, fmt: str,
-           sink: RowSink, clips: RowSink, keep_failed: bool):
+def _parse(path: str, data: bytes, lines: list[str | None], header_no: int, header: str,
+           spec: TraceFormat, sink: RowSink, clips: RowSink, keep_failed: bool):
     """(raw times, prompts, outputs, extra fields per row or None, data rows) in file order,
     bad rows already raised or dropped, times checked for order."""
-    columns = _bulk_columns(data, lines, header_no, header, fmt)
+    columns = _bulk_columns(data, lines, header_no, header, spec)
     if columns is not None:
         times, prompts, outputs, extras = columns
         return times, prompts, outputs, extras, len(prompts)
-    if fmt == "mooncake":
-        rows, data_rows = _read_rows(lines, header_no - 1, sink, _mooncake_row)
+    if spec.json_lines:
+        rows, data_rows = _read_rows(lines, header_no - 1, sink, _json_row_parser(spec))
     else:
-        parse = _csv_row_parser(path, fmt, header_no, header)
+        parse = _csv_row_parser(path, spec, header_no, header)
         rows, data_rows = _read_rows(lines, header_no, sink, parse, ncols=len(split_cells(header)))
-    if fmt == "burstgpt":
+    if spec.name == "burstgpt":
         rows = _handle_failed(rows, keep_failed, sink, clips)
-    if fmt != "lengths":
-        rows = enforce_order(rows, sink, _SHOW_TIME.get(fmt, _show_seconds))
+    if spec.has_times:
+        rows = enforce_order(rows, sink, _time_shown(spec))
     return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4:] for r in rows], data_rows
 
 
@@ -169,26 +155,28 @@ def _clean_header(header: str) -> list[str] | None:
     return names if len({name.lower() for name in names}) == len(names) else None
 
 
-def _bulk_columns(data: bytes, lines: list[str | None], header_no: int, header: str, fmt: str):
+def _bulk_columns(data: bytes, lines: list[str | None], header_no: int, header: str,
+                  spec: TraceFormat):
     """(times, prompts, outputs, extra fields per row or None) of a clean file, read by
     pyarrow (`_arrow`), or None to parse it row by row. BurstGPT always goes row by row."""
     if None in lines:   # invalid UTF-8: the row parser names the line
         return None
-    if fmt == "mooncake":
-        columns = arrow_json(data, sum(1 for line in lines if line and not line.isspace()))
+    if spec.json_lines:
+        columns = arrow_json(data, sum(1 for line in lines if line and not line.isspace()),
+                             spec.columns)
         if columns is None:
             return None
         times, prompts, outputs, hashes = columns
         return times, prompts, outputs, [(h, MOONCAKE_BLOCK_SIZE, "default", 0, None, None)
                                          for h in hashes]
     names = _clean_header(header)
-    if fmt not in ("azure", "splitwise", "lengths", "servelab") or names is None or header_no != 1:
+    if spec.name == "burstgpt" or names is None or header_no != 1:
         return None
     by_lower = {name.lower(): name for name in names}
-    if not set(_CSV_COLUMNS[fmt].values()) <= by_lower.keys():
+    if not set(spec.columns.values()) <= by_lower.keys():
         return None   # the row parser names what is missing
-    roles = {role: by_lower[column] for role, column in _CSV_COLUMNS[fmt].items()}
-    return arrow_csv(data, names, roles, fmt)
+    roles = {role: by_lower[column] for role, column in spec.columns.items()}
+    return arrow_csv(data, names, roles, spec)
 
 
 def _read_rows(lines, start: int, sink: RowSink, parse: Callable, ncols: int | None = None):
@@ -219,7 +207,7 @@ def _read_rows(lines, start: int, sink: RowSink, parse: Callable, ncols: int | N
     return rows, data_rows
 
 
-def _csv_row_parser(path: str, fmt: str, header_no: int, header: str) -> Callable:
+def _csv_row_parser(path: str, spec: TraceFormat, header_no: int, header: str) -> Callable:
     """A function cells -> row tuple for this header, with column positions bound once."""
     try:
         names = [c.strip() for c in split_cells(header)]
@@ -230,29 +218,29 @@ def _csv_row_parser(path: str, fmt: str, header_no: int, header: str) -> Callabl
         if name.lower() in index:
             raise TraceFormatError(path, header_no, f"column {name!r} appears twice in the header")
         index[name.lower()] = i
-    need = _CSV_COLUMNS[fmt]
+    need = spec.columns
     missing = [c for c in need.values() if c not in index]
     if missing:
-        raise TraceFormatError(path, header_no, f"the {fmt} format needs column(s) {', '.join(missing)}; "
-                               f"the header has {', '.join(names)}")
+        raise TraceFormatError(path, header_no, f"the {spec.name} format needs column(s) "
+                               f"{', '.join(missing)}; the header has {', '.join(names)}")
     col = {role: index[name] for role, name in need.items()}
     label = {role: names[i] for role, i in col.items()}
     ip, io, lp, lo = col["prompt"], col["output"], label["prompt"], label["output"]
 
-    if fmt == "azure":
-        it, lt, days = col["time"], label["time"], {}
-        return lambda c: (parse_azure_ns(c[it], lt, days), parse_length(c[ip], lp), parse_length(c[io], lo),
-                          None, None, "default", 0, None, None)
-    if fmt == "splitwise":
-        it, lt = col["time"], label["time"]
-        return lambda c: (parse_number(c[it], lt), parse_length(c[ip], lp), parse_length(c[io], lo),
-                          None, None, "default", 0, None, None)
-    if fmt == "lengths":
+    if spec.name == "burstgpt":
+        return _burstgpt_parser(col, label)
+    if spec.name == "servelab":
+        return _servelab_parser(col, label, index)
+    if not spec.has_times:
         return lambda c: (None, parse_length(c[ip], lp), parse_length(c[io], lo),
                           None, None, "default", 0, None, None)
-    if fmt == "burstgpt":
-        return _burstgpt_parser(col, label)
-    return _servelab_parser(col, label, index)
+    it, lt = col["time"], label["time"]
+    if spec.time_unit == "datetime":
+        days: dict = {}
+        return lambda c: (parse_azure_ns(c[it], lt, days), parse_length(c[ip], lp), parse_length(c[io], lo),
+                          None, None, "default", 0, None, None)
+    return lambda c: (parse_number(c[it], lt), parse_length(c[ip], lp), parse_length(c[io], lo),
+                      None, None, "default", 0, None, None)
 
 
 def _burstgpt_parser(col, label) -> Callable:
@@ -332,25 +320,32 @@ def _prefix(hashes_cell: str, bs_cell: str) -> tuple[tuple[int, ...] | None, int
     return hashes, parse_length(bs_raw, "prefix_block_size")
 
 
-def _mooncake_row(line: str) -> tuple:
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise BadRow("invalid JSON", f"not a JSON object ({str(exc)[:80]})") from None
-    if type(obj) is not dict:
-        raise BadRow("invalid JSON", f"expected a JSON object, found {type(obj).__name__}")
-    t = obj.get("timestamp")
-    if type(t) not in (int, float) or not math.isfinite(t):
-        raise BadRow("invalid field", f"timestamp is {t!r}; expected a number of milliseconds")
-    prompt, out = _json_length(obj, "input_length"), _json_length(obj, "output_length")
-    hashes = obj.get("hash_ids")
-    if hashes is not None:
-        if (type(hashes) is not list or not hashes
-                or any(type(h) is not int or not 0 <= h <= MAX_HASH for h in hashes)):
-            raise BadRow("invalid prefix hashes", "hash_ids must be a non-empty list of integers >= 0")
-        hashes = tuple(hashes)
-    bs = MOONCAKE_BLOCK_SIZE if hashes is not None else None
-    return t, prompt, out, hashes, bs, "default", 0, None, None
+def _json_row_parser(spec: TraceFormat) -> Callable:
+    """A function line -> row tuple for a JSON-lines format: its keys for time, prompt and
+    output, and Mooncake's `hash_ids` (512-token blocks) where a line has them."""
+    time_key, prompt_key, output_key = (spec.columns[r] for r in ("time", "prompt", "output"))
+    unit = {"ms": "milliseconds", "s": "seconds", "us": "microseconds"}.get(spec.time_unit, spec.time_unit)
+
+    def parse(line: str) -> tuple:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise BadRow("invalid JSON", f"not a JSON object ({str(exc)[:80]})") from None
+        if type(obj) is not dict:
+            raise BadRow("invalid JSON", f"expected a JSON object, found {type(obj).__name__}")
+        t = obj.get(time_key)
+        if type(t) not in (int, float) or not math.isfinite(t):
+            raise BadRow("invalid field", f"{time_key} is {t!r}; expected a number of {unit}")
+        prompt, out = _json_length(obj, prompt_key), _json_length(obj, output_key)
+        hashes = obj.get("hash_ids")
+        if hashes is not None:
+            if (type(hashes) is not list or not hashes
+                    or any(type(h) is not int or not 0 <= h <= MAX_HASH for h in hashes)):
+                raise BadRow("invalid prefix hashes", "hash_ids must be a non-empty list of integers >= 0")
+            hashes = tuple(hashes)
+        bs = MOONCAKE_BLOCK_SIZE if hashes is not None else None
+        return t, prompt, out, hashes, bs, "default", 0, None, None
+    return parse
 
 
 def _json_length(obj: dict, key: str) -> int:
@@ -375,8 +370,10 @@ def _format_ns(ns: int) -> str:
     return f"{date} {sec // 3600:02d}:{sec // 60 % 60:02d}:{sec % 60:02d}.{digits[:7] if frac % 100 == 0 else digits}"
 
 
-def _show_seconds(t) -> str:
-    return f"{t} s"
-
-
-_SHOW_TIME = {"azure": _format_ns, "mooncake": lambda t: f"{t} ms"}
+def _time_shown(spec: TraceFormat) -> Callable:
+    """How an error message shows a raw time of the format: a datetime as written, a
+    number with its unit ("1.5 s", "1500 ms")."""
+    if spec.time_unit == "datetime":
+        return _format_ns
+    unit = spec.time_unit
+    return lambda t: f"{t} {unit}"
