@@ -103,6 +103,7 @@ class Scheduler:
         self._preemption = make_preemption(config.preemption)
         self.block_size = block_manager.block_size
         self._requests: dict[int, Request] = {}    # added, not yet finished or rejected
+        self._imports: set[int] = set()            # waiting imports: they hold blocks already
         self._running: dict[int, Request] = {}     # insertion order = admission order
         self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
         self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
@@ -155,6 +156,8 @@ class Scheduler:
             self._reject(req, reason, now)
             return False
         self._requests[req.request_id] = req
+        if any(self.bm.has_seq(s.seq_id) for s in req.seqs if not s.finished):
+            self._imports.add(req.request_id)   # KV computed elsewhere (policies/admission.py)
         self.policy.add(req, now)
         return True
 
@@ -162,6 +165,7 @@ class Scheduler:
                 out: SchedulerOutput | None = None) -> None:
         """Reject for good; reported in `out` (or in the next output) and the records."""
         self._requests.pop(req.request_id, None)
+        self._imports.discard(req.request_id)
         req.status = RequestStatus.REJECTED
         req.reject_reason = reason
         req.finish_s = now
@@ -358,13 +362,14 @@ class Scheduler:
         """Preempt from the end of `order` (positions i..end-1 are not scheduled yet)
         until `sid` can get `slots` more slots. Returns the new end, or None if `req`
         itself had to go: preempted, or aborted when it is alone and still cannot grow (it
-        outgrew the whole cache and would otherwise be preempted forever)."""
+        outgrew the whole cache and would otherwise be preempted forever) — unless waiting
+        imports hold blocks, which they give back once they have run."""
         self._growth_preempted = True
         while not self.bm.can_append_slots(sid, slots):
             if end > i:
                 end -= 1
                 self._preempt(order[end], now, out)
-            elif len(self._running) == 1:
+            elif len(self._running) == 1 and not self._imports:
                 self._abort(req, now, out)
                 return None
             else:
@@ -524,6 +529,20 @@ class Scheduler:
             status = kv.allocate(req)
             if status is AllocStatus.LATER and (self._running or self.swapped):
                 return
+            if status is AllocStatus.LATER and self._imports:
+                # nothing runs, and imports waiting behind the head hold the memory it
+                # needs: they need none, so they start first and free it when they end
+                for rid in sorted(self._imports):
+                    imported = self._requests[rid]
+                    live = sum(1 for s in imported.seqs if not s.finished)
+                    if live > seats or step.tokens <= 0 or step.seqs <= 0 \
+                            or step.plan(imported, allocated=False) is None:
+                        return
+                    kv.allocate(imported)   # OK: its blocks are held already
+                    policy.remove(imported)
+                    self._start(imported, now, step)
+                    seats -= live
+                return
             if status is not AllocStatus.OK:
                 # NEVER, or LATER with nothing running that could free memory.
                 policy.remove(req)
@@ -535,12 +554,17 @@ class Scheduler:
                              "does not fit in an empty KV cache", now, out)
                 continue
             policy.remove(req)
-            self._set_running(req)
-            if self._control is not None:
-                self._control.started(req, now)
+            self._start(req, now, step)
             seats -= live
-            entries = step.plan(req, allocated=True)  # prefix hits cut the work
-            step.commit(req, entries)
+
+    def _start(self, req: Request, now, step: StepBudget) -> None:
+        """A waiting request whose blocks are allocated starts running this step."""
+        self._imports.discard(req.request_id)
+        self._set_running(req)
+        if self._control is not None:
+            self._control.started(req, now)
+        entries = step.plan(req, allocated=True)  # prefix hits cut the work
+        step.commit(req, entries)
 
     def _admits_while_decoding(self, now: float, num_seqs: int) -> bool:
         """Could a waiting request be admitted while `num_seqs` running sequences only

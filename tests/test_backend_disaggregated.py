@@ -224,9 +224,6 @@ def test_wall_clock_serves_every_request(checkpoint, reference):
     assert len(handoff_rows(result)) == len(reqs) - 1
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler gap (policies/scheduler.py `_make_room`): a lone "
-                   "running request that cannot grow is aborted as if it had outgrown the whole "
-                   "cache, though landed imports not yet running hold the blocks")
 def test_a_lone_decode_is_not_aborted_for_blocks_that_landed_imports_hold(checkpoint, reference,
                                                                           fixed_times):
     """Two prompts of two full blocks land at once and fill a decode cache of four blocks;

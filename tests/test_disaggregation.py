@@ -16,6 +16,7 @@ from servelab.engine import VirtualClock, engine_loop, run_to_end
 from servelab.memory import make_block_manager
 from servelab.policies import Scheduler, build_scheduler, make_policy
 from servelab.records import RequestRecord
+from servelab.outputs import StepResult
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.disaggregated_cluster import DisaggregatedCluster
@@ -165,6 +166,35 @@ def test_an_import_is_admitted_without_memory_or_prefill():
     (work,) = list(out.scheduled)
     assert (work.num_tokens, work.num_samples) == (1, 1)    # the first token's KV, sampling the second
     assert sched.bm.num_used_blocks == used
+
+
+def _imported(rid: int, prompt: int, output: int) -> Request:
+    first = prefill_part(Request(rid, 0.0, prompt, output))
+    first.scheduled_s, first.first_token_s = 0.0, 0.1
+    return decode_part(Request(rid, 0.0, prompt, output), RequestRecord.from_request(first))
+
+
+def test_blocks_waiting_imports_hold_are_waited_for_not_taken_as_a_full_cache():
+    """A lone decode that cannot grow while a waiting import holds the rest of the cache
+    has not outgrown the cache: it is preempted, not rejected; the import starts while
+    the preempted request waits for its memory, and both finish."""
+    sched = build_scheduler(SCHED, CacheConfig(num_gpu_blocks=4, block_size=4), "fcfs")
+    a, b = _imported(1, 7, 6), _imported(2, 7, 6)   # 8 slots (2 blocks) each; 12 tokens fit in 16
+    for part in (a, b):
+        land(sched.bm, part)
+    sched.add_request(a, 0.2)
+    out = sched.schedule(0.2)            # a alone: 8 tokens in its 2 blocks
+    sched.update(out, StepResult(0.01))
+    sched.add_request(b, 0.21)           # b lands behind it, holding the other 2 blocks
+    now, records = 0.21, []
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule(now)
+        now += 0.01
+        records += sched.update(out, StepResult(0.01))
+    assert sorted((r.request_id, r.status) for r in records) == [(1, "finished"), (2, "finished")]
+    assert a.num_preemptions == 1 and b.num_preemptions == 0
 
 
 # --------------------------------------------------------------------------- the property
