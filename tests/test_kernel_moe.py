@@ -133,9 +133,11 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_weight_only():
 
 
 def test_expert_parallelism_divides_the_work_of_each_gpu():
+    floor = packaged("h100-sxm").kernels.moe.floor_s           # every call's, whatever EP
     for tokens in (1, 64, 1024, 16384):
         times = [float(experts_time(DEEPSEEK, tokens, ep=ep)) for ep in (1, 2, 8, 32)]
-        assert times == sorted(times, reverse=True) and times[-1] < times[0] / 4, (tokens, times)
+        assert times == sorted(times, reverse=True), (tokens, times)
+        assert times[-1] - floor < (times[0] - floor) / 4, (tokens, times)
 
 
 def test_tensor_parallelism_splits_each_expert():

@@ -6,7 +6,7 @@ and a new kernel model is one more `Family` here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -46,6 +46,9 @@ class Family:
     prepare: Callable[[Table], Table] = lambda table: table
     """Columns derived once per table that `predict` reads (e.g. the expected expert load
     of a fused-MoE row, too costly to redo at every step of a fit)."""
+    canonical: Callable[[object], object] = lambda params: params
+    """The fitted parameters in their one canonical form, for models with equivalent
+    forms (the all-to-all's three protocol lines, whichever order the fit found them in)."""
 
 
 def _band(values: np.ndarray, edges: tuple[float, ...], labels: tuple[str, ...]) -> np.ndarray:
@@ -190,7 +193,7 @@ def moe_load_columns(t: Table) -> Table:
 def _moe_predict(t: Table, gpu: GPUSpec, p, dtype: str) -> np.ndarray:
     stats = np.concatenate([t["load_active"][None], t["load_pairs"][None], t["load_tiles"].T])
     return K.moe.fused_moe_time(t["tokens"], t["hidden"], t["inter"] / t["tp"], t["experts"],
-                                t["topk"], t["ep"], stats, gpu, p, dtype)
+                                t["topk"], t["ep"], stats, gpu, p, dtype, warm_l2=True)
 
 
 def _moe_band(t: Table) -> np.ndarray:
@@ -201,19 +204,24 @@ def _moe_band(t: Table) -> np.ndarray:
                     dtype=object)
 
 
-TRITON_MOE = {"small_tile_rows": 16.0, "large_tile_rows": 64.0, "naive_sparsity": 4.0}
+TRITON_MOE = {"small_tile_rows": 16.0, "large_tile_rows": 64.0, "naive_sparsity": 4.0,
+              "small_stream_rows": 16.0, "large_stream_rows": 512.0}
 """vLLM's Triton fused MoE: the default config's 16-row tiles while tokens <= experts and
-64-row ones above (`get_default_config`, before vllm-project/vllm#34846), and the
-small-batch path that gives every pair its own tile when tokens x top-k x 4 <= experts
-without EP (SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
-GROUPED_GEMM_MOE = {"small_tile_rows": 128.0, "large_tile_rows": 128.0, "naive_sparsity": 0.0}
+64-row ones above (`get_default_config`, before vllm-project/vllm#34846), grouped
+GROUP_SIZE_M = 1 and 8 (so an expert's weights are read once per 16 and per 512 of its
+pairs), and the small-batch path that gives every pair its own tile when tokens x top-k x 4
+<= experts without EP (SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
+GROUPED_GEMM_MOE = {"small_tile_rows": 128.0, "large_tile_rows": 128.0, "naive_sparsity": 0.0,
+                    "small_stream_rows": 0.0, "large_stream_rows": 0.0}
 """A grouped-GEMM library (FlashInfer's CUTLASS or TRT-LLM kernels, which vLLM 0.24 runs on
-Hopper and Blackwell for some dtypes): fixed 128-row tiles, no small-batch path."""
+Hopper and Blackwell for some dtypes): fixed 128-row tiles, no small-batch path, each
+expert's weights read once (persistent kernels)."""
 
 _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "small_tile_eff": (0.05, 1.0, 0.5), "memory_eff": (0.2, 1.0, 0.8),
                "overlap": (1.0, 20.0, 3.0), "combine_traffic": (1e-3, 50.0, 1.0),
-               "quant_elem_s": (1e-15, 1e-9, 1e-11)}
+               "quant_elem_s": (1e-15, 1e-9, 1e-11), "l2_fraction": (0.05, 2.0, 0.5),
+               "l2_gain": (1.0, 20.0, 2.0)}
 
 
 def _moe_family(name: str, dtype: str) -> Family:
@@ -229,18 +237,46 @@ def _moe_family(name: str, dtype: str) -> Family:
 
 def _mla_prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     return K.mla_prefill_time(t["batch"], t["tokens"], t["heads"], gpu, p,
-                              kv_bytes=_kv_bytes(t))
+                              kv_bytes=_kv_bytes(t), eager=True)
 
 
 def _mla_decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     b = t["batch"].astype(float)
-    return K.mla_decode_time(b, b * t["context"], t["heads"], gpu, p, kv_bytes=_kv_bytes(t))
+    return K.mla_decode_time(b, b * t["context"], t["heads"], gpu, p, kv_bytes=_kv_bytes(t),
+                             eager=True)
+
+
+_EAGER = {"eager_floor_s": (1e-5, 1e-3, 2e-4), "overlap": (1.0, 30.0, 6.0)}
+"""The vLLM 0.14 MLA tables were timed eagerly: a call takes the larger of the host's
+launch time and the GPU's (`kernels.mla`), and `floor_s` is the GPU's own floor. Under
+the eager floor the tables cannot show it, so it is bounded below by 5 µs: the cache
+write, the absorption or up-projection GEMMs and the attention are at least four kernels,
+even replayed in a CUDA graph, and the GEMM floors fitted on these GPUs are 2-3 µs each."""
+_EAGER_STARTS = ({}, {"overlap": 2.0}, {"overlap": 15.0, "floor_s": 6e-6})
 
 
 def _alltoall_band(t: Table) -> np.ndarray:
     s = _band(t["nbytes"], (1 << 20, 64 << 20), ("<= 1 MiB", "1-64 MiB", "> 64 MiB"))
     return np.array([f"{n} GPUs, {x}" for n, x in zip(t["num_gpus"], s)], dtype=object)
 
+
+def _protocols_in_order(p: K.AllToAllParams) -> K.AllToAllParams:
+    """The three protocol lines named by bandwidth, lowest first (LL, LL128, Simple): the
+    time is their minimum, so the order a fit finds them in is arbitrary."""
+    lines = sorted([(p.link_eff, p.latency_s), (p.ll128_link_eff, p.ll128_latency_s),
+                    (p.simple_link_eff, p.simple_latency_s)])
+    if any(eff == 0 for eff, _ in lines):
+        return p
+    (e1, l1), (e2, l2), (e3, l3) = lines
+    return replace(p, link_eff=e1, latency_s=l1, ll128_link_eff=e2, ll128_latency_s=l2,
+                   simple_link_eff=e3, simple_latency_s=l3)
+
+
+_ALLTOALL_STARTS = tuple(
+    {"latency_s": ll, "ll128_latency_s": ll128, "simple_latency_s": simple}
+    for ll, ll128, simple in ((5e-6, 1e-5, 3e-5), (1e-5, 2e-5, 5e-5), (1e-5, 3e-5, 1e-4)))
+"""Three protocol lines (LL, LL128, Simple: `kernels.AllToAllParams`) make the loss
+surface ragged: a few orderings of their latencies find its floor reliably."""
 
 FRACTION = (0.05, 1.0)
 FAMILIES: dict[str, Family] = {
@@ -294,26 +330,33 @@ FAMILIES: dict[str, Family] = {
     "moe_fp8": _moe_family("moe_fp8", "fp8"),
     "mla_prefill": Family(
         "mla_prefill", "mla_prefill", _attention_rows,
-        {"floor_s": (1e-6, 2e-3, 1e-4), "compute_eff": (*FRACTION, 0.5),
+        {"floor_s": (5e-6, 2e-4, 2e-5), "compute_eff": (*FRACTION, 0.5),
          "gemm_eff": (0.01, 1.0, 0.5), "memory_eff": (0.05, 1.0, 0.8),
-         "padded_tile_pairs": (1.0, 1e5, 1000.0), "critical_path": (1e-3, 5.0, 0.5)},
+         "padded_tile_pairs": (1.0, 1e5, 1000.0), "critical_path": (1e-3, 5.0, 0.5),
+         **_EAGER},
         _mla_prefill_predict,
         lambda t: _band(t["batch"] * t["tokens"], (512, 4096, 32768), PREFILL_BANDS),
-        PREFILL_BANDS, size_axes=("batch", "tokens")),
+        PREFILL_BANDS, size_axes=("batch", "tokens"), starts=_EAGER_STARTS),
     "mla_decode": Family(
         "mla_decode", "mla_decode", _attention_rows,
-        {"floor_s": (1e-6, 2e-3, 1e-4), "compute_eff": (*FRACTION, 0.5),
+        {"floor_s": (5e-6, 2e-4, 2e-5), "compute_eff": (*FRACTION, 0.5),
          "memory_eff": (*FRACTION, 0.8), "seq_stream_gbps": (1.0, 1e4, 100.0),
-         "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5)},
+         "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5),
+         "seq_head_s": (1e-12, 1e-6, 1e-8), "one_head_stream_gbps": (1.0, 1e4, 20.0),
+         **_EAGER},
         _mla_decode_predict, lambda t: _decode_band(t), DECODE_BANDS,
-        size_axes=("batch", "context")),
+        size_axes=("batch", "context"), starts=_EAGER_STARTS),
     "alltoall": Family(
         "alltoall", "nccl", lambda t: t["op"] == "alltoall",
         {"latency_s": (1e-7, 1e-3, 1e-5), "hop_s": (1e-10, 1e-4, 1e-6),
-         "link_eff": (0.01, 1.0, 0.6), "fabric_gbps": (0.1, 1e3, 20.0)},
+         "link_eff": (0.01, 1.0, 0.1), "fabric_gbps": (0.1, 1e3, 20.0),
+         "ll128_latency_s": (1e-7, 1e-3, 2e-5), "ll128_link_eff": (0.01, 1.0, 0.4),
+         "simple_latency_s": (1e-7, 1e-3, 5e-5), "simple_link_eff": (0.01, 1.0, 0.9),
+         "copy_gbps": (10.0, 1e5, 1000.0)},
         lambda t, g, p: K.alltoall_time(t["nbytes"], t["num_gpus"], g, p),
         _alltoall_band, ALLTOALL_BANDS, size_axes=("nbytes",),
-        fixed=lambda gpu: {**_collective_fixed(gpu), "pcie_direct_max_gpus": 2.0}),
+        fixed=lambda gpu: {**_collective_fixed(gpu), "pcie_direct_max_gpus": 2.0},
+        starts=_ALLTOALL_STARTS, canonical=_protocols_in_order),
 }
 
 

@@ -191,7 +191,7 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
                                      f_scale=0.05, max_nfev=3000)
             if best is None or solution.cost < best.cost:
                 best, best_params = solution, params(solution.x)
-    return judge(fam, table, gpu, best_params, heldout)
+    return judge(fam, table, gpu, fam.canonical(best_params), heldout)
 
 
 def _parameters(base, names: list[str]):

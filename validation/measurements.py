@@ -225,9 +225,10 @@ _AIC_COLUMNS = {
     "mla_decode": ("batch_size", "step", "num_heads", "tp_size", "kv_cache_dtype", "latency"),
     "nccl": ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"),
 }
-MOE_TOP_UP = {"0.14.0": "smallest-first"}
+MOE_TOP_UP = {"0.14.0": "smallest-first", "0.19.0": "round-robin", "0.24.0": "round-robin"}
 """How the power-law routing of an engine version's `moe_perf` tables topped its counts up
-(`kernels.moe.SMALLEST_FIRST`); other versions: as aiconfigurator's helper is written."""
+(`kernels.moe.SMALLEST_FIRST`, `ROUND_ROBIN`: the helper as written now, with each expert
+capped at the batch); other versions: as aiconfigurator's helper was first written."""
 
 
 def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):

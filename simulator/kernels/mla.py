@@ -16,6 +16,14 @@ latent). What the measured kernels include (aiconfigurator's `collect_mla.py`, v
 the MLA backend's forward — the cache write, the up-projection or absorption GEMMs and the
 attention — not the q/kv down-projections or the output projection, which are dense GEMMs
 the cost model prices with `gemm_time`.
+
+Those tables were timed eagerly (`impl.forward` in a loop, no CUDA graph): the host launches
+one call's kernels in a roughly fixed time (0.13-0.31 ms) while the GPU runs the previous
+call's, so a measured call takes the larger of that launch time and the GPU's time, not
+their sum (A100, 2 heads, one sequence: 0.33 ms flat up to 8k cached tokens, then the
+GPU's 25 ns per token). `eager_floor_s` is that launch time: the fitter prices measured
+rows with it (`eager=True`); the simulator's steps replay a CUDA graph and pay the GPU's
+time alone (`floor_s` and the work).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.simulator.gpus import GPUSpec
-from servelab.simulator.kernels.base import _Params
+from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -53,11 +61,17 @@ class MLAPrefillParams(_Params):
     critical_path: float = 0.0
     """Weight of the longest thread block's work (one 128-row tile over all keys at one
     SM's share of the peak)."""
+    eager_floor_s: float = 0.0
+    """Seconds the host takes to launch one eager call's kernels (the measuring loop's
+    floor, see the module docstring); 0: measured times are GPU times."""
+    overlap: float = INF
+    """Soft-maximum exponent of that launch time against the GPU's (inf: the larger)."""
 
     _fractions = ("compute_eff", "gemm_eff", "memory_eff")
+    _added = ("eager_floor_s", "overlap")
 
     def __post_init__(self) -> None:
-        self._check()
+        _check_fields(self)
 
 
 def mla_prefill_coefficients(heads, gpu: GPUSpec, p: MLAPrefillParams, kv_bytes=2.0,
@@ -88,10 +102,12 @@ def mla_prefill_coefficients(heads, gpu: GPUSpec, p: MLAPrefillParams, kv_bytes=
 def mla_prefill_time(batch, tokens, heads, gpu: GPUSpec, p: MLAPrefillParams, context=0,
                      kv_bytes=2.0, kv_lora_rank: int = KV_LORA_RANK,
                      qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
-                     qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+                     qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM,
+                     eager: bool = False):
     """Seconds of one layer's MLA prefill of `batch` sequences of `tokens` new tokens each
     after `context` cached ones, `heads` heads on this GPU (all arguments broadcast).
-    The cached latents are up-projected too (vLLM's chunked-context path)."""
+    The cached latents are up-projected too (vLLM's chunked-context path). `eager`: as
+    an eager measuring loop times it (`eager_time`)."""
     b = np.asarray(batch, dtype=np.float64)
     s = np.asarray(tokens, dtype=np.float64)
     c = np.asarray(context, dtype=np.float64)
@@ -100,7 +116,18 @@ def mla_prefill_time(batch, tokens, heads, gpu: GPUSpec, p: MLAPrefillParams, co
     pairs = b * (s * c + 0.5 * s * (s + 1.0))
     t = (floor + pairs * pair + b * per_seq + (s + c) * per_key + b * s * per_token
          + b * c * per_ctx)
+    if eager:
+        t = eager_time(t, p)
     return np.where((b > 0) & (s > 0), t, 0.0)
+
+
+def eager_time(gpu_time, p: "MLAPrefillParams | MLADecodeParams"):
+    """What an eager measuring loop sees of a call whose kernels take `gpu_time` on the GPU:
+    the soft maximum of that and the host's launch time (`eager_floor_s`)."""
+    if not p.eager_floor_s:
+        return gpu_time
+    floor = np.broadcast_to(np.float64(p.eager_floor_s), np.shape(gpu_time))
+    return _overlap(np.asarray(gpu_time, dtype=np.float64), floor, p.overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +150,26 @@ class MLADecodeParams(_Params):
     """Seconds per sequence (page-table walk, the split results' merge)."""
     absorb_eff: float = 1.0
     """Fraction of HBM bandwidth reading the absorbed up-projection weights."""
+    seq_head_s: float = 0.0
+    """Seconds per (sequence, head) whatever the context: the split-KV kernel's programs
+    (sequences x head groups x splits) each load their queries and write and merge partial
+    results (A100, 512 sequences x 128 heads: 2 ms at 8-128 cached tokens)."""
+    one_head_stream_gbps: float = 0.0
+    """`seq_stream_gbps` when a GPU holds one head: vLLM's Triton decode attention runs its
+    plain (MHA) kernel when query heads per KV head is 1 and its grouped kernel otherwise
+    (`decode_attention_fwd`), measured 3-5x slower per sequence (A100, L40S); 0: the same
+    rate as for more heads (FlashMLA on Hopper has one path)."""
+    eager_floor_s: float = 0.0
+    """Seconds the host takes to launch one eager call's kernels (the measuring loop's
+    floor, see the module docstring); 0: measured times are GPU times."""
+    overlap: float = INF
+    """Soft-maximum exponent of that launch time against the GPU's (inf: the larger)."""
 
     _fractions = ("compute_eff", "memory_eff", "absorb_eff")
+    _added = ("seq_head_s", "one_head_stream_gbps", "eager_floor_s", "overlap")
 
     def __post_init__(self) -> None:
-        self._check()
+        _check_fields(self)
 
 
 def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
@@ -144,20 +186,29 @@ def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.
     latent = kv_lora_rank + qk_rope_head_dim
     rate = hbm * p.memory_eff
     if p.seq_stream_gbps:
-        rate = np.minimum(rate, p.seq_stream_gbps * 1e9 * np.maximum(b, 1.0))
+        per_seq = p.seq_stream_gbps
+        if p.one_head_stream_gbps:
+            per_seq = np.where(h == 1, p.one_head_stream_gbps, p.seq_stream_gbps)
+        rate = np.minimum(rate, per_seq * 1e9 * np.maximum(b, 1.0))
     slope = np.maximum(latent * kv_bytes / rate, 2.0 * h * (latent + kv_lora_rank) / peak)
     absorb_weights = 2.0 * h * qk_nope_head_dim * kv_lora_rank * 2.0   # W_UK and W_UV, BF16
     absorb = (absorb_weights / (hbm * p.absorb_eff)
               + 2.0 * b * h * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / peak)
     live = b > 0
-    return np.where(live, p.floor_s + absorb + b * p.seq_s, 0.0), np.where(live, slope, 0.0)
+    intercept = p.floor_s + absorb + b * p.seq_s + b * h * p.seq_head_s
+    return np.where(live, intercept, 0.0), np.where(live, slope, 0.0)
 
 
 def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
                     kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
-                    qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
+                    qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM,
+                    eager: bool = False):
     """Seconds of one layer's MLA decode of `batch` sequences with `context_sum` cached
-    tokens in all, `heads` heads on this GPU (`mla_decode_lines`)."""
+    tokens in all, `heads` heads on this GPU (`mla_decode_lines`). `eager`: as an eager
+    measuring loop times it (`eager_time`)."""
     intercept, slope = mla_decode_lines(batch, heads, gpu, p, kv_bytes, kv_lora_rank,
                                         qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
-    return intercept + slope * np.asarray(context_sum, dtype=np.float64)
+    t = intercept + slope * np.asarray(context_sum, dtype=np.float64)
+    if eager:
+        t = np.where(np.asarray(batch) > 0, eager_time(t, p), 0.0)
+    return t

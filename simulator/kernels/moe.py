@@ -11,13 +11,21 @@ the pairs of the others; tensor parallelism (TP) splits every expert's inter dim
 The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
 
     compute = tiles x tile_rows x 2 x W / (peak x compute_eff)      W = 3 x hidden x inter/TP
-    memory  = (active_experts x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
+    memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
 
 combined by a soft maximum, plus a floor, the top-k combine over every pair of the step and,
 for FP8 (W8A8), the activation quantisation. At small batches the weights of each activated
-expert are read once and dominate; at large batches the padded tiles' FLOPs do. How many
-experts, pairs and tiles the GPU gets is `expert_load`'s business: balanced routing, or the
-power-law spread NVIDIA aiconfigurator measures with.
+expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
+once per group of tiles that run together (`small_stream_rows`, `large_stream_rows`: vLLM's
+small-batch config runs 16-row tiles one after another, GROUP_SIZE_M = 1, so an expert with
+40 pairs streams its weights three times — on A100 and H100 the measured small-batch times
+of expert-parallel DeepSeek-V3 layers follow these passes, not the experts touched); a pass
+after an expert's first comes from L2 if that expert fits there, and an isolated benchmark
+replaying the call (`warm_l2`, as the fitter prices measured rows) finds every touched
+expert in L2 if they all fit (`l2_fraction`: RTX PRO 6000, B200 and L40S, 96-128 MB of L2,
+hold one DeepSeek-V3 expert of 88 MB). How many experts, pairs, tiles and passes the GPU
+gets is `expert_load`'s business: balanced routing, or the power-law spread NVIDIA
+aiconfigurator measures with, no expert receiving more than one pair per token.
 
 The router GEMM (tokens x hidden x experts) is a dense GEMM the measured kernel does not
 include; `moe_layer_time` adds it. Shared experts are a dense MLP: the cost model prices
@@ -33,21 +41,27 @@ from functools import lru_cache
 import numpy as np
 
 from servelab.simulator.gpus import GPUSpec
-from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params
+from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params, l2_hit
 from servelab.simulator.kernels.gemm import GemmParams, gemm_time
 
-TILE_ROWS = (1, 8, 16, 32, 64, 128)
-"""Tile heights (rows of pairs per thread block) `expert_load` counts tiles for; 1: no
-padding (the bare roofline)."""
+TILE_ROWS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Row counts `expert_load` counts per-expert blocks of: tile heights (rows of pairs per
+thread block; 1: no padding, the bare roofline) and, above 128, the rows that share one
+pass over an expert's weights (a tile height times the kernel's GROUP_SIZE_M)."""
 LOAD_SAMPLES = 32
 """Draws of the power-law routing averaged into its expected load (a seeded generator: the
 same draws for every call, so the answer is a pure function of the shape)."""
-LARGEST_FIRST, SMALLEST_FIRST = "largest-first", "smallest-first"
+LARGEST_FIRST, SMALLEST_FIRST, ROUND_ROBIN = "largest-first", "smallest-first", "round-robin"
 """How the power-law generator tops its rounded counts up to tokens x top-k: to the experts
 with the most tokens first, ties in random order, as aiconfigurator's `collector/helper.py`
-is written (`_generate_power_law_distribution`) and as its vLLM 0.19 and 0.24 tables
-behave; or to the experts with the fewest first, ties by index, which is how the times of
-its vLLM 0.14 tables behave at small batches (see docs/moe-mla.md). Serving uses the first."""
+was first written (`_generate_power_law_distribution`); to the experts with the fewest
+first, ties by index, which is how the times of its vLLM 0.14 tables behave at small
+batches (see docs/moe-mla.md); or as the helper is written now: each expert capped at
+`tokens` pairs (a token picks an expert once) and the surplus and the rounding deficit
+handed out one pair at a time to the EP ranks in turn, each to its least-loaded expert
+(`_round_robin_adjust_per_rank`), as the vLLM 0.19 and 0.24 tables behave at small
+batches (one token, top-8 of 256 experts, EP 16: about one expert's weights on rank 0, not
+two). Serving uses the first."""
 
 
 # --------------------------------------------------------------------------- expert load
@@ -89,8 +103,9 @@ def expert_load(tokens, experts: int, topk: int, ep: int = 1, load: str = "balan
     Cost: a few hundred microseconds per new power-law shape; repeats are cached."""
     kind, alpha = parse_expert_load(load)
     check_moe_shape(experts, topk, ep)
-    if top_up not in (LARGEST_FIRST, SMALLEST_FIRST):
-        raise ValueError(f"top_up must be {LARGEST_FIRST!r} or {SMALLEST_FIRST!r}, got {top_up!r}")
+    if top_up not in (LARGEST_FIRST, SMALLEST_FIRST, ROUND_ROBIN):
+        raise ValueError(f"top_up must be {LARGEST_FIRST!r}, {SMALLEST_FIRST!r} or "
+                         f"{ROUND_ROBIN!r}, got {top_up!r}")
     t = np.asarray(tokens, dtype=np.float64)
     flat = t.reshape(-1)
     out = np.zeros((2 + len(TILE_ROWS), flat.size))
@@ -135,6 +150,8 @@ def _power_law(tokens: int, experts: int, topk: int, ep: int, alpha: float, top_
     weights = ((hi ** a - lo ** a) * u + lo ** a) ** (1.0 / a)       # inverse CDF of x^-alpha
     target = tokens * topk
     counts = np.rint(weights / weights.sum(axis=1, keepdims=True) * target)
+    if top_up == ROUND_ROBIN:
+        return _stats(_round_robin_counts(counts, tokens, target, ep), ep)
     delta = target - counts.sum(axis=1)
     index = np.broadcast_to(np.arange(experts), counts.shape)
     if top_up == LARGEST_FIRST:
@@ -147,11 +164,90 @@ def _power_law(tokens: int, experts: int, topk: int, ep: int, alpha: float, top_
     counts += up // experts + (rank < up % experts)
     for s in np.flatnonzero(delta < 0):           # rounding overshot: take from the smallest
         _trim(counts[s], int(-delta[s]))
-    groups = counts.reshape(LOAD_SAMPLES, ep, experts // ep)
-    local = groups[np.arange(LOAD_SAMPLES), groups.sum(axis=2).argmax(axis=1)]
+    busiest = counts.reshape(LOAD_SAMPLES, ep, experts // ep).sum(axis=2).argmax(axis=1)
+    # A token picks k distinct experts, so no expert gets more than `tokens` pairs: the
+    # generator's surplus (an expert drawn for some tokens twice) goes to the ties of the
+    # top-k, taken here as the least-loaded experts first (the rank measured stays the one
+    # the generator chose before).
+    capped = np.minimum(counts, tokens)
+    surplus = (counts - capped).sum(axis=1)
+    if surplus.any():
+        capped = _fill(capped[:, None, :], surplus[:, None], tokens)[:, 0, :]
+    groups = capped.reshape(LOAD_SAMPLES, ep, experts // ep)
+    local = groups[np.arange(LOAD_SAMPLES), busiest]
     stats = [(local > 0).sum(axis=1).mean(), local.sum(axis=1).mean()]
     stats += [np.ceil(local / r).sum(axis=1).mean() for r in TILE_ROWS]
     return tuple(float(s) for s in stats)
+
+
+def _stats(counts: np.ndarray, ep: int) -> tuple[float, ...]:
+    """(active, pairs, tiles...) of the busiest EP rank of capped, whole counts."""
+    groups = counts.reshape(LOAD_SAMPLES, ep, -1)
+    local = groups[np.arange(LOAD_SAMPLES), groups.sum(axis=2).argmax(axis=1)]
+    stats = [(local > 0).sum(axis=1).mean(), local.sum(axis=1).mean()]
+    stats += [np.ceil(local / r).sum(axis=1).mean() for r in TILE_ROWS]
+    return tuple(float(x) for x in stats)
+
+
+def _round_robin_counts(counts: np.ndarray, tokens: int, target: int, ep: int) -> np.ndarray:
+    """The current helper's counts: capped at `tokens`, the surplus and then the deficit
+    (or excess) to `target` dealt to the ranks in turn, each unit to the rank's least
+    (or, taking, most) loaded expert with room, ties to the lowest index."""
+    capped = np.minimum(counts, tokens)
+    surplus = (counts - capped).sum(axis=1).astype(np.int64)
+    shaped = capped.reshape(LOAD_SAMPLES, ep, -1)
+    if surplus.any():
+        shaped = _deal(shaped, surplus, tokens, add=True)
+    delta = (target - shaped.sum(axis=(1, 2))).astype(np.int64)
+    if (delta > 0).any():
+        shaped = _deal(shaped, np.maximum(delta, 0), tokens, add=True)
+    if (delta < 0).any():
+        shaped = _deal(shaped, np.maximum(-delta, 0), tokens, add=False)
+    return shaped.reshape(LOAD_SAMPLES, -1)
+
+
+def _deal(counts: np.ndarray, units: np.ndarray, cap: int, add: bool) -> np.ndarray:
+    """Deal `units` (per sample) to the ranks in turn, rank 0 first; within a rank, each
+    unit to the least loaded expert below `cap` (add) or from the most loaded one above 0,
+    ties to the lowest index: a rank's share water-fills it (or drains it) level by level."""
+    counts = counts.copy()
+    samples, ranks, _ = counts.shape
+    left = units.astype(np.int64).copy()
+    while left.any():
+        room = (cap - counts if add else counts).sum(axis=2)          # (samples, ranks)
+        open_ = room > 0
+        n_open = open_.sum(axis=1)
+        if not (n_open[left > 0] > 0).any():
+            break
+        share = np.zeros((samples, ranks), dtype=np.int64)
+        for s_ in np.flatnonzero((left > 0) & (n_open > 0)):
+            order = np.flatnonzero(open_[s_])
+            q, r = divmod(int(left[s_]), len(order))
+            share[s_, order] = q
+            share[s_, order[:r]] += 1
+        share = np.minimum(share, room.astype(np.int64))
+        counts = _fill(counts, share, cap) if add else -_fill(-counts, share, 0)
+        left -= share.sum(axis=1)
+    return counts
+
+
+def _fill(counts: np.ndarray, units: np.ndarray, cap: float) -> np.ndarray:
+    """Raise each (sample, rank) row's lowest counts by `units` in all, one at a time to
+    the lowest below `cap` (ties: lowest index): every count below a level L rises to L,
+    and the leftover lifts the first experts at L by one."""
+    lo, hi = counts.min(axis=2).astype(np.float64), np.full(units.shape, float(cap))
+    added = lambda level: np.maximum(np.minimum(level[..., None], cap) - counts, 0).sum(axis=2)
+    for _ in range(40):                                   # largest L with added(L) <= units
+        mid = np.floor((lo + hi + 1) / 2)
+        ok = added(mid) <= units
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+        if (lo >= hi).all():
+            break
+    raised = np.maximum(counts, np.minimum(lo, cap)[..., None])
+    rest = units - (raised - counts).sum(axis=2)
+    at_level = (raised == lo[..., None]) & (raised < cap)
+    first = np.cumsum(at_level, axis=2) <= rest[..., None]
+    return raised + (at_level & first)
 
 
 def _trim(counts: np.ndarray, excess: int) -> None:
@@ -193,14 +289,33 @@ class MoEParams(_Params):
     """Without EP, while tokens x top-k x this <= experts every pair is its own tile and
     reads its expert's weights alone (vLLM's small-batch path, SPARSITY_FACTOR = 4); 0:
     no such path. An engine setting."""
+    small_stream_rows: float = 0.0
+    """Rows of one expert's pairs that share one pass over its weights while tokens <=
+    experts: the tile height times GROUP_SIZE_M (vLLM's small-batch default config: 16 x 1,
+    so every 16-row tile streams the expert's weights again); 0: one pass per expert
+    touched. An engine setting."""
+    large_stream_rows: float = 0.0
+    """The same above that (vLLM's default config: 64-row tiles grouped by 8, 512 rows);
+    0: one pass per expert touched. An engine setting."""
+    l2_fraction: float = 0.0
+    """Share of L2 the touched experts' weights may fill and still be served from it when
+    a benchmark replays the same call (`warm_l2`); 0: never. A serving forward pass reads
+    every layer's weights from HBM, so the simulator never applies it."""
+    l2_gain: float = 1.0
+    """How much faster than HBM those L2-resident weights are read."""
 
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff")
+    _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain")
 
     def __post_init__(self) -> None:
         _check_fields(self)
         for name in ("small_tile_rows", "large_tile_rows"):
             if getattr(self, name) not in TILE_ROWS:
                 raise ValueError(f"MoEParams.{name} must be one of "
+                                 f"{', '.join(map(str, TILE_ROWS))}, got {getattr(self, name)!r}")
+        for name in ("small_stream_rows", "large_stream_rows"):
+            if getattr(self, name) not in (0.0, *TILE_ROWS):
+                raise ValueError(f"MoEParams.{name} must be 0 or one of "
                                  f"{', '.join(map(str, TILE_ROWS))}, got {getattr(self, name)!r}")
 
 
@@ -220,32 +335,56 @@ def moe_experts_time(tokens, hidden, inter, experts: int, topk: int, gpu: GPUSpe
 
 
 def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPUSpec,
-                   p: MoEParams, dtype: str = "bf16"):
+                   p: MoEParams, dtype: str = "bf16", warm_l2: bool = False):
     """`moe_experts_time` from a precomputed `expert_load` (everything broadcasts: a cost
-    model tabulates the load over token counts once, a fitter over a table's rows)."""
+    model tabulates the load over token counts once, a fitter over a table's rows).
+    `warm_l2`: as an isolated benchmark replaying the call measures it, with the touched
+    experts' weights served from L2 where they fit (`MoEParams.l2_fraction`)."""
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"MoE dtype must be bf16 or fp8, got {dtype!r}")
     t = np.asarray(tokens, dtype=np.float64)
     w8a8 = dtype == "fp8" and gpu.fp8_tflops is not None
     weight_bytes, act_bytes = (1.0 if dtype == "fp8" else 2.0), (1.0 if w8a8 else 2.0)
-    per_expert = 3.0 * hidden * np.asarray(inter_gpu, dtype=np.float64)   # gate, up, down
+    inter_gpu = np.asarray(inter_gpu, dtype=np.float64)
+    per_expert = 3.0 * hidden * inter_gpu                                  # gate, up, down
     small = t <= experts
     rows = np.where(small, p.small_tile_rows, p.large_tile_rows)
     active, pairs = stats[0], stats[1]
     tiles = np.where(small, stats[2 + TILE_ROWS.index(int(p.small_tile_rows))],
                      stats[2 + TILE_ROWS.index(int(p.large_tile_rows))])
+    passes = active
+    if p.small_stream_rows or p.large_stream_rows:
+        passes = np.where(small, _passes(stats, p.small_stream_rows),
+                          _passes(stats, p.large_stream_rows))
     if p.naive_sparsity:
         naive = (np.asarray(ep) == 1) & (t * topk * p.naive_sparsity <= experts)
         active, tiles = np.where(naive, pairs, active), np.where(naive, pairs, tiles)
+        passes = np.where(naive, pairs, passes)
     eff = p.compute_eff * np.where(rows < 64, p.small_tile_eff, 1.0)
     compute = tiles * rows * 2.0 * per_expert / (gpu.peak_flops("fp8" if w8a8 else "bf16") * eff)
     bw = gpu.hbm_bandwidth_gbps * 1e9
-    memory = (active * per_expert * weight_bytes
-              + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
+    weights = passes * per_expert * weight_bytes
+    if p.l2_fraction:
+        # a pass after an expert's first finds its weights in L2 if one expert fits; the
+        # first passes of a replayed call do if every touched expert fits (`warm_l2`)
+        first = active * per_expert * weight_bytes
+        again = l2_hit(per_expert * weight_bytes, gpu, p.l2_fraction)
+        warm = l2_hit(first, gpu, p.l2_fraction) if warm_l2 else 0.0
+        weights = (first * ((1.0 - warm) + warm / p.l2_gain)
+                   + (weights - first) * ((1.0 - again) + again / p.l2_gain))
+    memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
     combine = p.combine_traffic * t * topk * (4.0 * hidden + 6.0 * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
+
+
+def _passes(stats, stream_rows: float):
+    """Passes over expert weights: one per touched expert (stream_rows 0), else one per
+    `stream_rows` of each expert's pairs (its tiles that share one read of the weights)."""
+    if not stream_rows:
+        return stats[0]
+    return stats[2 + TILE_ROWS.index(int(stream_rows))]
 
 
 def moe_layer_time(tokens, hidden, inter, experts: int, topk: int, gpu: GPUSpec, p: MoEParams,

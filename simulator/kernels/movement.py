@@ -106,26 +106,51 @@ class AllToAllParams(_Params):
 
     Each GPU sends 1/n of its buffer to every GPU of the group (itself included), so
     (n-1)/n of it crosses its link (nccl-tests' bus-bandwidth convention for alltoall,
-    its PERFORMANCE.md). Without NVLink every GPU's share crosses the host's PCIe fabric
-    at once, which `fabric_gbps` caps."""
+    its PERFORMANCE.md). NCCL moves it with one of three protocols — LL, LL128 and Simple,
+    from lowest latency to highest bandwidth — and picks, by its own cost model of a
+    latency plus size / bandwidth per protocol, the fastest for the size (NCCL's
+    `src/graph/tuning.cc`); so the time is the least of three lines, concave in the size:
+    measured on A100 and H100 the cost per byte falls by a third between 1 and 64 MiB.
+    Every GPU also reads its whole send buffer and writes its receive buffer
+    (`copy_gbps`), whatever the group size. Without NVLink every GPU's share crosses the
+    host's PCIe fabric at once, which `fabric_gbps` caps."""
 
     latency_s: float = 0.0
-    """Fixed seconds of one all-to-all (launch, channel setup)."""
+    """Fixed seconds of one all-to-all with the lowest-latency protocol (LL)."""
     hop_s: float = 0.0
     """Extra seconds per additional GPU (one more peer to exchange with)."""
     link_eff: float = 1.0
-    """Bus bandwidth as a fraction of the per-direction link figure."""
+    """Bus bandwidth of the LL protocol as a fraction of the per-direction link figure."""
     fabric_gbps: float = 0.0
     """GB/s of the shared host fabric all GPUs' traffic crosses without NVLink; 0 where
     GPUs talk over NVLink."""
     pcie_direct_max_gpus: float = 2
     """Most GPUs that exchange peer to peer under one PCIe switch without crossing the host
     fabric (the pair, as for `CollectiveParams.pcie_custom_max_gpus`); a topology setting."""
+    ll128_latency_s: float = 0.0
+    """Fixed seconds with the LL128 protocol (0 with `ll128_link_eff` 0: not modelled)."""
+    ll128_link_eff: float = 0.0
+    """Bus bandwidth of LL128 as a fraction of the link figure; 0: the protocol is not
+    modelled (a profile from before it)."""
+    simple_latency_s: float = 0.0
+    """Fixed seconds with the Simple protocol."""
+    simple_link_eff: float = 0.0
+    """Bus bandwidth of Simple as a fraction of the link figure; 0: not modelled."""
+    copy_gbps: float = 0.0
+    """GB/s at which each GPU reads its send buffer and writes its receive buffer (the
+    whole message, whatever the group); 0: not modelled."""
 
     _fractions = ("link_eff",)
+    _added = ("ll128_latency_s", "ll128_link_eff", "simple_latency_s", "simple_link_eff",
+              "copy_gbps")
 
     def __post_init__(self) -> None:
         self._check()
+        for name in ("ll128_link_eff", "simple_link_eff"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"AllToAllParams.{name} must be a fraction of the link in "
+                                 f"(0, 1], or 0 for a protocol not modelled, "
+                                 f"got {getattr(self, name)!r}")
 
 
 def alltoall_time(nbytes, num_gpus, gpu: GPUSpec, p: AllToAllParams):
@@ -138,11 +163,22 @@ def alltoall_time(nbytes, num_gpus, gpu: GPUSpec, p: AllToAllParams):
     nbytes = np.asarray(nbytes, dtype=np.float64)
     n = np.asarray(num_gpus, dtype=np.float64)
     moved = nbytes * (n - 1) / np.maximum(n, 1)
-    t = moved / (gpu.interconnect_gbps * 1e9 * p.link_eff)
+    wire = moved / (gpu.interconnect_gbps * 1e9)
+    fabric = 0.0
     if gpu.nvlink_gbps is None and p.fabric_gbps:
-        t = np.where(n > p.pcie_direct_max_gpus,
-                     np.maximum(t, n * moved / (p.fabric_gbps * 1e9)), t)
-    t = p.latency_s + (n - 1) * p.hop_s + t
+        fabric = np.where(n > p.pcie_direct_max_gpus, n * moved / (p.fabric_gbps * 1e9), 0.0)
+    protocols = [(p.ll128_latency_s, p.ll128_link_eff), (p.simple_latency_s, p.simple_link_eff)]
+    protocols = [(latency, eff) for latency, eff in protocols if eff]
+    if protocols:      # every protocol moves its payload at its fraction of link and fabric
+        raw = np.maximum(wire, fabric)
+        t = p.latency_s + raw / p.link_eff
+        for latency, eff in protocols:
+            t = np.minimum(t, latency + raw / eff)
+    else:              # one line, with the fabric's own rate (profiles from before protocols)
+        t = p.latency_s + np.maximum(wire / p.link_eff, fabric)
+    t = t + (n - 1) * p.hop_s
+    if p.copy_gbps:
+        t = t + nbytes / (p.copy_gbps * 1e9)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 

@@ -1,0 +1,203 @@
+"""The forms added to the fused-MoE, MLA and all-to-all kernel models (docs/moe-mla.md):
+no expert gets more than one pair per token, the generator's round-robin top-up, weight
+passes per group of tiles, L2-resident expert weights in replayed benchmarks, the eager
+launch floor of the MLA tables, and NCCL's three protocol lines.
+
+Shapes are real models' (../shared/REFERENCE.md): DeepSeek-V3's experts (7168 x 2048, 256
+experts, top-8) and Mixtral's (4096 x 14336, 8 experts, top-2).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from servelab.simulator import kernels as K
+from servelab.simulator.calibration import packaged
+from servelab.simulator.gpus import get_gpu
+from servelab.simulator.kernels import moe as M
+from servelab.validation.kernel_families import _protocols_in_order
+
+H100, A100, L40S = get_gpu("h100-sxm"), get_gpu("a100-80gb"), get_gpu("l40s")
+TOP_UPS = (M.LARGEST_FIRST, M.SMALLEST_FIRST, M.ROUND_ROBIN)
+
+
+# --- expert load ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_up", TOP_UPS)
+def test_no_expert_gets_more_than_one_pair_per_token(top_up):
+    """Mixtral at EP 8 holds one expert per GPU: the power law's heaviest expert would get
+    more pairs than there are tokens, which top-2 routing cannot do."""
+    tokens = np.array([64, 1024, 16384, 65536])
+    active, pairs, *_ = K.expert_load(tokens, 8, 2, ep=8, load="power-law:1.01", top_up=top_up)
+    assert (active == 1).all()
+    assert (pairs <= tokens).all() and (pairs > 0.4 * tokens).all(), pairs
+    two = K.expert_load(tokens, 8, 2, ep=4, load="power-law:1.01", top_up=top_up)[1]
+    assert (two <= 2 * tokens).all()
+
+
+@pytest.mark.parametrize("top_up", TOP_UPS)
+@pytest.mark.parametrize("ep", [1, 8, 32])
+def test_touched_experts_are_bounded_by_the_gpus_experts_and_its_pairs(top_up, ep):
+    tokens = np.array([1, 2, 4, 16, 128, 4096])
+    active, pairs, *tiles = K.expert_load(tokens, 256, 8, ep=ep, load="power-law:1.2",
+                                          top_up=top_up)
+    assert (active <= 256 // ep + 1e-9).all() and (active <= pairs + 1e-9).all()
+    assert (pairs <= tokens * 8 + 1e-9).all()
+    for rows, count in zip(M.TILE_ROWS, tiles):         # taller blocks, fewer of them
+        assert (count >= active - 1e-9).all() and (count <= np.maximum(pairs, active) + 1e-9).all()
+    assert all((a >= b - 1e-9).all() for a, b in zip(tiles, tiles[1:]))
+
+
+def test_the_round_robin_top_up_keeps_every_pair_and_spreads_small_batches_over_ranks():
+    """The helper as written now deals the rounding deficit to the EP ranks in turn: one
+    token's 8 pairs over 16 ranks leave rank 0 (the busiest, all tied) one expert, where the
+    first helper's largest-first top-up put about two there."""
+    rng = np.random.default_rng(3)
+    counts = np.rint(rng.random((M.LOAD_SAMPLES, 256)) * 3)
+    for target in (100, int(counts.sum(axis=1).min()), 2000):
+        dealt = M._round_robin_counts(counts, 16, target, 8)
+        assert (dealt.sum(axis=1) == target).all()
+        assert dealt.max() <= 16 and dealt.min() >= 0
+    rr = K.expert_load(1, 256, 8, ep=16, load="power-law:1.2", top_up=M.ROUND_ROBIN)
+    largest = K.expert_load(1, 256, 8, ep=16, load="power-law:1.2")
+    assert rr[0] == pytest.approx(1.0) and largest[0] > 1.5
+
+
+def test_serving_load_is_unchanged_by_the_top_up_at_large_batches():
+    a = K.expert_load(8192, 256, 8, ep=8, load="power-law:1.2")
+    b = K.expert_load(8192, 256, 8, ep=8, load="power-law:1.2", top_up=M.ROUND_ROBIN)
+    assert a[1] == pytest.approx(b[1], rel=0.01)
+    with pytest.raises(ValueError, match="top_up must be"):
+        K.expert_load(8, 256, 8, top_up="random")
+
+
+# --- weight passes and L2 -------------------------------------------------------------------
+
+
+def _time(tokens, p, gpu=H100, ep=8, warm_l2=False, load="balanced"):
+    stats = K.expert_load(tokens, 256, 8, ep, load)
+    return K.fused_moe_time(tokens, 7168, 2048, 256, 8, ep, stats, gpu, p, "bf16", warm_l2)
+
+
+def test_small_tiles_stream_each_experts_weights_once_per_tile():
+    """vLLM's small-batch config runs an expert's 16-row tiles one after another: 32 local
+    experts with 40 pairs each fill three tiles apiece and read their weights three times;
+    with 8 pairs each (one tile) once, as a pass per touched expert would say."""
+    once = replace(K.MoEParams(), small_tile_rows=16.0, large_tile_rows=64.0)
+    per_tile = replace(once, small_stream_rows=16.0, large_stream_rows=512.0)
+
+    def time(per_expert: int, p) -> float:
+        stats = np.array([32.0, 32.0 * per_expert]
+                         + [32.0 * np.ceil(per_expert / r) for r in M.TILE_ROWS])
+        return float(K.fused_moe_time(160, 7168, 2048, 256, 8, 8, stats, H100, p))
+
+    assert time(8, per_tile) == pytest.approx(time(8, once))
+    assert time(40, per_tile) == pytest.approx(3 * time(40, once), rel=0.05)
+    big = np.array([32.0, 32.0 * 600] + [32.0 * np.ceil(600 / r) for r in M.TILE_ROWS])
+    large = [float(K.fused_moe_time(4096, 7168, 2048, 256, 8, 8, big, H100, q))
+             for q in (once, per_tile)]
+    assert large[1] >= large[0]                           # 600 pairs: two 512-row passes
+
+
+def test_more_tokens_never_take_less_time_with_the_new_terms():
+    p = packaged("h100-sxm").kernels.moe
+    tokens = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384])
+    for load in ("balanced", "power-law:1.2"):
+        for ep in (1, 8):
+            t = _time(tokens, p, ep=ep, load=load)
+            assert (np.diff(t) >= -1e-12).all(), (load, ep, t)
+
+
+def test_warm_l2_serves_replayed_weights_that_fit_and_never_costs_more():
+    """L40S (96 MB of L2) replaying one DeepSeek-V3 expert of 88 MB reads it from L2; a
+    forward pass (the simulator) reads every layer's weights from HBM."""
+    p = replace(K.MoEParams(), small_tile_rows=16.0, large_tile_rows=64.0, l2_fraction=2.0,
+                l2_gain=4.0)
+    cold, warm = (float(_time(1, p, L40S, ep=256 // 8, warm_l2=w)) for w in (False, True))
+    assert warm < 0.3 * cold
+    tokens = np.array([1, 64, 4096])
+    assert (_time(tokens, p, H100, warm_l2=True) <= _time(tokens, p, H100) + 1e-15).all()
+    assert (_time(tokens, K.MoEParams(), warm_l2=True) == _time(tokens, K.MoEParams())).all()
+
+
+def test_profiles_from_before_the_new_fields_read_as_before():
+    """A profile file without the added fields prices as the model did before them."""
+    p = packaged("h100-sxm").kernels.moe
+    data = {k: v for k, v in p.to_dict().items() if k not in K.MoEParams._added}
+    old = K.MoEParams.from_dict(data, "test")
+    assert old.small_stream_rows == 0 and old.l2_fraction == 0
+    with pytest.raises(ValueError, match="small_stream_rows must be 0 or one of"):
+        replace(K.MoEParams(), small_stream_rows=20.0)
+
+
+# --- MLA: the eager launch floor ---------------------------------------------------------------
+
+
+def test_mla_eager_timing_is_the_larger_of_launch_and_gpu_time():
+    p = replace(K.MLADecodeParams(), floor_s=2e-5, memory_eff=0.5, eager_floor_s=3e-4)
+    contexts = np.array([16, 1024, 65536, 1 << 20])
+    gpu = K.mla_decode_time(1, contexts, 16, A100, p)
+    eager = K.mla_decode_time(1, contexts, 16, A100, p, eager=True)
+    assert np.allclose(eager, np.maximum(gpu, 3e-4))
+    assert eager[0] == pytest.approx(3e-4) and eager[-1] == pytest.approx(gpu[-1])
+    assert float(K.mla_decode_time(0, 0, 16, A100, p, eager=True)) == 0.0
+    # the simulator's closed form stays a line in the context sum
+    intercept, slope = K.mla_decode_lines(np.array([4.0]), 16, A100, p)
+    assert float(K.mla_decode_time(4, 1000, 16, A100, p)) == pytest.approx(
+        float(intercept[0] + 1000 * slope[0]))
+    pre = replace(K.MLAPrefillParams(), floor_s=2e-5, eager_floor_s=3e-4, overlap=4.0)
+    small = K.mla_prefill_time(1, 16, 16, A100, pre, eager=True)
+    assert float(small) >= 3e-4 > float(K.mla_prefill_time(1, 16, 16, A100, pre))
+
+
+def test_packaged_mla_floors_are_gpu_floors_under_the_eager_ones():
+    for name in ("a100-80gb", "h100-sxm", "l40s"):
+        k = packaged(name).kernels
+        for p in (k.mla_prefill, k.mla_decode):
+            assert p.eager_floor_s > 1e-4 and p.floor_s < p.eager_floor_s, (name, p)
+
+
+def test_mla_decode_with_one_head_takes_its_own_rate():
+    p = replace(K.MLADecodeParams(), seq_stream_gbps=50.0, one_head_stream_gbps=10.0)
+    one, two = (float(K.mla_decode_time(1, 65536, h, A100, p)) for h in (1, 2))
+    assert one == pytest.approx(5 * two, rel=0.05)
+
+
+# --- all-to-all: the least of three protocol lines -------------------------------------------
+
+
+def test_alltoall_takes_the_fastest_protocol_and_is_concave_in_size():
+    lines = ((8e-6, 0.1), (1.5e-5, 0.4), (3e-5, 0.9))
+    p = replace(K.AllToAllParams(), hop_s=5e-7, copy_gbps=1500.0, latency_s=lines[0][0],
+                link_eff=lines[0][1], ll128_latency_s=lines[1][0], ll128_link_eff=lines[1][1],
+                simple_latency_s=lines[2][0], simple_link_eff=lines[2][1])
+    sizes = 2.0 ** np.arange(10, 30)
+    t = K.alltoall_time(sizes, 8, H100, p)
+    alone = [K.alltoall_time(sizes, 8, H100, replace(p, latency_s=lat, link_eff=eff,
+                                                     ll128_link_eff=0.0, simple_link_eff=0.0))
+             for lat, eff in lines]
+    assert np.allclose(t, np.minimum.reduce(alone))
+    assert (np.diff(t) > 0).all()
+    assert (np.diff(t / sizes) <= 1e-18).all()               # the cost per byte never rises
+    assert float(K.alltoall_time(1 << 20, 1, H100, p)) == 0.0
+
+
+def test_alltoall_without_protocols_prices_as_before():
+    p = K.AllToAllParams(latency_s=1e-5, hop_s=1e-6, link_eff=0.6, fabric_gbps=16.0)
+    n, size = 8, 4 << 20
+    moved = size * (n - 1) / n
+    before = 1e-5 + 7e-6 + max(moved / (L40S.interconnect_gbps * 1e9 * 0.6), n * moved / 16e9)
+    assert float(K.alltoall_time(size, n, L40S, p)) == pytest.approx(before)
+
+
+def test_fitted_protocol_lines_are_named_by_bandwidth():
+    p = replace(K.AllToAllParams(), latency_s=2e-5, link_eff=0.9, ll128_latency_s=5e-6,
+                ll128_link_eff=0.05, simple_latency_s=1e-5, simple_link_eff=0.4)
+    q = _protocols_in_order(p)
+    assert (q.link_eff, q.ll128_link_eff, q.simple_link_eff) == (0.05, 0.4, 0.9)
+    assert (q.latency_s, q.ll128_latency_s, q.simple_latency_s) == (5e-6, 1e-5, 2e-5)
+    sizes = 2.0 ** np.arange(10, 30)
+    assert np.array_equal(K.alltoall_time(sizes, 4, H100, p), K.alltoall_time(sizes, 4, H100, q))
