@@ -18,7 +18,10 @@ done
 # Newer engines (profiles named <gpu>.vllm-<major.minor>, chosen by --engine): H100 keeps
 # Vidur's element-wise fit, which its folder search finds; B200 carries that family from
 # the H100 profile of the same engine, the RTX PRO 6000 (a PCIe card with GDDR memory, no
-# element-wise tables) from L40S's.
+# element-wise tables) from L40S's. Neither measured an all-to-all: `calibrate` prices the
+# PCIe RTX PRO 6000's EP exchange from its own ring all-reduce fit, not the fallback's
+# all-to-all (kernels.movement.alltoall_from_ring); the NVLink B200 keeps the H100's
+# measured exchange (the profile's source says which).
 V24="aiconfigurator aiconfigurator-vllm-0.24.0 tables (vLLM 0.24.0)"
 "$SL" calibrate --from-measurements "$DATA" --gpu h100-sxm --drop-bad-rows --engine-version 0.24.0 \
     --data-version "$V24, vidur 7d47513" --out "$OUT/h100-sxm.vllm-0.24.json"

@@ -291,8 +291,10 @@ def test_a_simulation_steps_a_moe_deployments_ranks_together_and_dense_replicas_
 
 def test_the_real_moe_runs_report_describes_lock_step_and_prices_the_exchange_at_the_gpus_ring():
     """The recorded DP2 + EP run (../shared/real-runs): its replay steps the ranks in
-    lock-step, its section says so, and the variant that prices the EP exchange at the
-    GPU's own measured NCCL ring takes the ring figures of the profile's all-reduce fit."""
+    lock-step, its section says so, and its profile prices the EP exchange at the GPU's
+    own measured NCCL ring (no all-to-all tables on it); the what-if row brackets the
+    exchange at the link's datasheet figure."""
+    from servelab.simulator.kernels.movement import alltoall_from_ring
     from servelab.validation import real_runs_report as report
     from servelab.validation.real_runs import load_recorded_run, replay_run
 
@@ -302,9 +304,10 @@ def test_the_real_moe_runs_report_describes_lock_step_and_prices_the_exchange_at
     rp = replay_run(load_recorded_run(folder))
     assert sum(rp.derived["data_parallel"]["dummy_steps_per_rank"]) > 0
     note = report._lock_step_note(rp)
-    assert "step in lock-step" in note and "EP exchange at this GPU's measured ring speed" in note
-    ring = report._ring_exchange_profile(rp)
+    assert "step in lock-step" in note and "derived from its own NCCL ring" in note
     base = rp.cost_model.profile.kernels
-    assert (ring.kernels.alltoall.latency_s, ring.kernels.alltoall.link_eff) == \
-        (base.collective.ring_latency_s, base.collective.ring_link_eff)
-    assert ring.kernels.moe == base.moe and ring.device == rp.cost_model.profile.device
+    assert base.alltoall == alltoall_from_ring(base.collective)
+    label, peak = report._exchange_variant(rp)
+    assert label == "EP exchange at the link's datasheet speed" and label in note
+    assert peak.kernels.alltoall.link_eff == 1.0 and peak.kernels.alltoall.latency_s == 0.0
+    assert peak.kernels.moe == base.moe and peak.device == rp.cost_model.profile.device

@@ -31,6 +31,7 @@ import numpy as np
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import DEFAULT_STEP_OVERHEAD_S, CalibrationProfile
 from servelab.simulator.gpus import GPUSpec, get_gpu
+from servelab.simulator.kernels.movement import alltoall_from_ring
 from servelab.validation.kernel_families import FAMILIES, Family, vidur_elementwise
 from servelab.validation.measurements import MeasurementSet, Table, key_columns
 
@@ -240,11 +241,22 @@ _FP8_OF = {"gemm_fp8": ("gemm", "GEMM"), "moe_fp8": ("moe", "MoE")}
 def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEFAULT_HOLDOUT,
               fallback: CalibrationProfile | None = None, data_version: str = "",
               max_points: int | None = None, progress=None,
-              families: tuple[str, ...] | None = None) -> KernelFit:
+              families: tuple[str, ...] | None = None,
+              ring: "tuple[K.CollectiveParams, str] | None" = None) -> KernelFit:
     """Fit every family that has measurements (or only `families`); take the others from
     `fallback` (a profile of another GPU, e.g. of the same era) or leave them at the bare
-    roofline, and say so."""
+    roofline, and say so.
+
+    The all-to-all (the EP exchange) without measurements is, in order: the fallback's
+    where the fallback was measured on this GPU (its own tables inside another engine
+    version); else, on a PCIe GPU (no NVLink), derived from this GPU's own ring all-reduce
+    — fitted here, or `ring` (parameters and their provenance) when the collective family
+    is not refitted — by `kernels.movement.alltoall_from_ring`, which says why the ring
+    prices the exchange better than another GPU's all-to-all there (on NVLink the
+    derivation is 8-27% fast against A100/H100's measured exchanges, so an NVLink GPU
+    borrows a measured one); else the fallback's; else the bare roofline."""
     gpu = get_gpu(ms.gpu)
+    own_ring = ring
     fits: dict[str, FamilyFit] = {}
     values = {}
     provenance = {}
@@ -258,6 +270,10 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
                 values[name] = values[bf16]
                 provenance[f"kernels.{name}"] = (f"no FP8 {label} measurements: the BF16 {label} "
                                                  f"parameters")
+            elif name == "alltoall" and (fallback is None or fallback.device != ms.gpu) \
+                    and own_ring is not None and gpu.nvlink_gbps is None:
+                values[name] = alltoall_from_ring(own_ring[0])
+                provenance[f"kernels.{name}"] = _ring_provenance(ms.gpu, own_ring[1])
             elif fallback is not None:
                 values[name] = getattr(fallback.kernels, name)
                 provenance[f"kernels.{name}"] = (f"no measurements on {ms.gpu}: carried from the "
@@ -274,6 +290,8 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
         values[name] = fit.params
         provenance[f"kernels.{name}"] = ms.sources.get(fam.table if fam.table != "vidur_elementwise"
                                                        else "vidur_ops", "")
+        if name == "collective":
+            own_ring = fit.params, provenance[f"kernels.{name}"]
     values["host_link"] = ASSUMED_HOST_LINK
     provenance["kernels.host_link"] = "assumption (no public measurements): see ASSUMED_HOST_LINK"
     provenance["step_overhead_s"] = ("assumption (kernel tables do not see CPU time): "
@@ -313,8 +331,10 @@ def extend_profile(base: CalibrationProfile, ms: MeasurementSet, families: tuple
                          f"profile fitted inside vLLM {base.engine_version}")
     seed = int(base.fit_stats.get("holdout_seed", DEFAULT_SEED))
     fraction = float(base.fit_stats.get("holdout_fraction", DEFAULT_HOLDOUT))
+    collective = base.source.get("kernels.collective", "")
+    ring = (base.kernels.collective, collective) if _measured(collective) else None
     result = calibrate(ms, seed, fraction, fallback=fallback, data_version=data_version,
-                       progress=progress, families=families)
+                       progress=progress, families=families, ring=ring)
     new = result.profile
     kernels = replace(base.kernels, **{n: getattr(new.kernels, n) for n in families
                                        if f"kernels.{n}" in new.source})
@@ -327,6 +347,19 @@ def extend_profile(base: CalibrationProfile, ms: MeasurementSet, families: tuple
     stats.update({k: v for k, v in new.fit_stats.items() if k.split(".")[0] in families})
     profile = replace(base, kernels=kernels, source=source, fit_stats=stats)
     return KernelFit(profile, result.families)
+
+
+def _measured(provenance: str) -> bool:
+    """Whether a family's provenance line names a table it was fitted to (not a carry-over,
+    the bare roofline or an assumption)."""
+    return bool(provenance) and not provenance.startswith(("no ", "assumption"))
+
+
+def _ring_provenance(gpu: str, collective_source: str) -> str:
+    return (f"no all-to-all measurements on {gpu}: derived from its own NCCL ring all-reduce "
+            f"fit (kernels.collective, {collective_source}): ring latency, hop and bus "
+            f"bandwidth, an all-gather or reduce-scatter moving (n-1)/n of the buffer per GPU "
+            f"(kernels.movement.alltoall_from_ring)")
 
 
 def _rounded(stats: dict) -> dict:

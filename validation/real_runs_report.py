@@ -78,9 +78,8 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
     """The same run replayed with one thing changed, to show what moves the error: the bare
     roofline instead of the profile; the KV capacity servelab derives instead of the
     recorded one (or 10% fewer blocks when none was recorded); the first, cold request
-    left out of the figures; for a data-parallel EP run whose profile measured no all-to-all
-    on its GPU, the EP exchange at that GPU's measured NCCL ring speed
-    (`_ring_exchange_profile`). Each: latency -> `error_metrics`; a variant the simulator
+    left out of the figures; for a data-parallel EP run, the EP exchange priced otherwise
+    (`_exchange_variant`). Each: latency -> `error_metrics`; a variant the simulator
     refuses is left out."""
     run, blocks = rp.run, rp.derived["kv_blocks_per_replica"]
     changes = {}
@@ -97,10 +96,10 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
             (calibration, {"expert_load": "power-law:1.2"})
     out = {"as replayed": rp.errors}
     with tempfile.TemporaryDirectory(prefix="servelab-real-run-profile-") as tmp:
-        ring = _ring_exchange_profile(rp)
-        if ring is not None:
-            changes["EP exchange at this GPU's measured ring speed"] = \
-                (str(ring.save(Path(tmp) / "profile.json")), {})
+        exchange = _exchange_variant(rp)
+        if exchange is not None:
+            label, profile = exchange
+            changes[label] = (str(profile.save(Path(tmp) / "profile.json")), {})
         for name, (profile, overrides) in changes.items():
             try:
                 out[name] = replay_run(run, profile, **overrides).errors
@@ -124,35 +123,45 @@ def _lock_step_note(rp: Replay) -> str:
             "ranks carry, attention and the dense layers over each rank's own; a rank with "
             f"nothing scheduled runs a one-token dummy forward pass ({dummies:,} in this "
             "replay); the step ends for every rank when the slowest rank's does.")
-    if _ring_exchange_profile(rp) is not None:
+    exchange = _exchange_variant(rp)
+    if exchange is not None:
         note += (" The EP exchange (vLLM's default all-gather before and reduce-scatter "
-                 "after each MoE layer, over NCCL) is priced with an all-to-all link measured "
-                 "on another GPU (the profile's `kernels.alltoall`: "
-                 f"{rp.cost_model.profile.source.get('kernels.alltoall')}); the row *EP "
-                 "exchange at this GPU's measured ring speed* prices it at the NCCL ring "
-                 "latency and bus bandwidth fitted to this GPU's own all-reduce table.")
+                 "after each MoE layer, over NCCL) is priced by the profile's "
+                 f"`kernels.alltoall` ({rp.cost_model.profile.source.get('kernels.alltoall')}); "
+                 f"the row *{exchange[0]}* prices it ")
+        note += ("at the NCCL ring latency and bus bandwidth fitted to this GPU's own "
+                 "all-reduce table." if exchange[0] == _RING_ROW else
+                 "at the link's datasheet figure with no latency (the bare roofline's "
+                 "all-to-all): how much of the error the exchange's price can move.")
     return note
 
 
-def _ring_exchange_profile(rp: Replay):
-    """The replay's profile with the EP exchange priced at this GPU's own NCCL ring (the
-    ring latency, per-peer hop and bus-bandwidth fraction of its `collective` fit: an
-    all-gather or reduce-scatter moves (n-1)/n of the buffer per GPU, half a ring
-    all-reduce, over the same links), for a data-parallel EP run whose profile carries its
-    all-to-all from another GPU; None otherwise."""
+_RING_ROW = "EP exchange at this GPU's measured ring speed"
+_PEAK_ROW = "EP exchange at the link's datasheet speed"
+
+
+def _exchange_variant(rp: Replay):
+    """(row label, profile) of the what-if row for a data-parallel EP run's exchange; None
+    for other runs. Where the profile's all-to-all is carried from another GPU, the
+    exchange at this GPU's own NCCL ring (`kernels.movement.alltoall_from_ring`, what
+    `servelab calibrate` now derives for a GPU without all-to-all tables); otherwise the
+    exchange at the bare roofline (datasheet link, no latency), bracketing it from below."""
     from dataclasses import replace
+
+    from servelab.simulator.kernels import AllToAllParams
+    from servelab.simulator.kernels.movement import alltoall_from_ring
 
     cost = rp.cost_model
     profile = cost.profile
-    if cost.data_parallel_ranks == 1 or \
-            not str(profile.source.get("kernels.alltoall", "")).startswith("no measurements"):
+    if cost.data_parallel_ranks == 1:
         return None
-    ring, carried = profile.kernels.collective, profile.kernels.alltoall
-    # a fresh parameter set: nothing of the carried link is kept but the topology setting
-    alltoall = type(carried)(latency_s=ring.ring_latency_s, hop_s=ring.hop_s,
-                             link_eff=ring.ring_link_eff, fabric_gbps=ring.fabric_gbps,
-                             pcie_direct_max_gpus=carried.pcie_direct_max_gpus)
-    return replace(profile, kernels=replace(profile.kernels, alltoall=alltoall))
+    carried = profile.kernels.alltoall
+    if str(profile.source.get("kernels.alltoall", "")).startswith("no measurements"):
+        label = _RING_ROW
+        alltoall = alltoall_from_ring(profile.kernels.collective, carried.pcie_direct_max_gpus)
+    else:
+        label, alltoall = _PEAK_ROW, AllToAllParams()
+    return label, replace(profile, kernels=replace(profile.kernels, alltoall=alltoall))
 
 
 def _slug(label: str) -> str:

@@ -182,6 +182,30 @@ def alltoall_time(nbytes, num_gpus, gpu: GPUSpec, p: AllToAllParams):
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 
+def alltoall_from_ring(ring: CollectiveParams, pcie_direct_max_gpus: float = 2.0
+                      ) -> AllToAllParams:
+    """The EP exchange's link, for a GPU measured without all-to-all tables, taken from its
+    own fitted NCCL ring all-reduce (`ring`): its ring latency, per-GPU hop, bus-bandwidth
+    fraction and host-fabric figure, as one protocol line (no LL128/Simple split, no
+    buffer copy).
+
+    Why the ring: vLLM's default EP exchange (the `allgather_reducescatter` all-to-all
+    backend) is an NCCL all-gather before the experts and a reduce-scatter after, and NCCL
+    runs both over the same rings as an all-reduce, each moving (n-1)/n of the gathered
+    buffer per GPU where a ring all-reduce moves 2(n-1)/n (nccl-tests' bus-bandwidth
+    convention, its PERFORMANCE.md) — what `alltoall_time` charges for `nbytes` of
+    the gathered activations. Checked where both were measured (aiconfigurator's vLLM 0.14
+    `nccl_perf` tables, messages >= 8 MiB, the median error of this line from each GPU's
+    own all-reduce fit, docs/moe-mla.md): L40S over PCIe, 2 GPUs, all-gather +1.9% and
+    reduce-scatter -2.5% (its own all-to-all fit: -11.9% and -14.9%); over NVLink the line
+    is faster than measured, A100 and H100 2 GPUs -8% to -27%, 8 GPUs -3% to -6%; over
+    PCIe's host fabric (L40S, 4 and 8 GPUs) from -24% to +65%, as crude as the fabric
+    figure itself. A GPU with all-to-all tables of its own keeps its fit."""
+    return AllToAllParams(latency_s=ring.ring_latency_s, hop_s=ring.hop_s,
+                          link_eff=ring.ring_link_eff, fabric_gbps=ring.fabric_gbps,
+                          pcie_direct_max_gpus=pcie_direct_max_gpus)
+
+
 # ----------------------------------------------------------------------------- host link
 
 
