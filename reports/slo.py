@@ -198,7 +198,7 @@ class SloTargets:
         for t in self.percentiles:
             value = t.value(summary)
             if value > t.limit_ms:
-                shown = "unbounded (too many rejected)" if value == float("inf") else f"{value:,.0f} ms"
+                shown = "unbounded (too many rejected)" if value == float("inf") else f"{_above(value, t.limit_ms)} ms"
                 out.append(f"p{t.percentile} {dict(SLO_METRICS)[t.metric]} {shown} > {t.limit_ms:g} ms")
         return out
 
@@ -228,3 +228,13 @@ class SloTargets:
     def __str__(self) -> str:
         parts = [] if self.attainment is None else [f"{self.attainment:.0%} SLO attainment"]
         return " and ".join([*parts, *map(str, self.percentiles)])
+
+
+def _above(value: float, limit: float) -> str:
+    """`value` (> `limit`) in whole ms, or with as many decimals (up to 3) as it takes not
+    to read as the limit itself ("150.4", not "150 > 150")."""
+    for digits in range(4):
+        shown = f"{value:,.{digits}f}"
+        if float(shown.replace(",", "")) > limit:
+            return shown
+    return shown

@@ -105,6 +105,14 @@ def test_percentile_targets_count_rejected_requests_as_slowest():
         SloTargets(None)
 
 
+def test_a_miss_never_reads_as_the_limit_itself():
+    targets = SloTargets(None, (PercentileTarget("tpot", 99, 150.0),))
+    assert targets.misses({"p99_tpot_ms": 150.04, "completed": 1, "rejected": 0}) == \
+        ["p99 TPOT 150.04 ms > 150 ms"]
+    assert targets.misses({"p99_tpot_ms": 157.2, "completed": 1, "rejected": 0}) == \
+        ["p99 TPOT 157 ms > 150 ms"]
+
+
 # --------------------------------------------------------------------------- the commands
 SMALL = ["--trace", "default", "--num-requests", "300", "--rate", "60"]
 
