@@ -156,7 +156,7 @@ class Scheduler:
             self._reject(req, reason, now)
             return False
         self._requests[req.request_id] = req
-        if any(self.bm.has_seq(s.seq_id) for s in req.seqs if not s.finished):
+        if req.seqs[0].num_computed_tokens and self.bm.has_seq(req.seqs[0].seq_id):
             self._imports.add(req.request_id)   # KV computed elsewhere (policies/admission.py)
         self.policy.add(req, now)
         return True
