@@ -13,9 +13,12 @@ fastest of --repeat runs of each is reported (and the median), wall and CPU seco
 fastest; the prefix cache's hit rate (summary.json) shows the runs did the work.
 
     .venv/bin/python benchmarks/bench_prefix_caching.py [--repeat N] [--num-requests N]
-        [--trace PATH] [--kv-offload-gb GB] [--keep DIR]
+        [--trace PATH] [--kv-offload-gb GB] [--keep DIR] [--instructions]
 
 --kv-offload-gb also gives the prefix-caching run a CPU tier of that many GiB.
+--instructions counts the instructions of one run of each instead of timing them
+(benchmarks/count_instructions.sh: valgrind, about 50x slower, repeatable to ~0.01%),
+for comparisons that a shared machine's drifting speed cannot blur.
 """
 from __future__ import annotations
 
@@ -53,6 +56,13 @@ def timed(command: list[str]) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+def instructions(command: list[str]) -> int:
+    """Millions of instructions one run of `command` executes (count_instructions.sh)."""
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / "count_instructions.sh"), *command],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=SHARED / "traces" / "mooncake_conversation_trace.jsonl")
@@ -61,6 +71,8 @@ def main() -> None:
     ap.add_argument("--kv-offload-gb", type=float, default=0.0,
                     help="a CPU tier of this many GiB for the prefix-caching run")
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions of one run of each (valgrind) instead of timing")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -73,6 +85,16 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         commands = {"without": [*SERVELAB, *base, "--out", str(work / "without")],
                     "with": [*SERVELAB, *base, *cached, "--out", str(work / "with")]}
+        if args.instructions:
+            counts = {name: instructions(command) for name, command in commands.items()}
+            summary = json.loads((work / "with" / "summary.json").read_text())
+            for name, command in commands.items():
+                print(f"{name:>7} prefix caching: {counts[name]:,} M instructions")
+                print(f"    servelab {' '.join(command[3:-2])}")
+            print(f"ratio: {counts['with'] / counts['without']:.2f}x instructions; "
+                  f"{summary['completed']} requests finished, prefix-cache hit rate "
+                  f"{summary['prefix_cache_hit_rate']:.1%}")
+            return
         walls: dict[str, list[float]] = {"without": [], "with": []}
         cpus: dict[str, list[float]] = {"without": [], "with": []}
         for _ in range(args.repeat):

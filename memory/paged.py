@@ -135,7 +135,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         self._prefix_hits = 0
         self._later = LaterMemos(self._cache) if self._cache is not None else None
         """LATER answers kept for waiting sequences' keys (see later_memo.py)."""
-        self._host = HostTier(num_host_blocks, self._cache) if num_host_blocks else None
+        self._host = HostTier(num_host_blocks) if num_host_blocks else None
         """The host-memory tier of the prefix cache (see host_tier.py), or None."""
         if self._host is not None:
             self._cache.host = self._host
@@ -191,9 +191,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                 f"watermark {self.watermark_blocks}")
         refcount = self._refcount
         hits = match.blocks
-        loaded: list = []
-        if match.on_host:   # pinned out of the host tier before _take can evict there
-            loaded = [self._host.load(hits[i]) for i in match.on_host]
+        # host-tier hits are taken out of it first: _take may evict into it
+        loaded = cache.take_host_hits(match) if match.num_on_host else ()
         if cache is not None:
             self._later.forget(contents)
             self._prefix_queries += min(len(contents), num_tokens // bs)
@@ -212,25 +211,30 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                     k = cache.revive(run, b)
                     self._later.touches += k
                     self._slots_used += k * bs
-        num_gpu_hits = len(hits) - len(loaded)
+        num_gpu_hits = len(hits) - match.num_on_host
         new = self._take(num_blocks - num_gpu_hits)
         self._slots_used += num_tokens - num_gpu_hits * bs
-        spans = [p for p in match.pieces if p.__class__ is tuple]
         blocks = hits + new if hits else new
-        if loaded:   # the first new blocks receive the host hits
-            adopted = {}
-            for i, gb, entry in zip(match.on_host, new, loaded):
-                self._host.loading(gb, hits[i])
-                blocks[i] = gb
-                adopted[i] = cache.adopt(blocks, contents, i, entry)
-            del blocks[len(hits):len(hits) + len(loaded)]
-            spans = [p if p.__class__ is tuple else (adopted[p], p, p + 1) for p in match.pieces]
+        if loaded:   # the first new blocks receive the host hits, in order
+            spans = []
+            moved = iter(loaded)
+            used = 0
+            for p in match.pieces:
+                if p.__class__ is not tuple:
+                    entries = next(moved)
+                    blocks[p.a:p.b] = new[used:used + p.b - p.a]
+                    used += p.b - p.a
+                    p = (cache.adopt(blocks, contents, entries, p.blocks), p.a, p.b)
+                spans.append(p)
+            del blocks[len(hits):len(hits) + used]
+        else:
+            spans = [p for p in match.pieces if p.__class__ is tuple]
         loc = None
         if spans:
             run, _, b = spans[-1]
             loc = (run, b - 1)
-        self._seqs[seq_id] = _SeqBlocks(blocks, num_tokens, True, contents,
-                                        len(hits), match.last_entry_id, num_loaded=len(loaded),
+        self._seqs[seq_id] = _SeqBlocks(blocks, num_tokens, True, contents, len(hits),
+                                        match.last_entry_id, num_loaded=match.num_on_host,
                                         spans=spans, loc=loc)
         return len(hits) * bs
 
@@ -453,7 +457,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         need = num_blocks - len(match.blocks)
         if match.blocks:  # reviving an evictable hit takes it out of the free count
             # (a host hit needs a fresh GPU block, as a miss does)
-            need += len(match.on_host) + self._cache.num_evictable_in(match.pieces)
+            need += match.num_on_host + self._cache.num_evictable_in(match.pieces)
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
@@ -468,11 +472,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             return taken
         taken = free[::-1]
         free.clear()
-        if self._host is None:
-            return self._cache.evict(n - len(taken), taken)
-        evicted, entries = self._cache.evict_entries(n - len(taken))
-        self._host.store(evicted, entries)
-        return taken + evicted
+        return self._cache.evict(n - len(taken), taken)   # into the host tier, if any
 
     def _release(self, seq: _SeqBlocks) -> None:
         """Drop one reference to each of a sequence's GPU blocks, last block first. A
@@ -633,9 +633,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         if self._host is not None:
             self._host.check_invariants({(run.hashes[k], run.parent_of(k), run.contents[k])
                                          for run, k in in_cache.values()})
-            gpu_ids = set(self._cache.entry_ids())
-            host_ids = {self._host.entry_id(b) for b in self._host.index.block_of_hash.values()}
-            _require(not gpu_ids & host_ids, "an entry is in both tiers")
+            _require(not set(self._cache.entry_ids()) & set(self._host.entry_ids()),
+                     "an entry is in both tiers")
         _require(used + len(self._free) + cached == self.num_gpu_blocks,
                  f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
         cpu_used = sum(1 for r in cpu_refs if r)

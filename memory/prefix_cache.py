@@ -11,9 +11,10 @@ entry: a unique id (never reused, so a stale parent cannot match), the id of its
 entry and its content; a hit at position i requires the candidate's parent id to equal
 the entry matched at i - 1 and its content to compare equal. By induction a hit means
 the same contents all the way from the first block, so a hash collision is a miss,
-never a wrong reuse. The GPU cache keeps its entries in runs (`Run`, below); the host
-tier (`host_tier.py`) keeps a per-block `CacheIndex`, and an entry moves between them
-whole, id included.
+never a wrong reuse. The GPU cache keeps its entries in runs (`Run`, below), the host
+tier (`host_tier.py`) in runs of its own, and entries move between them whole, ids
+included, a run's worth at a time (`Entries`). The GPU cache calls the host tier; the
+host tier never calls back.
 
 Committed blocks nobody references are *evictable*: they stay cached, least recently
 used first, until the manager needs a block and its free list is empty.
@@ -31,10 +32,8 @@ the oracle in tests/test_memory_prefix_runs.py).
 """
 from __future__ import annotations
 
-from array import array
 from bisect import bisect_right, insort
 from collections import Counter, deque
-from dataclasses import dataclass
 from itertools import compress, count, repeat
 from operator import ne
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
@@ -56,33 +55,34 @@ def chain_hash(parent_hash: int | None, content: Hashable) -> int:
     return hash((parent_hash, content))
 
 
-Entry = tuple[int, int, int, Hashable]
-"""A committed block's entry: (chain hash, entry id, parent entry id, content)."""
-
-
-@dataclass(slots=True, frozen=True)
-class Entries:
-    """Several entries as parallel columns, in their blocks' order: what an eviction
-    moves to the host tier in bulk."""
+class Entries(NamedTuple):
+    """Consecutive entries of one chain, as they move between the tiers: those at chain
+    positions lo .. hi - 1, position k's with hash hashes[k], content contents[k] (the
+    key lists of the sequence that committed them, shared, never copied) and id
+    id0 + k; the parent of the entry at `origin` is entry `parent_id`, of any later one
+    the entry before it."""
 
     hashes: list[int]
-    ids: list[int]
-    parent_ids: list[int]
     contents: list[Hashable]
+    id0: int
+    origin: int
+    parent_id: int
+    lo: int
+    hi: int
 
 
 class PrefixMatch(NamedTuple):
     """The longest cached run of leading blocks for some block contents."""
 
     blocks: list[int]
-    """GPU block ids, except at `on_host` positions: host-tier block ids."""
+    """GPU block ids, except where a host-tier hit matched: host-tier block ids."""
     last_entry_id: int
     """Entry id of the last matched block (0 when nothing matched)."""
-    on_host: tuple[int, ...] = ()
-    """Positions (indices into `blocks`) whose entry is in the host tier."""
+    num_on_host: int = 0
+    """How many matched blocks are in the host tier."""
     pieces: tuple | list = ()
-    """What matched, in order: (run, a, b) for entries a..b-1 of a GPU run, or the
-    position of a host-tier hit."""
+    """What matched, in order: (run, a, b) for entries a..b-1 of a GPU run (a plain
+    tuple), or a `HostHit` (entries a..b-1 of a host-tier run)."""
 
 
 NO_MATCH = PrefixMatch([], 0)
@@ -104,82 +104,6 @@ class ChainLink(NamedTuple):
     """The run at the location given grew: the sequence's last span ends at its new end."""
 
 
-class CacheIndex:
-    """Entries by block, and the block of each chain hash (one block per hash).
-
-    The entry of each block is kept in parallel per-block sequences (entering a block
-    costs four stores, not an object): its hash (None while the block holds no entry),
-    its id, its parent's id (0 for a first block) and its content. The ids are machine
-    integers in `array`s: a store into a list frees the int object it replaces, one that
-    was made long ago and is no longer in the CPU's caches, and on a long-prompt trace
-    those misses cost more than the array's conversions (a sixth of committing)."""
-
-    __slots__ = ("block_of_hash", "hash", "entry_id", "parent_id", "content")
-
-    def __init__(self, num_blocks: int) -> None:
-        self.block_of_hash: dict[int, int] = {}
-        self.hash: list[int | None] = [None] * num_blocks
-        self.entry_id = array("q", bytes(8 * num_blocks))
-        self.parent_id = array("q", bytes(8 * num_blocks))
-        self.content: list[Hashable] = [None] * num_blocks
-
-    def find(self, h: int, parent_id: int, content: Hashable) -> int | None:
-        """The block holding (parent, content) under hash h, or None (a collision too)."""
-        block = self.block_of_hash.get(h)
-        if block is None or self.parent_id[block] != parent_id or self.content[block] != content:
-            return None
-        return block
-
-    def put(self, block: int, entry: Entry) -> None:
-        """Enter `entry` for `block`; its hash must be free in this index."""
-        h, eid, pid, content = entry
-        self.block_of_hash[h] = block
-        self.hash[block], self.entry_id[block] = h, eid
-        self.parent_id[block], self.content[block] = pid, content
-
-    def take(self, block: int) -> Entry:
-        """Remove and return the entry of `block`."""
-        h = self.hash[block]
-        entry = (h, self.entry_id[block], self.parent_id[block], self.content[block])
-        del self.block_of_hash[h]
-        self.hash[block] = self.content[block] = None
-        return entry
-
-    def put_many(self, blocks: list[int], entries: Entries) -> None:
-        """Enter entries[i] for blocks[i]; their hashes must be distinct and free in this
-        index. O(blocks)."""
-        by_hash = self.block_of_hash
-        size = len(by_hash)
-        by_hash.update(zip(entries.hashes, blocks))
-        if len(by_hash) - size != len(blocks):
-            raise AssertionError("put_many: a hash is taken or repeated")
-        hashes, entry_ids, parent_ids, stored = self.hash, self.entry_id, self.parent_id, self.content
-        for b, h, eid, pid, content in zip(blocks, entries.hashes, entries.ids,
-                                           entries.parent_ids, entries.contents):
-            hashes[b] = h
-            entry_ids[b] = eid
-            parent_ids[b] = pid
-            stored[b] = content
-
-    def drop(self, blocks: list[int]) -> None:
-        """Remove the entries of `blocks` (each holds one). O(blocks)."""
-        by_hash, hashes, stored = self.block_of_hash, self.hash, self.content
-        for b in blocks:
-            del by_hash[hashes[b]]
-            hashes[b] = stored[b] = None  # drop the reference to the content key
-
-    def check(self) -> list[int]:
-        """Raise AssertionError unless the hash map and the entries agree; returns the
-        blocks holding an entry."""
-        for h, block in self.block_of_hash.items():
-            if self.hash[block] != h:
-                raise AssertionError(f"hash {h} maps to block {block}, which is not cached under it")
-        cached = [b for b, h in enumerate(self.hash) if h is not None]
-        if len(cached) != len(self.block_of_hash):
-            raise AssertionError(f"{len(cached)} cached blocks but {len(self.block_of_hash)} hashes")
-        return cached
-
-
 class Watch:
     """Raised flag for the chain hashes of a sequence's leading blocks: `dirty` turns
     True when an entry is put under one of them (see `PrefixCache.watch`)."""
@@ -195,7 +119,7 @@ class Watch:
 
 class Run:
     """Entries committed together, each the parent of the next: a stretch of one
-    sequence's blocks that its commits entered one after another, or one block loaded
+    sequence's blocks that its commits entered one after another, or a stretch loaded
     from the host tier. Its lists are that sequence's own (its block table, its keys'
     hashes and contents), indexed by chain position: no copy is made, and a sequence
     that keeps committing after the run's last entry just moves `hi`. The entry at
@@ -265,11 +189,12 @@ def _grows(run: Run, off: int, blocks: list[int], start: int, end: int) -> bool:
         and run.moved is None and end - run.origin <= run.room
 
 
-def _agree(contents: list[Hashable], keys: list[Hashable], i: int, n: int) -> int:
+def agree(contents: list[Hashable], keys: list[Hashable], i: int, n: int) -> int:
     """How many of a run's n entries at positions i.. have the contents of the keys
     there, counted up to the first that does not: list slices compared in C. The caller
     has matched the entry at i - 1, every entry's parent inside a run is the one before
-    it, so equal contents are equal chains: hashes need no comparing."""
+    it, so equal contents are equal chains: hashes need no comparing. (Any two lists
+    compare this way: the host tier compares a run's hashes with a commit's.)"""
     a, b = contents[i:i + n], keys[i:i + n]
     if a != b:
         n = next(compress(count(), map(ne, a, b)))
@@ -336,7 +261,7 @@ class PrefixCache:
         i = pid = 0
         blocks: list[int] = []
         pieces: list = []
-        on_host: list[int] = []
+        num_on_host = 0
         while i < limit:
             run = heads.get(hashes[i])
             while run is not None:   # more than one view only under a hash collision
@@ -344,7 +269,7 @@ class PrefixCache:
                 if (run.id0 + lo - 1 if lo > run.origin else run.parent_id) == pid \
                         and run.contents[lo] == contents[i]:
                     n = min(run.hi - lo, limit - i)
-                    m = _agree(run.contents, contents, i, n)
+                    m = agree(run.contents, contents, i, n)
                     blocks += run.blocks[lo:lo + m]
                     pieces.append((run, lo, lo + m))
                     i += m
@@ -355,17 +280,17 @@ class PrefixCache:
                 continue
             if host is None:
                 break
-            hb = host.find(hashes[i], pid, contents[i])
-            if hb is None:
+            hit = host.find(hashes, contents, i, pid, limit)
+            if hit is None:
                 break
-            blocks.append(hb)
-            on_host.append(i)
-            pieces.append(i)
-            pid = host.entry_id(hb)
-            i += 1
+            blocks += hit.blocks
+            pieces.append(hit)
+            num_on_host += hit.b - i
+            pid = hit.last_id
+            i = hit.b
         if not blocks:
             return NO_MATCH
-        return PrefixMatch(blocks, pid, tuple(on_host), pieces)
+        return PrefixMatch(blocks, pid, num_on_host, pieces)
 
     def num_evictable_in(self, pieces) -> int:
         """How many blocks of a match's GPU pieces are evictable. O(pieces)."""
@@ -412,9 +337,14 @@ class PrefixCache:
             run = _live(run, off)
         else:
             run, off = None, -1
-        if start and run is None and not self._on_host(hashes[start - 1], parent_id):
-            return self._commit_each(blocks, keys, start, end, parent_id, loc, free)
-        heads, host = self.heads, self.host
+        host = self.host
+        if start and run is None:   # the chain's last entry left the GPU
+            if host is None or not host.holds(parent_id, start - 1):
+                return self._commit_each(blocks, keys, start, end, parent_id, loc, free)
+            on_host = parent_id   # ... for the host tier, where the entries after it may be
+        else:
+            on_host = 0
+        heads = self.heads
         pid = parent_id
         made: list[Run] = []
         grown = False
@@ -422,8 +352,7 @@ class PrefixCache:
         while i < end:
             other = None
             if run is not None and off + 1 < run.hi:   # the chain's run goes on: walk it
-                k = _agree(run.contents, contents, i,
-                           min(run.hi - off - 1, end - i))
+                k = agree(run.contents, contents, i, min(run.hi - off - 1, end - i))
                 if k:
                     i += k
                     off += k
@@ -460,9 +389,8 @@ class PrefixCache:
                     if hashes[p] in heads:
                         j = p
                         break
-            new_hashes = hashes[i:j]
             if host is not None:
-                host.discard_hashes(new_hashes)
+                host.discard(hashes, i, j, on_host if i == start else 0)
             if run is not None and _grows(run, off, blocks, i, j):
                 run.hi = run.ev = j
                 if not made:
@@ -489,7 +417,7 @@ class PrefixCache:
                 if start < self._watch_reach:
                     self._notify_at(hashes, start, end, start)
                 if self.host is not None:
-                    self.host.discard_hashes(hashes[start:end])
+                    self.host.discard(hashes, start, end)
                 run.hi = run.ev = end
                 return True
         return False
@@ -521,7 +449,7 @@ class PrefixCache:
             nonlocal fresh, loc
             if fresh is not None:
                 if host is not None:
-                    host.discard_hashes(hashes[fresh:i])
+                    host.discard_anywhere(hashes, fresh, i)
                 run = self._new_run(blocks, keys, fresh, i, fresh_parent)
                 made.append(run)
                 loc = (run, i - 1)
@@ -552,14 +480,6 @@ class PrefixCache:
             pid = self._next_entry_id + (i - fresh)
         flush(end)
         return ChainLink(end, pid, False, loc, made)
-
-    def _on_host(self, h: int, entry_id: int) -> bool:
-        """Is the entry `entry_id`, under hash h, in the host tier?"""
-        host = self.host
-        if host is None:
-            return False
-        hb = host.index.block_of_hash.get(h)
-        return hb is not None and host.entry_id(hb) == entry_id
 
     def _new_run(self, blocks: list[int], keys: BlockKeys, lo: int, hi: int,
                  parent_id: int) -> Run:
@@ -673,16 +593,23 @@ class PrefixCache:
         self._runs[upper] = None
         self._index(upper)
 
-    def adopt(self, blocks: list[int], keys: BlockKeys, position: int, entry: Entry) -> Run:
-        """Enter an entry that moves in from the host tier for a sequence's (referenced)
-        block at chain position `position`: blocks[position] is that block, and the
-        keys at `position` are the entry's hash and content (a match found it by
-        them). A run of one."""
-        _, eid, pid, _ = entry
-        if position < self._watch_reach:
-            self._notify_at(keys.hashes, position, position + 1, position)
-        run = Run(blocks, keys.hashes, keys.keys, position, eid - position, pid, 1, position,
-                  position + 1)
+    def take_host_hits(self, match: PrefixMatch) -> list[Entries]:
+        """Take a match's host-tier hits out of the host tier, in order (before blocks
+        are taken for them: taking blocks may evict into the host tier)."""
+        return [self.host.load(p) for p in match.pieces if p.__class__ is not tuple]
+
+    def adopt(self, blocks: list[int], keys: BlockKeys, entries: Entries,
+              host_blocks: list[int]) -> Run:
+        """Enter entries that move in from the host tier (`take_host_hits`) for a
+        sequence's (referenced) blocks at their chain positions lo .. hi - 1:
+        blocks[lo:hi] are those blocks, loaded from `host_blocks`, and the keys there are
+        the entries' hashes and contents (a match found them by them). One run."""
+        a, b = entries.lo, entries.hi
+        self.host.loading(blocks[a:b], host_blocks)
+        if a < self._watch_reach:
+            self._notify_at(keys.hashes, a, b, a)
+        parent_id = entries.id0 + a - 1 if a > entries.origin else entries.parent_id
+        run = Run(blocks, keys.hashes, keys.keys, a, entries.id0, parent_id, b - a, a, b)
         self._index(run)
         self._runs[run] = None
         return run
@@ -721,15 +648,25 @@ class PrefixCache:
 
     def evict(self, n: int, out: list[int] | None = None) -> list[int]:
         """Forget the n least recently used evictable blocks and return them, LRU
-        first, appended to `out` if given. The caller has checked that there are n."""
-        return self._pop(n, None, [] if out is None else out)
+        first, appended to `out` if given. The caller has checked that there are n.
+        With a host tier, their entries move there, a run's stretch at a time."""
+        out = [] if out is None else out
+        host = self.host
+        if host is None:
+            return self._pop(n, None, out)
+        start = len(out)
+        moved: list[Entries] = []
+        self._pop(n, moved, out)
+        host.store(out[start:], moved)
+        if self._watch_reach:   # a match may now run further, through them
+            for e in moved:
+                if e.lo < self._watch_reach:
+                    self._notify_at(e.hashes, e.lo, e.hi, e.lo)
+        return out
 
-    def evict_entries(self, n: int) -> tuple[list[int], Entries]:
-        """`evict`, handing back the blocks' entries too (in the same order)."""
-        entries = Entries([], [], [], [])
-        return self._pop(n, entries, []), entries
-
-    def _pop(self, n: int, entries: Entries | None, out: list[int]) -> list[int]:
+    def _pop(self, n: int, moved: list[Entries] | None, out: list[int]) -> list[int]:
+        """`evict`; the stretches evicted are appended to `moved` if given (each from its
+        top down, as the blocks come)."""
         lru = self._lru
         self._num_evictable -= n
         while n:
@@ -744,14 +681,9 @@ class PrefixCache:
             c = b - k
             down = slice(b - 1, c - 1 if c else None, -1)   # top first
             out += run.blocks[down]
-            if entries is not None:
-                f = run.id0
-                entries.hashes.extend(run.hashes[down])
-                entries.contents.extend(run.contents[down])
-                entries.ids.extend(range(f + b - 1, f + c - 1, -1))
-                entries.parent_ids.extend(range(f + b - 2, f + c - 2, -1))
-                if c == run.origin:
-                    entries.parent_ids[-1] = run.parent_id
+            if moved is not None:
+                moved.append(Entries(run.hashes, run.contents, run.id0, run.origin,
+                                     run.parent_id, c, b))
             seg.b = run.hi = c
             n -= k
             if c == a:
@@ -787,14 +719,15 @@ class PrefixCache:
     # ------------------------------------------------------------------ watches
     def watch(self, hashes: Sequence[int]) -> Watch:
         """A flag raised the next time an entry is put under one of `hashes`, the chain
-        hashes of some keys' leading blocks (a commit or an adoption; a commit that
-        continues through an existing entry counts too). What a memo of a failed
-        look-up relies on: nothing it missed can have appeared while its watch stays
-        down. A commit or adoption is compared only when its chain positions overlap
-        the watched ones, and only over those positions: a match reaches the entry at
-        position p only through the one at p - 1, so an entry elsewhere cannot lengthen
-        it, even under a hash collision. Costs one comparison per commit while kept,
-        and a set test when the positions overlap."""
+        hashes of some keys' leading blocks (a commit, an adoption, or an eviction into
+        the host tier; a commit that continues through an existing entry counts too).
+        What a memo of a failed look-up relies on: nothing it missed can have appeared
+        while its watch stays down. A commit, adoption or eviction is compared only when
+        its chain positions overlap the watched ones, and only over those positions: a
+        match reaches the entry at position p only through the one at p - 1, so an
+        entry elsewhere cannot lengthen it, even under a hash collision. Costs one
+        comparison per commit or evicted stretch while kept, and a set test when the
+        positions overlap."""
         w = Watch(hashes)
         self._watches.append(w)
         self._watch_reach = max(self._watch_reach, w.length)
@@ -803,17 +736,6 @@ class PrefixCache:
     def unwatch(self, w: Watch) -> None:
         self._watches.remove(w)
         self._watch_reach = max((v.length for v in self._watches), default=0)
-
-    def notify_host(self, hashes) -> None:
-        """Entries were put in the host tier under these hashes: a match may now run
-        further (through them), so watches on them are raised too."""
-        if self._watches:
-            self._notify(hashes)
-
-    def _notify(self, hashes) -> None:
-        for w in self._watches:
-            if not w.dirty and not w.hashes.isdisjoint(hashes):
-                w.dirty = True
 
     def _notify_at(self, hashes: list[int], start: int, end: int, position: int) -> None:
         """Entries are put under hashes[start:end], at chain positions `position` on."""

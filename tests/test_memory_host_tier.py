@@ -450,7 +450,7 @@ class EpochMachine(RuleBasedStateMachine):
         swapped = {b for s in self.tokens if self.m.is_swapped(s) for b in self.m.block_table(s)}
         assert u.num_cpu_used_blocks == len(swapped) and u.num_cpu_total_blocks == 6
         assert u.num_host_total_blocks == self.host_blocks
-        assert u.num_host_cached_blocks == len(self.m._host.index.block_of_hash)
+        assert u.num_host_cached_blocks == len(self.m._host.index.entry_id)
 
 
 class TinyHostMachine(EpochMachine):
@@ -488,8 +488,8 @@ class OneAtATimeTier(HostTier):
 
 def host_state(m):
     host = m._host
-    return (host._free, host._lru.blocks(), dict(host.index.block_of_hash),
-            list(host._pending_free), list(host._loads.items()), list(host._offloads.items()))
+    return (host._free, host.lru_blocks(), dict(host.index.block_of_hash),
+            list(host._pending_free), list(host._loads.items()), host.pending_offloads())
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from dataclasses import replace
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.memory import host_tier
 from servelab.policies import PriorityPolicy
 from servelab.policies.admission import KVAdmission
 from servelab.request import Request
@@ -221,46 +219,15 @@ def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
     assert a.fast_forwarded == b.fast_forwarded
 
 
-class _PlainLRU:
-    """BlockLRU's contract on an OrderedDict, one block at a time: the straightforward
-    path the segmented LRU replaced."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._order
-
-    def park(self, blocks) -> None:
-        for b in blocks:
-            self._order[b] = None
-
-    def remove(self, block: int) -> None:
-        del self._order[block]
-
-    def pop_oldest(self, n: int) -> list[int]:
-        return [self._order.popitem(last=False)[0] for _ in range(n)]
-
-    def blocks(self) -> list[int]:
-        return list(self._order)
-
-    def check(self, expected) -> None:
-        assert set(self._order) == set(expected)
-
-
 @contextlib.contextmanager
 def _plain_prefix_cache():
     """The prefix cache without its speed machinery: admission hands the block manager a
     new list of keys, built from the request, at every look-up (so they are hashed again
-    each time and no LATER answer is kept), and the host tier's evictable blocks sit in an
-    OrderedDict. (The GPU cache's runs are checked against a per-block oracle in
-    test_memory_prefix_runs.py.)"""
+    each time and no LATER answer is kept). (The GPU cache's runs are checked against a
+    per-block oracle in test_memory_prefix_runs.py, the host tier's in
+    test_host_tier_runs.py.)"""
     patches = [(KVAdmission, "block_keys",
-                lambda self, req, seq: req.block_contents(seq, self._bm.block_size)),
-               (host_tier, "BlockLRU", _PlainLRU)]
+                lambda self, req, seq: req.block_contents(seq, self._bm.block_size))]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -275,8 +242,7 @@ def _plain_prefix_cache():
 @given(workloads(), st.booleans())
 def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w, fast_forward):
     """Keys and chain hashes built once per waiting sequence (BlockKeys), LATER answers
-    kept while they provably stand (LaterMemos), the host tier's evictable blocks parked
-    in segments (BlockLRU): none of it changes a decision. Every
+    kept while they provably stand (LaterMemos): none of it changes a decision. Every
     step, every record, the prefix cache's eviction order after every step and the
     cache's statistics equal those of the plain path, on random workloads with shared
     prefixes, with and without a CPU tier."""
