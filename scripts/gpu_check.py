@@ -12,6 +12,9 @@ recorded, and the next one starts with what is left):
 - ``env``: device, driver, library versions, the commit the tree came from.
 - ``kernels``: the Triton kernel tests (paged decode, chunked prefill, KV write against
   their PyTorch references, NaN-poisoned caches) on the device.
+- ``backends``: the real-backend tests on the device (`BACKEND_TESTS`): greedy outputs of
+  dense and mixture-of-experts models against Hugging Face, the CPU KV tier, disaggregated
+  prefill/decode and speculative decoding, served over the compiled kernels.
 - ``bandwidth``: the paged decode kernel's achieved HBM bandwidth over context x batch
   with Llama-3.1-8B attention shapes, beside SDPA on a contiguous cache
   (`benchmarks/bench_decode_attention.py`).
@@ -49,6 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SLICE = REPO / ".gpu" / "traces" / "azure-conv-2023-slice.csv"
 POLICIES = ("fcfs", "priority", "sjf", "fair")
+REPEATED = "fcfs-again"
+"""The fcfs run served a second time, as the last step of the fidelity section."""
 REPORT_RESERVE_S = 20.0
 """Seconds kept back from the budget for the report, whatever the sections before it do."""
 
@@ -71,8 +76,19 @@ class Plan:
     max_num_batched_tokens: int
     chunked_prefill: int
     bandwidth_args: tuple[str, ...]
+    backend_tests: tuple[str, ...]
+    """The real-backend test files the `backends` section runs on the plan's device."""
     budgets_s: dict = field(default_factory=dict)
 
+
+BACKEND_TESTS = (
+    "tests/test_model_forward.py", "tests/test_model_triton.py", "tests/test_model_moe.py",
+    "tests/test_backend_e2e.py", "tests/test_backend_e2e_triton.py",
+    "tests/test_backend_host_tier.py", "tests/test_backend_disaggregated.py",
+    "tests/test_backend_speculative.py")
+"""Greedy outputs against Hugging Face generate() for dense and mixture-of-experts models,
+the CPU KV tier, disaggregated prefill/decode (block copies between two caches) and
+speculative decoding, each served by the real engine (tests/_backend_device.py)."""
 
 GPU_PLAN = Plan(
     device="cuda", model="llama-3.1-8b", dtype="bfloat16", max_model_len=4096,
@@ -80,7 +96,8 @@ GPU_PLAN = Plan(
     fidelity_requests=64, fidelity_rate_scale=20.0,
     max_num_seqs=16, max_num_batched_tokens=2048, chunked_prefill=512,
     bandwidth_args=("--iters", "15", "--warmup", "3"),
-    budgets_s={"env": 20, "kernels": 75, "bandwidth": 60, "fidelity": 160, "engine": 200,
+    backend_tests=BACKEND_TESTS,
+    budgets_s={"env": 20, "kernels": 75, "backends": 120, "bandwidth": 60, "fidelity": 160, "engine": 200,
                "report": REPORT_RESERVE_S})
 
 DRY_PLAN = Plan(
@@ -89,10 +106,11 @@ DRY_PLAN = Plan(
     fidelity_requests=24, fidelity_rate_scale=20.0,
     max_num_seqs=4, max_num_batched_tokens=128, chunked_prefill=64,
     bandwidth_args=("--contexts", "32,96", "--batches", "1,2", "--iters", "2", "--warmup", "1"),
-    budgets_s={"env": 20, "kernels": 60, "bandwidth": 30, "fidelity": 90, "engine": 40,
+    backend_tests=("tests/test_backend_e2e_triton.py",),  # the plumbing; CI runs them all
+    budgets_s={"env": 20, "kernels": 60, "backends": 30, "bandwidth": 30, "fidelity": 90, "engine": 40,
                "report": REPORT_RESERVE_S})
 
-SECTIONS = ("env", "kernels", "bandwidth", "fidelity", "engine", "report")
+SECTIONS = ("env", "kernels", "backends", "bandwidth", "fidelity", "engine", "report")
 
 
 # --------------------------------------------------------------------------- the slice
@@ -286,6 +304,17 @@ def section_kernels(r: Runner, sec: SectionResult, end: float) -> None:
            env={"SERVELAB_KERNEL_DEVICE": r.plan.device})
 
 
+def section_backends(r: Runner, sec: SectionResult, end: float) -> None:
+    import importlib.util
+
+    workers = (["-n", "8"] if r.plan.device == "cuda" and importlib.util.find_spec("xdist")
+               else [])
+    r.step(sec, end, "pytest",
+           module("pytest", "-q", "-p", "no:cacheprovider", *workers, *r.plan.backend_tests,
+                  "--junitxml", r.out / "backends" / "junit.xml"),
+           env={"SERVELAB_BACKEND_DEVICE": r.plan.device})
+
+
 def section_bandwidth(r: Runner, sec: SectionResult, end: float) -> None:
     from servelab.simulator.gpus import get_gpu, gpu_for_device_name
 
@@ -339,6 +368,11 @@ def section_fidelity(r: Runner, sec: SectionResult, end: float) -> None:
     r.step(sec, end, "validate-heldout",
            servelab("validate", *run_flags, "--calibration", val / "val-fit" / "calibration.json",
                     "--simulate", "--out", val / "val-heldout"))
+    # The engine's run-to-run spread, against which the policies' differences are judged:
+    # fcfs once more, after everything the targets need.
+    r.step(sec, end, f"run-{REPEATED}",
+           servelab("run", *_run_args(r.plan, r.trace), "--policy", "fcfs",
+                    "--out", runs / REPEATED))
 
 
 def section_engine(r: Runner, sec: SectionResult, end: float) -> None:
@@ -358,7 +392,8 @@ def section_report(r: Runner, sec: SectionResult, end: float) -> None:
            reserve=0.0)
 
 
-BODIES = {"env": section_env, "kernels": section_kernels, "bandwidth": section_bandwidth,
+BODIES = {"env": section_env, "kernels": section_kernels, "backends": section_backends,
+          "bandwidth": section_bandwidth,
           "fidelity": section_fidelity, "engine": section_engine, "report": section_report}
 
 

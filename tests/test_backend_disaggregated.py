@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.disaggregated import RealDisaggregation, pool_blocks
 from servelab.backends.kv_cache import KVCache
 from servelab.backends.run import RealRunConfig, RunSetupError, run_real
@@ -56,7 +57,7 @@ def serve(checkpoint, reqs, *, prefill_blocks=32, decode_blocks=64, cpu_kv_block
           disaggregated=True, **scheduler):
     folder, _ = checkpoint
     config = RealRunConfig(
-        model=None, checkpoint=str(folder), device="cpu", dtype="float32",
+        model=None, checkpoint=str(folder), device=DEVICE, dtype="float32",
         scheduler=SchedulerConfig(**{"max_model_len": 256, **scheduler}),
         cache=dict(block_size=BLOCK_SIZE, num_gpu_blocks=prefill_blocks,
                    num_cpu_blocks=cpu_kv_blocks, enable_prefix_caching=prefix_caching),
@@ -213,7 +214,7 @@ def test_wall_clock_serves_every_request(checkpoint, reference):
     """On the wall clock the engines share real time (each waits for the other's steps):
     the same tokens, and every step starts after the previous one, of either engine, ended."""
     folder, _ = checkpoint
-    config = RealRunConfig(model=None, checkpoint=str(folder), device="cpu", clock="wall",
+    config = RealRunConfig(model=None, checkpoint=str(folder), device=DEVICE, clock="wall",
                            cache=dict(block_size=BLOCK_SIZE, num_gpu_blocks=32), progress=False,
                            disaggregation=RealDisaggregation(decode_kv_blocks=64))
     reqs = requests(spread=True)
@@ -251,7 +252,7 @@ def test_pool_blocks_share_what_one_engine_would_get():
 
 def test_copy_blocks_to_moves_only_the_given_blocks():
     src = KVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8,
-                  dtype=torch.float32, device="cpu")
+                  dtype=torch.float32, device=DEVICE)
     src.k.normal_(), src.v.normal_()
     dst = src.like(3, poison=True)
     assert dst.k.shape[1] == 3 and dst.k.isnan().all()
@@ -260,7 +261,7 @@ def test_copy_blocks_to_moves_only_the_given_blocks():
         assert torch.equal(into[:, 0], pool[:, 4]) and torch.equal(into[:, 2], pool[:, 1])
         assert into[:, 1].isnan().all()   # untouched
     other = KVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=8,
-                    dtype=torch.float32, device="cpu")
+                    dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="caches differ in layout"):
         src.copy_blocks_to(other, [(0, 0)])
     with pytest.raises(ValueError, match=r"destination block\(s\) \[3\] outside \[0, 3\)"):

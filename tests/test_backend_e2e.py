@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.run import RealRunConfig, run_real
 from servelab.backends.sampling import SamplingParams
 from servelab.config import SchedulerConfig
@@ -99,7 +100,7 @@ def serve(checkpoint, requests, *, kv_blocks=64, cpu_kv_blocks=0, policy="fcfs",
           seed=0, **scheduler):
     folder, _ = checkpoint
     config = RealRunConfig(
-        model=None, checkpoint=str(folder), device="cpu", dtype="float32",
+        model=None, checkpoint=str(folder), device=DEVICE, dtype="float32",
         scheduler=SchedulerConfig(**{"max_model_len": 256, **scheduler}),
         cache=dict(block_size=4, num_gpu_blocks=kv_blocks, num_cpu_blocks=cpu_kv_blocks,
                    enable_prefix_caching=prefix_caching),
@@ -247,7 +248,7 @@ def test_wall_clock_releases_arrivals_in_real_time(checkpoint):
     folder, _ = checkpoint
     requests = [Request(0, 0.0, 5, 3, prompt_token_ids=prompt(600, 5)),
                 Request(1, 0.3, 6, 3, prompt_token_ids=prompt(601, 6))]
-    config = RealRunConfig(model=None, checkpoint=str(folder), device="cpu", clock="wall",
+    config = RealRunConfig(model=None, checkpoint=str(folder), device=DEVICE, clock="wall",
                            cache=dict(block_size=4, num_gpu_blocks=16), progress=False)
     first, second = run_real(config, None, requests=requests).records
     assert 0.0 <= first.scheduled_s < 0.3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.run import RealRunConfig, run_real
 from servelab.config import SchedulerConfig
 from servelab.request import Request
@@ -22,7 +23,7 @@ def serve(use_triton: bool):
                 Request(1, 0.0, 6, 6, prompt_token_ids=tuple(range(90, 96))),
                 Request(2, 0.0, 5, 5, prompt_token_ids=tuple(range(7, 12)))]
     config = RealRunConfig(
-        model="tiny-llama", device="cpu", dtype="float32", use_triton=use_triton,
+        model="tiny-llama", device=DEVICE, dtype="float32", use_triton=use_triton,
         scheduler=SchedulerConfig(chunked_prefill=4, max_num_batched_tokens=8, max_model_len=64,
                                   preemption="swap"),
         cache=dict(block_size=4, num_gpu_blocks=7, num_cpu_blocks=8), seed=1, progress=False)

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.executor import RealExecutor
 from servelab.backends.kv_cache import KVCache
 from servelab.backends.run import RealRunConfig, run_real
@@ -57,7 +58,7 @@ def gib_for(num_blocks: int) -> float:
 def serve(checkpoint, requests, *, kv_offload_gb=gib_for(HOST_BLOCKS)):  # noqa: F811
     folder, _ = checkpoint
     config = RealRunConfig(
-        model=None, checkpoint=str(folder), device="cpu", dtype="float32",
+        model=None, checkpoint=str(folder), device=DEVICE, dtype="float32",
         scheduler=SchedulerConfig(max_model_len=64),
         cache=dict(block_size=BLOCK_SIZE, num_gpu_blocks=GPU_BLOCKS, watermark=0.0,
                    enable_prefix_caching=True),
@@ -79,14 +80,17 @@ class CopyAudit:
 
         def audited(executor, out):
             cache: KVCache = executor.runner.kv_cache
-            before = {gb: (cache.k[:, gb].clone(), cache.v[:, gb].clone()) for gb, _ in out.offload}
+            before = {gb: (cache.k[:, gb].to("cpu", copy=True), cache.v[:, gb].to("cpu", copy=True))
+                      for gb, _ in out.offload}
             result = execute(executor, out)
             for gb, hb in out.offload:
                 assert torch.equal(cache.host_k[:, hb], before[gb][0]), f"offload {gb}->{hb}: K"
                 assert torch.equal(cache.host_v[:, hb], before[gb][1]), f"offload {gb}->{hb}: V"
             for hb, gb in out.load:
-                assert torch.equal(cache.k[:, gb], cache.host_k[:, hb]), f"load {hb}->{gb}: K"
-                assert torch.equal(cache.v[:, gb], cache.host_v[:, hb]), f"load {hb}->{gb}: V"
+                assert torch.equal(cache.k[:, gb].cpu(), cache.host_k[:, hb]), \
+                    f"load {hb}->{gb}: K"
+                assert torch.equal(cache.v[:, gb].cpu(), cache.host_v[:, hb]), \
+                    f"load {hb}->{gb}: V"
             audit.offloaded += len(out.offload)
             audit.loaded += len(out.load)
             return result

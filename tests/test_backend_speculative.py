@@ -27,6 +27,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from _backend_device import DEVICE
 from servelab.backends.attention import SeqWork
 from servelab.backends.model import ModelRunner
 from servelab.backends.run import RealRunConfig, run_real
@@ -77,7 +78,7 @@ def requests(seed_offset: int = 0) -> list[Request]:
 def serve(reqs, *, speculative=SpeculativeConfig(), sampling=SamplingParams(), kv_blocks=128,
           cpu_kv_blocks=0, prefix_caching=False, **scheduler):
     config = RealRunConfig(
-        model=TARGET, device="cpu", dtype="float32",
+        model=TARGET, device=DEVICE, dtype="float32",
         scheduler=SchedulerConfig(**{"max_model_len": 256, **scheduler, "speculative": speculative}),
         cache=dict(block_size=4, num_gpu_blocks=kv_blocks, num_cpu_blocks=cpu_kv_blocks,
                    enable_prefix_caching=prefix_caching),
@@ -159,7 +160,7 @@ def draft_greedy_counts(draft_path: str, req: Request, outputs: list[int], k: in
     continuation of the sequence so far: each verify step recomputed from scratch by a
     fresh draft (a prefill of the whole sequence, then plain decodes), its proposals
     checked against the target's greedy `outputs`."""
-    runner = ModelRunner(load_model_spec(draft_path), device="cpu", dtype="float32",
+    runner = ModelRunner(load_model_spec(draft_path), device=DEVICE, dtype="float32",
                          num_gpu_blocks=64, block_size=4, use_triton=False, seed=0)
     table = list(range(64))
     tokens = list(req.prompt_token_ids) + outputs
@@ -204,7 +205,7 @@ def test_a_stop_token_among_the_verified_ones_ends_the_request_there(drafts, tmp
     runs = []
     for speculative in (SpeculativeConfig(), draft(drafts["copy"], 4)):
         config = RealRunConfig(
-            model=str(target), device="cpu", dtype="float32", replay=False, progress=False,
+            model=str(target), device=DEVICE, dtype="float32", replay=False, progress=False,
             scheduler=SchedulerConfig(max_model_len=256, speculative=speculative),
             cache=dict(block_size=4, num_gpu_blocks=128))
         runs.append(run_real(config, None, requests=requests()))
@@ -412,7 +413,7 @@ def test_verify_steps_on_the_triton_kernels_match_the_reference_path(drafts):
     runs = []
     for use_triton in (True, False):
         config = RealRunConfig(
-            model=TARGET, device="cpu", dtype="float32", use_triton=use_triton, progress=False,
+            model=TARGET, device=DEVICE, dtype="float32", use_triton=use_triton, progress=False,
             scheduler=SchedulerConfig(max_model_len=64, speculative=draft(drafts["perturbed"], 3)),
             cache=dict(block_size=4, num_gpu_blocks=12))
         runs.append(run_real(config, None, requests=[r.fresh_copy() for r in reqs]))

@@ -49,6 +49,8 @@ def test_dry_run_runs_every_section(dry_run: Path) -> None:
         gpu_check.SECTIONS, "ok")
     suite = ET.parse(dry_run / "kernels" / "junit.xml").getroot().find("testsuite")
     assert int(suite.get("tests")) >= 60 and suite.get("failures") == suite.get("errors") == "0"
+    suite = ET.parse(dry_run / "backends" / "junit.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) >= 1 and suite.get("failures") == suite.get("errors") == "0"
     rows = json.loads((dry_run / "bandwidth" / "decode_attention.json").read_text())["rows"]
     assert {r["impl"] for r in rows} == {"triton", "reference", "sdpa"}
     for policy in gpu_check.POLICIES:

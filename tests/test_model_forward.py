@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.attention import SeqWork, build_attention_metadata
 from servelab.backends.model import ModelRunner, rope_config, rope_inv_freq
 from servelab.models import load_model_spec
@@ -72,7 +73,7 @@ def checkpoints(tmp_path_factory):
 
 
 def make_runner(folder, block_size: int = 4, num_gpu_blocks: int = 64) -> ModelRunner:
-    return ModelRunner.from_checkpoint(str(folder), device="cpu", dtype="float32",
+    return ModelRunner.from_checkpoint(str(folder), device=DEVICE, dtype="float32",
                                        num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                        use_triton=False, poison_kv=True)
 
@@ -89,11 +90,12 @@ def test_full_prompt_forward_matches_hf_at_every_position(checkpoints, variant):
     seq = SeqWork(ids, 0, [9, 2, 30, 7, 41], is_prefill=True)
     meta = build_attention_metadata([seq], runner.block_size, runner.device, use_triton=False)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_cache)
+        hidden = runner.model(torch.tensor(ids, device=runner.device),
+                              torch.arange(len(ids), device=runner.device), meta, runner.kv_cache)
         logits = runner.model.compute_logits(hidden)
         expected = hf(torch.tensor([ids])).logits[0].float()
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits.cpu(), expected, atol=ATOL, rtol=0)
 
 
 @dataclass
@@ -134,7 +136,7 @@ def serve_greedy(runner: ModelRunner, prompts: list[list[int]], start_steps: lis
         for row, s in enumerate(owners):
             s.computed += work[row].num_tokens
             if s.computed == len(s.tokens):
-                s.logits.append(logits[row])
+                s.logits.append(logits[row].cpu())
                 s.tokens.append(int(logits[row].argmax()))
         step += 1
     return seqs
@@ -172,8 +174,8 @@ def test_run_returns_rows_in_the_order_given(checkpoints):
     with torch.no_grad():
         expected_b = hf(torch.tensor([b + [17]])).logits[0, -1]
         expected_a = hf(torch.tensor([a])).logits[0, -1]
-    torch.testing.assert_close(mixed[0], expected_b, atol=ATOL, rtol=0)
-    torch.testing.assert_close(mixed[1], expected_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(mixed[0].cpu(), expected_b, atol=ATOL, rtol=0)
+    torch.testing.assert_close(mixed[1].cpu(), expected_a, atol=ATOL, rtol=0)
 
 
 def test_llama3_rope_scaling_matches_hf_inverse_frequencies(checkpoints):
@@ -212,7 +214,8 @@ def test_qwen3_per_head_qk_norm_changes_the_output(checkpoints):
         meta = build_attention_metadata([seq], runner.block_size, runner.device, use_triton=False)
         with torch.inference_mode():
             return runner.model.compute_logits(
-                runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_cache))
+                runner.model(torch.tensor(ids, device=runner.device),
+                             torch.arange(len(ids), device=runner.device), meta, runner.kv_cache))
 
     before = logits()
     with torch.no_grad():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from _backend_device import DEVICE
 from servelab.backends.attention import SeqWork, build_attention_metadata
 from servelab.backends.model import ModelRunner, check_model_supported
 from servelab.backends.weights import hf_weight_layout, init_random_weights
@@ -70,7 +71,8 @@ def _forward_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     seq = SeqWork(ids, 0, list(range(-(-len(ids) // runner.block_size))), is_prefill=True)
     meta = build_attention_metadata([seq], runner.block_size, runner.device, use_triton=False)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_cache)
+        hidden = runner.model(torch.tensor(ids, device=runner.device),
+                              torch.arange(len(ids), device=runner.device), meta, runner.kv_cache)
         return runner.model.compute_logits(hidden)
 
 
@@ -104,7 +106,7 @@ def test_full_prompt_forward_matches_hf_at_every_position(checkpoints, variant):
     logits = _forward_logits(runner, ids)
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits.cpu(), expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("variant, block_size", [
@@ -149,7 +151,7 @@ def test_routing_matters(checkpoints, variant):
 
 def test_catalog_tiny_moe_runs_from_seeded_random_weights():
     spec = load_model_spec("tiny-moe")
-    kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=8, block_size=4, use_triton=False)
+    kwargs = dict(device=DEVICE, dtype="float32", num_gpu_blocks=8, block_size=4, use_triton=False)
     first = ModelRunner(spec, seed=3, **kwargs)
     assert first.num_weight_bytes == spec.num_params * 4
     logits = first.run([SeqWork(prompt(6, 7), 0, [0, 1], True)])
@@ -165,7 +167,7 @@ def test_triton_attention_under_the_experts_matches_the_reference_path():
     """The MoE runner over the Triton kernels (interpreter on CPU) against the PyTorch
     references, on poisoned, non-contiguous block tables (as tests/test_model_triton.py)."""
     spec = load_model_spec("tiny-moe")
-    kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=16, block_size=4, seed=1,
+    kwargs = dict(device=DEVICE, dtype="float32", num_gpu_blocks=16, block_size=4, seed=1,
                   poison_kv=True)
     triton_runner = ModelRunner(spec, use_triton=True, **kwargs)
     reference_runner = ModelRunner(spec, use_triton=False, **kwargs)

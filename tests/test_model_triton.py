@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _backend_device import DEVICE
 from servelab.backends.attention import SeqWork
 from servelab.backends.model import ModelRunner
 from servelab.models import ModelSpec
@@ -23,7 +24,7 @@ SPEC = ModelSpec.from_hf_config({
 
 
 def test_triton_runner_matches_reference_runner():
-    kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=16, block_size=4, seed=1,
+    kwargs = dict(device=DEVICE, dtype="float32", num_gpu_blocks=16, block_size=4, seed=1,
                   poison_kv=True)
     triton_runner = ModelRunner(SPEC, use_triton=True, **kwargs)
     reference_runner = ModelRunner(SPEC, use_triton=False, **kwargs)
@@ -48,7 +49,7 @@ def test_warm_up_steps_are_valid_steps_that_reach_every_specialisation():
     from servelab.backends.kernels.reference import DEFAULT_SPLIT_SIZE
     from servelab.backends.run import warm_up_steps
 
-    runner = ModelRunner(SPEC, use_triton=True, device="cpu", dtype="float32",
+    runner = ModelRunner(SPEC, use_triton=True, device=DEVICE, dtype="float32",
                          num_gpu_blocks=1, block_size=16, seed=1)
     steps = warm_up_steps(max_model_len=2048, block_size=16)
     for seqs in steps:
