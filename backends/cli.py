@@ -111,9 +111,15 @@ def _device_memory(device: str) -> tuple[int, str]:
     (`EnginePreset.batch_defaults`); (0, "cpu") on the CPU, where vLLM, unable to query a
     GPU, takes its small-GPU defaults."""
     import torch
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return 0, "cpu"   # no CUDA: the run itself reports it
-    props = torch.cuda.get_device_properties(torch.device(device))
+
+    from servelab.backends.weights import resolve_device
+    try:
+        resolved = resolve_device(device)
+    except ValueError as exc:  # no CUDA, or no such GPU: one line, before anything is written
+        raise CLIError(str(exc)) from None
+    if resolved.type != "cuda":
+        return 0, "cpu"
+    props = torch.cuda.get_device_properties(resolved)
     return props.total_memory, props.name
 
 

@@ -260,10 +260,19 @@ def warm_up_steps(max_model_len: int, block_size: int) -> list[list[SeqWork]]:
 def _warm_up(runner: ModelRunner, max_model_len: int) -> None:
     """Throw-away steps before timing starts, so Triton compiles (or loads from its cache)
     the kernel variants a run meets instead of doing it inside a timed step: on an H100/H200
-    a compile inside a step made that step about 20x slower (docs/gpu-results.md)."""
+    a compile inside a step made that step about 20x slower (docs/gpu-results.md).
+
+    The steps write block 0; it is put back as it was, so that a NaN-poisoned cache stays
+    poisoned and a read of a block nobody wrote still shows (found on the H200, where the
+    warm-up runs: tests/test_backend_disaggregated.py saw a decode cache no longer all NaN)."""
+    cache = runner.kv_cache
+    block_zero = cache.k[:, 0].clone(), cache.v[:, 0].clone()
     for seqs in warm_up_steps(max_model_len, runner.block_size):
         runner.run(seqs)
-    torch.cuda.synchronize(runner.device)
+    cache.k[:, 0].copy_(block_zero[0])
+    cache.v[:, 0].copy_(block_zero[1])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
 
 
 def _versions(device: torch.device) -> dict:

@@ -214,7 +214,8 @@ def test_wall_clock_serves_every_request(checkpoint, reference):
     """On the wall clock the engines share real time (each waits for the other's steps):
     the same tokens, and every step starts after the previous one, of either engine, ended."""
     folder, _ = checkpoint
-    config = RealRunConfig(model=None, checkpoint=str(folder), device=DEVICE, clock="wall",
+    config = RealRunConfig(model=None, checkpoint=str(folder), device=DEVICE, dtype="float32",
+                           clock="wall",
                            cache=dict(block_size=BLOCK_SIZE, num_gpu_blocks=32), progress=False,
                            disaggregation=RealDisaggregation(decode_kv_blocks=64))
     reqs = requests(spread=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from importlib import metadata
 
 import pytest
 import torch
@@ -301,7 +302,7 @@ def test_cli_writes_a_complete_run_directory(tmp_path):
     assert derived["policy"] == {"name": "fair", "weights": {"a": 2.0, "b": 1.0},
                                  "input_weight": 1.0, "output_weight": 2.0}
     assert derived["cache"]["num_gpu_blocks"] == 12 and derived["kv_blocks"] == "given"
-    assert derived["versions"]["torch"] == torch.__version__
+    assert derived["versions"]["torch"] == metadata.version("torch")  # 2.11.0, not +cu130
     assert (derived["device"], derived["dtype"], derived["use_triton"]) == ("cpu", "float32", False)
     assert derived["trace"]["num_requests"] == 6 and given["clock"] == "virtual"
 
@@ -320,8 +321,8 @@ def write_config_only_checkpoint(folder, **overrides):
     ("cuda:7", "CUDA is not available"),
     ("tpu", "device 'tpu'"),
 ])
-def test_cli_bad_input_exits_2_before_writing_anything(checkpoint, tmp_path, capsys, case,
-                                                        message):
+def test_cli_bad_input_exits_2_before_writing_anything(checkpoint, tmp_path, capsys, monkeypatch,
+                                                        case, message):
     from safetensors.torch import load_file, save_file
 
     trace = tmp_path / "trace.csv"
@@ -340,11 +341,29 @@ def test_cli_bad_input_exits_2_before_writing_anything(checkpoint, tmp_path, cap
         args = ["--checkpoint", str(folder)]
     else:
         args += ["--device", case]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too
     out = tmp_path / "run"
     assert run_cli(*args, "--trace", str(trace), "--out", str(out), "--kv-blocks", "8") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("servelab run: error: ") and "\n" not in err
     assert __import__("re").search(message, err), err
+    assert not out.exists()
+
+
+def test_cli_names_the_gpus_there_are_when_asked_for_one_past_them(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Found on the H200: `--device cuda:7` on a one-GPU machine ended in torch's bare
+    AssertionError ("Invalid device id") from the memory query behind the engine defaults."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_CSV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = tmp_path / "run"
+    assert run_cli("--model", "tiny-llama", "--device", "cuda:7", "--trace", str(trace),
+                   "--out", str(out)) == 2
+    assert capsys.readouterr().err.strip() == (
+        "servelab run: error: device 'cuda:7' does not exist: this machine has 1 CUDA "
+        "device(s), cuda:0..cuda:0")
     assert not out.exists()
 
 

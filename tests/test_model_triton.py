@@ -64,3 +64,15 @@ def test_warm_up_steps_are_valid_steps_that_reach_every_specialisation():
     assert any({s.is_prefill for s in seqs} == {True, False} for seqs in steps)
     assert max(s.seq_len for seqs in steps for s in seqs) == 65 * 16
     assert max(s.seq_len for seqs in warm_up_steps(256, 16) for s in seqs) <= 256
+
+
+def test_warm_up_leaves_a_poisoned_cache_poisoned():
+    """The warm-up's steps write block 0 and put it back: a NaN-poisoned cache must still
+    show a read of a block nobody wrote (on the H200 a decode cache came out of the warm-up
+    with block 0 holding the warm-up's keys)."""
+    from servelab.backends.run import _warm_up
+
+    runner = ModelRunner(SPEC, use_triton=True, device=DEVICE, dtype="float32",
+                         num_gpu_blocks=3, block_size=16, seed=1, poison_kv=True)
+    _warm_up(runner, max_model_len=32)
+    assert runner.kv_cache.k.isnan().all() and runner.kv_cache.v.isnan().all()
