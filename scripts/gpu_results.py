@@ -602,10 +602,12 @@ def reproduce_section(f: Folder) -> list[str]:
              "# back here, with gpu-check.tgz unpacked into <folder>:",
              "python scripts/gpu_results.py <folder> --out docs/gpu-results.md "
              "--figures docs/gpu-results",
-             f"cp <folder>/fidelity/val-fit/calibration.json {profile}", "```", "",
+             f"cp <folder>/fidelity/val-fit/calibration.json {profile}   # to adopt its fit",
+             "```", "",
              f"This run's command: `{f.manifest.get('command')}`. The profile it fitted "
-             f"is `fidelity/val-fit/calibration.json` in the run folder, committed as `{profile}`."
-             + (" A dry run's profile describes the CPU: it is not committed." if f.dry_run
+             f"is `fidelity/val-fit/calibration.json` in the run folder; `calibration/README.md` "
+             f"says which run's fit `{profile}` holds."
+             + (" A dry run's profile describes the CPU: it is never committed." if f.dry_run
                 else "")]
     return lines + [""]
 
