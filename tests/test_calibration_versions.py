@@ -31,6 +31,8 @@ CHOICES = {
     ("rtx-pro-6000", "0.19.0"): ("rtx-pro-6000.vllm-0.19", "measured inside vLLM 0.19.0"),
     ("rtx-pro-6000", "0.24.0"): ("rtx-pro-6000.vllm-0.19", "nearest engine version"),
     ("h200", "0.24.0"): ("h100-sxm.vllm-0.24", "carried over: no h200 tables; h100-sxm's vLLM 0.24.0"),
+    ("b300", "0.24.0"): ("b200.vllm-0.24", "carried over: no b300 tables; b200's vLLM 0.24.0"),
+    ("gb200", "0.19.0"): ("b200.vllm-0.24", "no gb200 tables, no b200 tables for vLLM 0.19.0"),
     ("h200", "0.14.0"): ("h100-sxm", "h100-sxm's vLLM 0.14.0"),
     ("h200", "0.20.0"): ("h100-sxm.vllm-0.24", "h100-sxm's vLLM 0.24.0"),
     ("rtx-4090", "0.19.0"): ("l40s", "no l40s tables for vLLM 0.19.0; l40s's vLLM 0.14.0"),
@@ -60,7 +62,8 @@ def test_engine_versions_are_the_packaged_ones_newest_last():
 
 
 def test_without_an_engine_version_resolve_is_the_catalog_default():
-    for gpu in ("h100-sxm", "h200", "a100-80gb", "l40s", "b200", "rtx-pro-6000", "rtx-4090"):
+    for gpu in ("h100-sxm", "h200", "a100-80gb", "l40s", "b200", "b300", "gb200", "rtx-pro-6000",
+                "rtx-4090"):
         spec = get_gpu(gpu)
         assert resolve(gpu) is packaged(spec.calibration)
     assert resolve("h100-sxm").engine_version == "0.14.0"   # `--calibration h100-sxm` as before

@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from servelab.models import catalog_names, load_model_spec
-from servelab.simulator.gpus import GPUSpec, get_gpu, gpu_names
+from servelab.simulator.gpus import GPUSpec, get_gpu, gpu_for_device_name, gpu_names
 from servelab.simulator.footprint import weight_bytes_per_gpu
 
 # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab) — REFERENCE.md's table
@@ -125,6 +125,8 @@ DATASHEET = {
     "a100-80gb": (312, None, 2039, 80, 600, 32),
     "l40s": (362, 733, 864, 48, None, 32),
     "b200": (2250, 4500, 7700, 180, 1800, 64),
+    "b300": (2250, 4500, 8000, 288, 1800, 128),
+    "gb200": (2500, 5000, 8000, 186, 1800, 225),
     "rtx-pro-6000": (467.8, 935.6, 1597, 96, None, 64),
     "rtx-4090": (165.2, 330.3, 1008, 24, None, 32),
 }
@@ -166,3 +168,11 @@ def test_gpu_spec_validation_and_overrides():
     assert probed.hbm_bandwidth_gbps == 80.0 and probed.name == "cpu"
     with pytest.raises(ValueError, match="unknown GPUSpec field.*bandwidth"):
         get_gpu("cpu").with_overrides(bandwidth=1.0)
+
+
+@pytest.mark.parametrize("device_name, gpu", [
+    ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200"), ("NVIDIA B300 SXM6 AC", "b300"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm")])
+def test_a_cuda_device_name_finds_its_own_gpu(device_name, gpu):
+    """"B200" is inside "GB200": each Blackwell entry must claim only its own name."""
+    assert gpu_for_device_name(device_name) == gpu
