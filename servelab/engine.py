@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from servelab.outputs import BatchShape, SchedulerOutput, StepResult
 from servelab.records import RequestRecord, StepRecord
@@ -25,16 +25,28 @@ class Executor(Protocol):
         """Perform the swaps, copies and compute of one step; say how long it took."""
 
 
+class BlockCounts(Protocol):
+    """What the engine loop reads of a block manager: the GPU blocks there are and in use
+    (memory.BlockManager implements it; the core names only these two)."""
+
+    num_gpu_blocks: int
+    num_used_blocks: int
+
+
 class SchedulerLike(Protocol):
-    """What the engine step needs of a scheduler (policies.Scheduler implements it)."""
+    """What the engine step and loop need of a scheduler (policies.Scheduler implements
+    it), and nothing more."""
 
     num_running: int
     num_waiting: int
     num_swapped: int
+    bm: BlockCounts
 
+    def add_request(self, req: Request, now: float) -> bool: ...
     def schedule(self, now: float) -> SchedulerOutput: ...
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestRecord]: ...
     def pop_records(self) -> list[RequestRecord]: ...
+    def has_unfinished(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -47,8 +59,8 @@ class EngineStep:
     step: StepRecord | None
 
 
-def engine_step(scheduler, executor: Executor, now: float, kv_blocks_total: int,
-                kv_blocks_used) -> EngineStep:
+def engine_step(scheduler: SchedulerLike, executor: Executor, now: float, kv_blocks_total: int,
+                kv_blocks_used: Callable[[], int]) -> EngineStep:
     """Run one step at time `now`. `kv_blocks_used` is a callable giving the blocks in
     use after the step (read lazily, only when a step ran)."""
     output = scheduler.schedule(now)
@@ -90,7 +102,7 @@ class EngineDriver(Protocol):
         if anything), or None when no request will come (the loop ends)."""
 
 
-def engine_loop(scheduler, executor: Executor, driver: EngineDriver) -> Iterator:
+def engine_loop(scheduler: SchedulerLike, executor: Executor, driver: EngineDriver) -> Iterator:
     """Engine steps until the driver says no request will come. A step that computed
     nothing while requests remain (it only rejected or preempted) is followed by the
     next at once. A generator: SimPy runs it as a process; `run_to_end` runs it
@@ -150,7 +162,7 @@ class Replay:
     The clock has `now()`, `advance(seconds)` and `wait_until(t)` (VirtualClock, or the
     real backend's wall clock)."""
 
-    def __init__(self, scheduler, requests: Sequence[Request], clock) -> None:
+    def __init__(self, scheduler: SchedulerLike, requests: Sequence[Request], clock) -> None:
         self.scheduler = scheduler
         self.clock = clock
         self.pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
