@@ -59,27 +59,33 @@ class ScheduledWork:
     multi-sample requests, every other decode). Iterating builds the compact decodes'
     ScheduledSeqs on the fly (O(sequences)); `len`, `prefill_continues` and
     `BatchShape.from_output` never do, so a cost model prices a step in O(listed work).
+
+    Both shapes are public and read-only (`rows`, `tick`, `rows_context_sum`, `listed`):
+    what prices a step reads them rather than iterating.
     """
 
-    __slots__ = ("_rows", "_tick", "_rows_context_sum", "_listed")
+    __slots__ = ("rows", "tick", "rows_context_sum", "listed")
 
     def __init__(self, listed: list[ScheduledSeq] | tuple = (),
                  rows: tuple[tuple[int, SeqId, int], ...] = (), tick: int = 0,
                  rows_context_sum: int = 0) -> None:
-        self._listed = listed
-        self._rows = rows
-        self._tick = tick
-        self._rows_context_sum = rows_context_sum
+        self.listed = listed
+        """Work listed one ScheduledSeq per sequence (after the rows)."""
+        self.rows = rows
+        """Compact plain decodes: (request_id, seq_id, base) each, one token at context
+        base + tick."""
+        self.tick = tick
+        self.rows_context_sum = rows_context_sum
         """Σ (context + 1) over the rows: KV tokens their decode attention reads."""
 
     def __len__(self) -> int:
-        return len(self._rows) + len(self._listed)
+        return len(self.rows) + len(self.listed)
 
     def __iter__(self) -> Iterator[ScheduledSeq]:
-        t = self._tick
-        for rid, sid, base in self._rows:
+        t = self.tick
+        for rid, sid, base in self.rows:
             yield ScheduledSeq(rid, sid, 1, base + t, 1, False)
-        yield from self._listed
+        yield from self.listed
 
     def __getitem__(self, index):
         return list(self)[index]
@@ -99,7 +105,7 @@ class ScheduledWork:
         """Does a prefill chunk that does not finish its prompt run in this step? Then
         that request prefills again next step. O(listed work); prefill chunks come last
         in a decode-first step, so the scan starts from the end."""
-        return any(e.is_prefill and not e.num_samples for e in reversed(self._listed))
+        return any(e.is_prefill and not e.num_samples for e in reversed(self.listed))
 
 
 NO_WORK = ScheduledWork()
@@ -133,7 +139,7 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to move: an executor has no work."""
         work = self.scheduled
-        return not (work._rows or work._listed or self.swap_out or self.swap_in or self.copies
+        return not (work.rows or work.listed or self.swap_out or self.swap_in or self.copies
                     or self.offload or self.load)
 
 
@@ -188,8 +194,8 @@ class BatchShape:
         """O(listed work): compact decodes count by their precomputed sums."""
         work = out.scheduled
         nps = npt = pcs = pqc = pqq = keys = 0
-        nds, dcs = len(work._rows), work._rows_context_sum
-        for s in work._listed:
+        nds, dcs = len(work.rows), work.rows_context_sum
+        for s in work.listed:
             if s.is_prefill:
                 nps += 1
                 npt += s.num_tokens
