@@ -47,7 +47,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("Rejected", "rejected", 0),
     ("Jain index", "jain_fairness_index", 3),
 )
-_AXIS_NAMES = {"model": "Model", "gpu": "GPU", "tp": "TP", "router": "Router",
+_AXIS_NAMES = {"model": "Model", "gpu": "GPU", "tp": "TP", "pp": "PP", "router": "Router",
                "block_manager": "Block manager",
                "block_size": "Block size", "chunked_prefill": "Chunk size", "preemption": "Preemption"}
 
@@ -122,9 +122,9 @@ def _what_was_run(c: Comparison) -> list:
     settings = [  # (the axis that would vary it, the words)
         ("engine", priced),
         ("model", f"model {cfg['model']}"), ("gpu", f"GPU {cfg['gpu']}"),
-        ("tp", f"tensor parallelism {cfg['tp']}"), (None, layout),
+        ("tp", f"tensor parallelism {cfg['tp']}"), *_other_parallelism(cfg), (None, layout),
         (None, f"{derived.get('kv_blocks_per_replica', cfg['kv_blocks']):,} KV blocks per replica"
-            if "model" not in swept and "gpu" not in swept and "tp" not in swept and pools is None else None),
+            if not swept & {"model", "gpu", "tp", "pp"} and pools is None else None),
         ("block_size", f"{cfg['block_size']}-token KV blocks"),
         ("block_manager", f"{cfg['block_manager']} block manager"),
         (None, f"{sched['batching']} batching of at most {sched['max_num_seqs']} sequences and "
@@ -142,6 +142,19 @@ def _what_was_run(c: Comparison) -> list:
             Text("Every point: " + "; ".join(fixed) + ".")]
     text.append(Text(_slo_text(c)))
     return text
+
+
+def _other_parallelism(cfg) -> list[tuple[str, str | None]]:
+    """(axis, words) for the pipeline depth and the expert / data parallelism of the runs,
+    words only where they are not 1. config.json leaves pp and ep out at 1
+    (`SimulationConfig.to_dict`); data-parallel attention ranks are ep / tp when ep > tp
+    (`SimulationConfig.ep`)."""
+    tp, pp, ep = cfg["tp"], cfg.get("pp", 1), cfg.get("ep", 1)
+    dp = ep // tp if ep > tp else 1
+    return [("pp", f"pipeline parallelism {pp} ({tp * pp} GPUs per replica)" if pp != 1 else None),
+            ("ep", f"expert parallelism {ep}" + (f", data parallelism {dp} (each replica one "
+                                                 f"data-parallel attention rank)" if dp > 1 else "")
+             if ep != 1 else None)]
 
 
 def _slo_text(c: Comparison) -> str:

@@ -5,6 +5,7 @@
         --heads 32 --kv-heads 8 --head-dim 128
     servelab cost allreduce --gpu h100-sxm --gpus 4 --elements 4194304
     servelab cost step --gpu h100-sxm --model llama-3.1-8b --prefill 512,2048:1024 --decode 32:1500
+    servelab cost step --gpu h100-sxm --model llama-3.1-70b --tp 4 --pp 2 --decode 64:2000
     servelab cost moe --gpu h100-sxm --tokens 256 --hidden 7168 --inter 2048 --experts 256 \
         --topk 8 --ep 8 --dtype fp8 --expert-load power-law:1.2
     servelab cost mla --gpu h100-sxm --phase decode --batch 64 --context 4096 --heads 128 --tp 8
@@ -124,6 +125,11 @@ def register(subparsers) -> None:
                         "ranks, each carrying the step's tokens)")
     s.add_argument("--dp", type=positive_int, default=None, metavar="N",
                    help="data-parallel ranks, as `simulate --dp` (on a MoE model: --ep N x tp)")
+    s.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                   help="pipeline stages, as `simulate --pp`: the layers split as vLLM splits "
+                        "them, each stage priced on its tp GPUs, the activations sent between "
+                        "stages; prints each stage, the slowest, the sends and the step's end "
+                        "for a lone batch (default 1)")
     s.add_argument("--expert-load", default=None, metavar="LOAD",
                    help="balanced (default) or power-law:ALPHA, as `simulate --expert-load`")
     s.add_argument("--prefill", default="", metavar="T[:C],...",

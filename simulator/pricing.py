@@ -16,7 +16,7 @@ from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
                "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1, "hidden": 1,
-               "inter": 1, "experts": 1, "topk": 1, "ep": 1, "dp": 1}
+               "inter": 1, "experts": 1, "topk": 1, "ep": 1, "dp": 1, "pp": 1}
 """Integer options and their smallest allowed value."""
 _CHOICES = {"kv_dtype": ("bf16", "fp16", "fp8"), "weight_dtype": ("bf16", "fp16", "fp8"),
             "phase": ("prefill", "decode")}
@@ -252,7 +252,6 @@ def parse_chunks(text: str, flag: str, default_context: int | None) -> list[tupl
 
 
 def _step(opts: dict) -> dict:
-    from servelab.outputs import BatchShape
     from servelab.simulator.cost_model import CostModel
     from servelab.simulator.footprint import kv_capacity_blocks
 
@@ -271,13 +270,36 @@ def _step(opts: dict) -> dict:
         ep = dp * tp
     load = opts.get("expert_load") or "balanced"
     K.parse_expert_load(load)
+    pp = opts.get("pp") or 1
+    if pp > 1 and (ep or 1) > tp:   # as `simulate` refuses it (`run._check_pipeline`)
+        raise ValueError(f"--pp {pp} with data-parallel expert parallelism (ep={ep} above tp={tp}) "
+                         "is not modelled: pipeline stages run without data-parallel ranks")
     cm = CostModel(opts["model"], opts["gpu"], tp=tp,
                    weight_dtype=opts.get("weight_dtype") or "bf16",
                    kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile,
                    ep=ep or 1, expert_load=load)
+    if pp > 1:
+        return _pipelined_step(cm, pp, label, profile, prefill, decode, _shape(prefill, decode))
     kv_capacity_blocks(cm.model, cm.gpu, tp=cm.tp, weight_dtype=cm.weight_dtype,
                        kv_dtype=cm.kv_dtype, ep=cm.ep)   # raises when the model does not fit
-    shape = BatchShape(
+    shape = _shape(prefill, decode)
+    total = cm.step_time(shape)
+    layers = cm.shapes.num_layers
+    breakdown = cm.breakdown(shape)
+    return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
+            "engine_version": profile.engine_version, "model": cm.model.name,
+            "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
+            "layers": layers, "prefill": prefill, "decode": decode,
+            "tokens": shape.num_tokens, "predicted_ms": _ms(total),
+            "per_layer_ms": _ms(sum(op.time_s for op in breakdown.values() if op.per_layer) / layers),
+            "ops": _op_rows(list(breakdown.items()), layers, total)}
+
+
+def _shape(prefill: list[tuple[int, int]], decode: list[tuple[int, int]]):
+    """The `BatchShape` of prefill chunks (T, C) and decode groups (B, C)."""
+    from servelab.outputs import BatchShape
+
+    return BatchShape(
         num_prefill_seqs=len(prefill), num_prefill_tokens=sum(t for t, _ in prefill),
         prefill_context_sum=sum(c for _, c in prefill),
         prefill_q_context_sum=sum(t * c for t, c in prefill),
@@ -285,22 +307,57 @@ def _step(opts: dict) -> dict:
         num_decode_seqs=sum(b for b, _ in decode),
         decode_context_sum=sum(b * c for b, c in decode),
         prefill_max_keys=max((t + c for t, c in prefill), default=0))
-    total = cm.step_time(shape)
-    layers = cm.shapes.num_layers
-    ops = []
-    for name, op in cm.breakdown(shape).items():
-        ops.append({"op": name, "class": op.op_class, "calls": op.calls,
-                    "per_layer_ms": _ms(op.time_s / layers) if op.per_layer else None,
-                    "total_ms": _ms(op.time_s), "share_pct": round(100 * op.time_s / total, 2),
-                    "bound": op.bound})
+
+
+def _op_rows(ops: list, layers: int, total: float) -> list[dict]:
+    """`cost step`'s op table from (name, OpCost) pairs; a name seen twice (one per
+    pipeline stage) is one row, its calls and time summed."""
+    rows: dict[str, dict] = {}
+    for name, op in ops:
+        row = rows.setdefault(name, {"op": name, "class": op.op_class, "calls": 0,
+                                     "time_s": 0.0, "per_layer": op.per_layer, "bound": op.bound})
+        row["calls"] += op.calls
+        row["time_s"] += op.time_s
+    return [{"op": r["op"], "class": r["class"], "calls": r["calls"],
+             "per_layer_ms": _ms(r["time_s"] / layers) if r["per_layer"] else None,
+             "total_ms": _ms(r["time_s"]), "share_pct": round(100 * r["time_s"] / total, 2),
+             "bound": r["bound"]} for r in rows.values()]
+
+
+def _pipelined_step(cm, pp: int, label: str, profile, prefill, decode, shape) -> dict:
+    """One step of a pipelined replica, priced as the simulator prices it
+    (`simulator/pipeline.py`): each stage's layers (vLLM's `get_pp_indices` split) on its
+    own `CostModel`, the activations' send between stages, and the step's end as a lone
+    batch passes every stage (`StageTimeline.run_step` on idle stages). With pp batches
+    in flight the slowest stage paces the replica (one step per its time)."""
+    from servelab.simulator.pipeline import PipelineLayout, StageTimeline
+
+    layout = PipelineLayout(cm.model, cm, pp)   # refuses pp above the layers
+    # refuses a stage whose weights do not fit, at the engine settings the unpipelined step's
+    # check (`footprint.kv_capacity_blocks`) assumes by default
+    layout.stage_kv_blocks(gpu_memory_utilization=0.9, max_num_batched_tokens=2048, max_num_seqs=128)
+    stage_s = layout.stage_times(shape)
+    transfer_s = [layout.transfer_time(s, shape.num_tokens) for s in range(pp - 1)]
+    total = StageTimeline(layout).run_step(0.0, shape)
+    slowest = max(range(pp), key=stage_s.__getitem__)
+    layers = cm.model.num_layers
+    # a once-per-step op (embedding, LM head, step overhead...) counts on the stages that run it
+    ops = [(name, op) for stage in layout.stages for name, op in stage.breakdown(shape).items()
+           if op.per_layer or op.time_s > 0]
+    per_layer = sum(op.time_s for _, op in ops if op.per_layer)
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
-            "engine_version": profile.engine_version, "model": cm.model.name,
-            "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
+            "engine_version": profile.engine_version, "model": cm.model.name, "tp": cm.tp,
+            "pp": pp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
-            "per_layer_ms": _ms(sum(op.time_s for op in cm.breakdown(shape).values()
-                                    if op.per_layer) / layers),
-            "ops": ops}
+            "per_layer_ms": _ms(per_layer / layers),
+            "stages": [{"stage": s, "layers": [start, end], "ms": _ms(t)}
+                       for s, ((start, end), t) in enumerate(zip(layout.layer_ranges, stage_s))],
+            "slowest_stage": slowest, "slowest_stage_ms": _ms(stage_s[slowest]),
+            "transfers": [{"between": [s, s + 1], "link": link.link.name, "lanes": link.lanes,
+                           "ms": _ms(t)} for s, (link, t) in enumerate(zip(layout.links, transfer_s))],
+            "transfer_ms": _ms(sum(transfer_s)),
+            "ops": _op_rows(ops, layers, total)}
 
 
 def describe(kind: str, r: dict) -> str:
@@ -351,9 +408,19 @@ def describe(kind: str, r: dict) -> str:
                 f"{r['bytes'] / 1e6:.2f} MB at the GPU's peak; achieved bus bandwidth "
                 f"{r['bus_gbps']} GB/s")
     experts = f", ep={r['ep']}, {r['expert_load']} expert load" if "ep" in r else ""
-    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{experts}, {r['layers']} layers, "
-             f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms",
-             f"  {'op':<22}{'class':<14}{'calls':>6}{'per layer':>12}{'total':>12}{'share':>8}  bound"]
+    pp = f", pp={r['pp']}" if "pp" in r else ""
+    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{pp}{experts}, {r['layers']} layers, "
+             f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms"]
+    if pp:
+        lines += [f"  stage {st['stage']} (layers {st['layers'][0]}-{st['layers'][1] - 1}): "
+                  f"{st['ms']:.4f} ms" + ("  <- slowest" if st["stage"] == r["slowest_stage"] else "")
+                  for st in r["stages"]]
+        lines += [f"  send {x['between'][0]} -> {x['between'][1]} over {x['link']} x{x['lanes']}: "
+                  f"{x['ms']:.4f} ms" for x in r["transfers"]]
+        lines.append(f"  a lone batch: stages + sends = {r['predicted_ms']:.4f} ms; with {r['pp']} "
+                     f"batches in flight the slowest stage paces the replica, one step per "
+                     f"{r['slowest_stage_ms']:.4f} ms; ops below are summed over the stages")
+    lines += [f"  {'op':<22}{'class':<14}{'calls':>6}{'per layer':>12}{'total':>12}{'share':>8}  bound"]
     for op in r["ops"]:
         per_layer = f"{op['per_layer_ms']:.4f}" if op["per_layer_ms"] is not None else "-"
         lines.append(f"  {op['op']:<22}{op['class']:<14}{op['calls']:>6}{per_layer:>12}"

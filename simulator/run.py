@@ -505,10 +505,28 @@ class Simulation:
                                     slo_tpot_ms=c.slo_tpot_ms, tenant_weights=c.tenant_weights)
             except ValueError as exc:
                 problem = problem or str(exc)
-        result = SimulationResult(c, requests, steps, summary, self.derived())
+        derived = self.derived()
+        if summary is not None:
+            summary = {**priced_by(derived), **summary}
+        result = SimulationResult(c, requests, steps, summary, derived)
         if problem is not None:
             raise RunCheckError(problem, result)
         return result
+
+
+def priced_by(derived: dict[str, Any]) -> dict[str, Any]:
+    """The engine preset and calibration profile of a run, for the head of summary.json,
+    named as config.json's `derived` names them: `engine` ("servelab" without a preset),
+    `profile` (`cost_model.calibration`) and `profile_engine_version` (the vLLM version
+    its kernels were measured inside; None for the bare roofline). A disaggregated run
+    names each pool's profile: `profile` is {"prefill": ..., "decode": ...}."""
+    pools = derived.get("disaggregation")
+    if pools is not None:
+        return {"engine": derived["engine"],
+                "profile": {name: pools[name]["cost_model"]["calibration"] for name in ("prefill", "decode")}}
+    cost = derived["cost_model"]
+    return {"engine": cost["engine"], "profile": cost["calibration"],
+            "profile_engine_version": cost["calibration_engine_version"]}
 
 
 def trace_provenance(trace) -> dict[str, Any]:

@@ -65,8 +65,11 @@ def test_sigkill_halfway_then_rerun_completes_without_corrupt_or_duplicate_point
         requests, steps = read_requests(run / "requests.csv"), read_steps(run / "steps.csv")
         assert len(requests) == 150
         stored = json.loads((run / "summary.json").read_text())
-        assert stored == json.loads(json.dumps(summarize(
-            requests, steps, slo_ttft_ms=2000.0, tenant_weights=None)))
+        cost = json.loads((run / "config.json").read_text())["derived"]["cost_model"]
+        assert stored == {"engine": cost["engine"], "profile": cost["calibration"],
+                          "profile_engine_version": cost["calibration_engine_version"],
+                          **json.loads(json.dumps(summarize(
+                              requests, steps, slo_ttft_ms=2000.0, tenant_weights=None)))}
     # points stored before the kill were skipped, not rewritten
     assert inodes == {name: os.stat(out / RUNS_DIR / name / "summary.json").st_ino for name in before}
     assert (out / "index.html").stat().st_size > 0 and (out / "report.md").stat().st_size > 0
