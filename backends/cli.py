@@ -20,9 +20,9 @@ import os
 import sys
 
 from servelab.cli import CLIError
-from servelab.options import (add_output_options, add_scheduler_options, add_workload_options,
-                              configs_from_args, non_negative_float, non_negative_int,
-                              positive_float)
+from servelab.options import (add_output_options, add_workload_options, non_negative_float,
+                              non_negative_int, positive_float)
+from servelab.policies.cli_options import add_scheduler_options, configs_from_args
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 

@@ -1,4 +1,8 @@
-"""Small validators for config dataclasses: each error names the field and the allowed range."""
+"""Small validators for config dataclasses: each error names the field and the allowed range.
+
+`within` and `bounds_text` are the one range check and its wording: the config checks
+below and the command line's number parser (`servelab.options.number`) both use them.
+"""
 from __future__ import annotations
 
 import math
@@ -14,8 +18,8 @@ def check_float(owner: str, name: str, value, lo: float | None = None, hi: float
                 lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
-    if lo_open and lo is not None and not value > lo:
-        raise ValueError(f"{owner}.{name} must be > {lo}, got {value!r}")
+    if lo_open and lo is not None and not within(value, lo, lo_open=True):
+        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, lo_open=True)}, got {value!r}")
     _check_range(owner, name, value, None if lo_open else lo, hi)
 
 
@@ -38,10 +42,26 @@ def check_known_keys(data: dict, known, what: str) -> None:
         raise ValueError(f"{what} {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
+def within(value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False) -> bool:
+    """Whether `value` lies in the range: `lo` <= value (< with `lo_open`), value <= `hi`
+    (< with `hi_open`); a missing bound does not limit. NaN lies in no bounded range."""
+    if lo is not None and not (value > lo if lo_open else value >= lo):
+        return False
+    return hi is None or (value < hi if hi_open else value <= hi)
+
+
+def bounds_text(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False) -> str:
+    """The range as a message states it: 'in [0, 1]', 'in (0, 1)', '>= 1', '> 0', '<= 8',
+    or '' when unbounded."""
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi}"
+    return ""
+
+
 def _check_range(owner, name, value, lo, hi) -> None:
-    if lo is not None and value < lo:
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{owner}.{name} must be {bound}, got {value!r}")
-    if hi is not None and value > hi:
-        bound = f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
-        raise ValueError(f"{owner}.{name} must be {bound}, got {value!r}")
+    if not within(value, lo, hi):
+        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, hi)}, got {value!r}")

@@ -3,16 +3,21 @@ command that runs the scheduler (`simulate`, `run`, ...), and their conversion t
 
 One definition per flag, so `servelab simulate` and `servelab run` accept the same
 spelling, defaults and validation. Policy flags, preemption modes and block managers come
-from their registries (`servelab.policies`, `servelab.memory`): each policy declares its
-own flags (`Policy.flags`), so nothing here names a policy.
+from their registries, which the caller passes in: the core imports nothing from
+`servelab.policies` or `servelab.memory` (DESIGN.md's import table), and
+`servelab.policies.cli_options` is the same API with the registries filled in, for the
+commands (`simulate`, `run`). Each policy declares its own flags (`Policy.flags`), so
+nothing here names a policy.
 
+    from servelab.policies.cli_options import add_scheduler_options, configs_from_args
     add_scheduler_options(parser, policies=policy_names())
     add_workload_options(parser)
     opts = configs_from_args(args)        # SchedulerOptions(scheduler, cache, policy, policy_options)
 
-Defaults come from the config dataclasses themselves, so `--help` shows what a run gets.
-Bad values raise `CLIError` naming the flag (exit status 2), before any work is done.
-Pure standard library: importing it costs nothing.
+Numbers are read by one bounded parser, `number(kind, low, high, ...)`; `positive_int`
+and the others are its common ranges. Defaults come from the config dataclasses
+themselves, so `--help` shows what a run gets. Bad values raise `CLIError` naming the flag
+(exit status 2), before any work is done. Pure standard library: importing it costs nothing.
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import argparse
 import inspect
 import math
 import re
-from dataclasses import fields
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping, NamedTuple, Sequence
 
+from servelab._validate import bounds_text, within
 from servelab.cli import CLIError
 from servelab.config import (BATCHING_MODES, SPECULATIVE_METHODS, STEP_COMPOSITIONS, AdmissionConfig,
                              CacheConfig, SchedulerConfig, SpeculativeConfig)
@@ -73,44 +79,66 @@ class SchedulerOptions(NamedTuple):
 # --------------------------------------------------------------------------- value parsers
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+@dataclass(frozen=True)
+class Number:
+    """An argparse `type` reading one `kind` (int or float) in a range: `low` <= value
+    (> with `low_open`), value <= `high` (< with `high_open`); a bound left out does not
+    limit. Floats are always finite. A bad value is one line stating what is accepted:
+    "expected an integer >= 1, got 0", "expected a number in (0, 1], got '1.5'",
+    "expected a finite number > 0, got 'inf'"; text that is not a number at all:
+    "expected an integer, got '1.5'". The range is checked and worded by
+    `servelab._validate.within` / `bounds_text`, as the configs' own checks are. Made by
+    `number(...)`; a module-level instance pickles like a function."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in (int, float):
+            raise TypeError(f"number() reads int or float, not {self.kind!r}")
+
+    @property
+    def expected(self) -> str:
+        """What is accepted, as the messages say it: 'an integer >= 1', 'a number in (0, 1]'."""
+        bounds = bounds_text(self.low, self.high, lo_open=self.low_open, hi_open=self.high_open)
+        # Without an upper bound the range alone would admit 'inf': say 'finite' there.
+        noun = "an integer" if self.kind is int else \
+            "a finite number" if self.high is None else "a number"
+        return f"{noun} {bounds}" if bounds else noun
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            what = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if self.kind is float and not math.isfinite(value) or \
+                not within(value, self.low, self.high, lo_open=self.low_open, hi_open=self.high_open):
+            # An integer is shown as read (" 7" -> 7), a number as typed ('1e400').
+            shown = value if self.kind is int else repr(text)
+            raise argparse.ArgumentTypeError(f"expected {self.expected}, got {shown}")
+        return value
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def number(kind: type[int] | type[float] = int, low: float | None = None,
+           high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False) -> Callable[[str], int | float]:
+    """The argparse `type` reading `kind` in [low, high] (open at a side with `low_open` /
+    `high_open`; a bound left out does not limit): see `Number`."""
+    return Number(kind, low, high, low_open, high_open)
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+positive_int = number(int, low=1)
+non_negative_int = number(int, low=0)
+positive_float = number(float, low=0, low_open=True)
+non_negative_float = number(float, low=0)
+fraction = number(float, low=0, high=1, low_open=True)
+"""A share in (0, 1]: --attainment, --top-p."""
+_at_least_one = number(float, low=1)
+"""--tenant-burst: a bucket holds at least one arrival."""
 
 
 def chunk_tokens(text: str) -> int | str:
@@ -125,13 +153,14 @@ def chunk_tokens(text: str) -> int | str:
 # --------------------------------------------------------------------------- options
 
 
-def add_scheduler_options(parser: argparse.ArgumentParser,
+def add_scheduler_options(parser: argparse.ArgumentParser, *, policy_classes: Mapping[str, type],
+                          preemptions: Sequence[str], block_managers: Sequence[str],
                           policies: Sequence[str] | None = None) -> None:
-    """Scheduler, KV-cache and policy flags, in three help groups. `policies` limits
-    --policy's choices (default: every registered policy); every registered policy's
-    own flags are offered, each applying to its policy only."""
-    from servelab.memory import block_manager_names
-    from servelab.policies import policy_classes, preemption_names
+    """Scheduler, KV-cache and policy flags, in their help groups. The registries come from
+    the caller: `policy_classes` (name -> policy class), the `preemptions` modes and the
+    `block_managers` (`servelab.policies.cli_options` passes the registered ones).
+    `policies` limits --policy's choices (default: every policy class); every policy
+    class's own flags are offered, each applying to its policy only."""
     s = parser.add_argument_group("scheduler")
     s.add_argument("--engine", choices=engine_names(), default=DEFAULT_ENGINE,
                    help="the engine mirrored: its defaults for every flag below not given, and "
@@ -150,7 +179,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     s.add_argument("--step-composition", choices=STEP_COMPOSITIONS,
                    default=_SCHED_DEFAULTS["step_composition"],
                    help="decode_first (stall-free) or prefill_first (default %(default)s)")
-    s.add_argument("--preemption", choices=preemption_names(), default=None,
+    s.add_argument("--preemption", choices=list(preemptions), default=None,
                    help="recompute, or swap to the CPU pool (--cpu-kv-blocks) "
                         "(default: the engine's; vLLM: recompute)")
     s.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
@@ -169,7 +198,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
     c.add_argument("--cpu-kv-blocks", type=non_negative_int, metavar="N",
                    default=_CACHE_DEFAULTS["num_cpu_blocks"],
                    help="CPU swap-pool blocks (default %(default)s: swap falls back to recompute)")
-    c.add_argument("--block-manager", choices=block_manager_names(),
+    c.add_argument("--block-manager", choices=list(block_managers),
                    default=_CACHE_DEFAULTS["block_manager"],
                    help="paged, or a contiguous reserve-up-front baseline (default %(default)s)")
     c.add_argument("--watermark", type=non_negative_float, default=None,
@@ -209,9 +238,9 @@ def add_scheduler_options(parser: argparse.ArgumentParser,
 
     p = parser.add_argument_group("policy")
     p.add_argument("--policy", default="fcfs",
-                   choices=list(policies) if policies is not None else list(policy_classes()),
+                   choices=list(policies) if policies is not None else list(policy_classes),
                    help="scheduling policy (default %(default)s)")
-    for name, cls in policy_classes().items():
+    for name, cls in policy_classes.items():
         for flag in cls.flags:
             _add_policy_flag(p, name, cls, flag)
 
@@ -253,12 +282,14 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- conversion
 
 
-def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | None = None,
-                      device_memory_bytes: int = 0, device_name: str = "") -> SchedulerOptions:
+def configs_from_args(args: argparse.Namespace, *, policy_classes: Mapping[str, type],
+                      default_max_model_len: int | None = None, device_memory_bytes: int = 0,
+                      device_name: str = "") -> SchedulerOptions:
     """The scheduler config, cache keyword arguments, policy name and policy options the
     flags describe, the --engine preset's defaults filling the flags not given (some depend
-    on the device: its memory and name). Raises CLIError naming the flag for a value the
-    configs reject, or a policy flag given for another policy."""
+    on the device: its memory and name); `policy_classes` as given to
+    `add_scheduler_options`. Raises CLIError naming the flag for a value the configs
+    reject, or a policy flag given for another policy."""
     engine = get_preset(getattr(args, "engine", None) or DEFAULT_ENGINE)
     d = engine.defaults(device_memory_bytes, device_name)
 
@@ -288,7 +319,8 @@ def configs_from_args(args: argparse.Namespace, *, default_max_model_len: int | 
     if offload and not cache["enable_prefix_caching"]:
         raise CLIError("--kv-offload-gb: a CPU tier holds prefix-cache blocks and needs "
                        "--prefix-caching")
-    return SchedulerOptions(scheduler, cache, args.policy, policy_options_from_args(args),
+    return SchedulerOptions(scheduler, cache, args.policy,
+                            policy_options_from_args(args, policy_classes),
                             offload, engine, given_or_default("gpu_memory_utilization",
                                                               "gpu_memory_utilization"))
 
@@ -370,37 +402,26 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
     return _checked(AdmissionConfig, given)
 
 
-def _at_least_one(text: str) -> float:
-    value = positive_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
-    return value
-
-
-def policy_options_from_args(args: argparse.Namespace) -> dict:
+def policy_options_from_args(args: argparse.Namespace, policy_classes: Mapping[str, type]) -> dict:
     """Constructor options of args.policy from the policy flags that were given."""
-    from servelab.policies import policy_classes
-
     options: dict = {}
-    for policy, flag in _policy_flags(policy_classes()):
+    for policy, flag in _policy_flags(policy_classes):
         value = getattr(args, flag.dest, None)
         if value is None:
             continue
         if policy != args.policy:
             raise CLIError(f"--{flag.flag} applies to --policy {policy}, not {args.policy}")
         options[flag.keyword] = flag.to_option(value) if flag.to_option else value
-    cls = policy_classes().get(args.policy)
+    cls = policy_classes.get(args.policy)
     return cls.options_from_flags(options, getattr(args, "seed", 0)) if cls else options
 
 
-def policy_flag_owners() -> dict[str, str]:
+def policy_flag_owners(policy_classes: Mapping[str, type]) -> dict[str, str]:
     """Each policy flag's argparse dest -> the policy it configures."""
-    from servelab.policies import policy_classes
-
-    return {flag.dest: policy for policy, flag in _policy_flags(policy_classes())}
+    return {flag.dest: policy for policy, flag in _policy_flags(policy_classes)}
 
 
-def _policy_flags(classes: dict) -> list:
+def _policy_flags(classes: Mapping[str, type]) -> list:
     return [(name, flag) for name, cls in classes.items() for flag in cls.flags]
 
 

@@ -32,9 +32,9 @@ DTYPES = tuple(DTYPE_BYTES)
 
 
 def register(subparsers) -> None:
-    from servelab.options import (add_output_options, add_scheduler_options, add_workload_options,
-                                  positive_float, positive_int)
+    from servelab.options import add_output_options, add_workload_options, positive_float, positive_int
     from servelab.policies import policy_names
+    from servelab.policies.cli_options import add_scheduler_options
     from servelab.simulator.router import router_names
     from servelab.traces.cli import add_trace_arguments
 
@@ -106,10 +106,17 @@ def register(subparsers) -> None:
     p.set_defaults(func=_cmd_simulate)
 
 
+def policy_flag_owners() -> dict[str, str]:
+    """Each policy flag's argparse dest -> the policy it configures: for `servelab compare`,
+    whose folder (sweeps/) may import simulator/ but not policies/ (DESIGN.md)."""
+    from servelab.policies.cli_options import policy_flag_owners as owners
+    return owners()
+
+
 def config_from_args(args: argparse.Namespace):
     """The `SimulationConfig` the flags describe; user errors raise CLIError."""
     from servelab.models import load_model_spec
-    from servelab.options import configs_from_args
+    from servelab.policies.cli_options import configs_from_args
     from servelab.simulator.disaggregation import disaggregation_from_args
     from servelab.simulator.run import SimulationConfig
     from servelab.simulator.gpus import get_gpu

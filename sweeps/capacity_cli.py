@@ -26,25 +26,12 @@ import sys
 from pathlib import Path
 
 from servelab.cli import CLIError
+from servelab.options import fraction, number, positive_float
 from servelab.progress import PointProgress
 from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
 
-
-def _fraction(text: str) -> float:
-    """A share in (0, 1]: --attainment."""
-    from servelab.options import positive_float
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    """A relative width in (0, 1): --tolerance."""
-    value = _fraction(text)
-    if value == 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction below 1 such as 0.02, got {text!r}")
-    return value
+_tolerance = number(float, low=0, high=1, low_open=True, high_open=True)
+"""A relative width in (0, 1): --tolerance."""
 
 
 def register(subparsers) -> None:
@@ -73,12 +60,12 @@ def add_target_arguments(p: argparse.ArgumentParser, title: str) -> argparse._Ar
     from servelab.sweeps.capacity import DEFAULT_ATTAINMENT
 
     c = p.add_argument_group(title)
-    c.add_argument("--attainment", type=_fraction, default=None, metavar="F",
+    c.add_argument("--attainment", type=fraction, default=None, metavar="F",
                    help=f"share of requests that must meet their SLOs (default {DEFAULT_ATTAINMENT}; "
                         "not applied when a percentile target is given without it)")
     for percentile in PERCENTILES:
         for metric, name in SLO_METRICS:
-            c.add_argument(f"--p{percentile}-{metric}-ms", type=_positive_float, default=None, metavar="MS",
+            c.add_argument(f"--p{percentile}-{metric}-ms", type=positive_float, default=None, metavar="MS",
                            help=f"the run's p{percentile} {name} must be at most MS")
     c.add_argument("--percentile", type=int, choices=tuple(PERCENTILES), default=None,
                    help="read --slo-ttft-ms / --slo-tpot-ms as bounds on this percentile of the run "
@@ -107,11 +94,6 @@ def slo_targets(args: argparse.Namespace):
             targets.append(PercentileTarget(metric, args.percentile, limit))
     attainment = args.attainment if args.attainment is not None or targets else DEFAULT_ATTAINMENT
     return SloTargets(attainment, tuple(targets))
-
-
-def _positive_float(text: str) -> float:
-    from servelab.options import positive_float
-    return positive_float(text)
 
 
 def _start_rates(args, parser, axes) -> list[float]:

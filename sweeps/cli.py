@@ -24,29 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.cli import CLIError
-from servelab.engines import engine_names
-from servelab.memory import block_manager_names
-from servelab.options import policy_flag_owners
-from servelab.policies import preemption_names
+from servelab.options import chunk_tokens, positive_float, positive_int
 from servelab.progress import PointProgress
-from servelab.simulator.router import router_names
+from servelab.simulator.cli import policy_flag_owners
 
 DEFAULT_POLICIES = ("fcfs", "priority", "sjf", "fair")
-
-
-def _positive_int(text: str) -> int:
-    from servelab.options import positive_int
-    return positive_int(text)
-
-
-def _positive_float(text: str) -> float:
-    from servelab.options import positive_float
-    return positive_float(text)
-
-
-def _chunk(text: str) -> int | str:
-    from servelab.options import chunk_tokens
-    return chunk_tokens(text)
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -57,37 +39,43 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+_CHOICES = None
+"""SWEEP_FLAGS' item parser for a flag of names: one of the `choices` its single flag
+offers (the block managers, preemption modes, routers and engines `simulate` registers),
+read from that flag when the list flag is added, so the two accept the same names and
+sweeps/ needs no registry of memory/ or policies/ (DESIGN.md's import table)."""
+
+
 def _name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a name, got an empty item")
     return text.strip()
 
 
-#: (list flag, the sweep axis = the simulate flag's dest, the simulate flag, item parser, metavar)
-SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any], str], ...] = (
+#: (list flag, the sweep axis = the simulate flag's dest, the simulate flag, item parser or
+#: _CHOICES, metavar)
+SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any] | None, str], ...] = (
     ("--policies", "policy", "--policy", _name, "P,P,..."),
-    ("--rates", "rate", "--rate", _positive_float, "REQ_PER_S,..."),
+    ("--rates", "rate", "--rate", positive_float, "REQ_PER_S,..."),
     ("--models", "model", "--model", _name, "M,M,..."),
     ("--gpus", "gpu", "--gpu", _name, "G,G,..."),
-    ("--tps", "tp", "--tp", _positive_int, "N,N,..."),
-    ("--block-managers", "block_manager", "--block-manager",
-     _one_of(tuple(block_manager_names())), "BM,BM,..."),
-    ("--block-sizes", "block_size", "--block-size", _positive_int, "TOKENS,..."),
-    ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", _chunk, "TOKENS|budget|off,..."),
-    ("--preemptions", "preemption", "--preemption",
-     _one_of(tuple(preemption_names())), "MODE,MODE,..."),
-    ("--routers", "router", "--router", _one_of(tuple(router_names())), "R,R,..."),
-    ("--engines", "engine", "--engine", _one_of(tuple(engine_names())), "E,E,..."),
+    ("--tps", "tp", "--tp", positive_int, "N,N,..."),
+    ("--block-managers", "block_manager", "--block-manager", _CHOICES, "BM,BM,..."),
+    ("--block-sizes", "block_size", "--block-size", positive_int, "TOKENS,..."),
+    ("--chunk-sizes", "chunked_prefill", "--chunked-prefill", chunk_tokens, "TOKENS|budget|off,..."),
+    ("--preemptions", "preemption", "--preemption", _CHOICES, "MODE,MODE,..."),
+    ("--routers", "router", "--router", _CHOICES, "R,R,..."),
+    ("--engines", "engine", "--engine", _CHOICES, "E,E,..."),
 )
 #: `simulate` flags that take a comma-separated list here (more than one value sweeps
 #: them): (flag, the sweep axis = the flag's dest, item parser, metavar).
 LIST_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
-    ("--replicas", "replicas", _positive_int, "N[,N,...]"),
-    ("--pp", "pp", _positive_int, "N[,N,...]"),
+    ("--replicas", "replicas", positive_int, "N[,N,...]"),
+    ("--pp", "pp", positive_int, "N[,N,...]"),
     ("--speculative", "speculative", _name, "off|ngram|draft:M,..."),
-    ("--num-speculative-tokens", "num_speculative_tokens", _positive_int, "K[,K,...]"),
-    ("--prefill-replicas", "prefill_replicas", _positive_int, "N[,N,...]"),
-    ("--decode-replicas", "decode_replicas", _positive_int, "M[,M,...]"),
+    ("--num-speculative-tokens", "num_speculative_tokens", positive_int, "K[,K,...]"),
+    ("--prefill-replicas", "prefill_replicas", positive_int, "N[,N,...]"),
+    ("--decode-replicas", "decode_replicas", positive_int, "M[,M,...]"),
 )
 #: Grid axis order: hardware and memory variants outermost, then policy, then rate.
 AXIS_ORDER = ("engine", "model", "gpu", "tp", "pp", "replicas", "prefill_replicas", "decode_replicas",
@@ -148,16 +136,23 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
     notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
              "chunked_prefill": " (token counts, budget or off)"}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:
+        if parse is _CHOICES:
+            parse = _one_of(tuple(_single_flag(p, single).choices))
         g.add_argument(flag, dest=f"sweep_{axis}", type=_list_of(parse), default=None, metavar=metavar,
                        help=f"values of {single} to sweep{notes.get(axis, '')}")
     x = p.add_argument_group("execution")
-    x.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+    x.add_argument("--workers", type=positive_int, default=None, metavar="N",
                    help="simulations run in parallel (default: the CPUs available)")
     ray = x.add_mutually_exclusive_group()
     ray.add_argument("--ray", action="store_true",
                      help="run the points on a local Ray instance (pip install 'servelab[ray]')")
     ray.add_argument("--ray-address", metavar="ADDR",
                      help="run the points on the Ray cluster at ADDR ('auto': this machine's)")
+
+
+def _single_flag(p: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    """The `simulate` flag `flag` of parser `p`."""
+    return next(a for a in p._actions if flag in a.option_strings)
 
 
 # --------------------------------------------------------------------------- the grid

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from servelab.cli import CLIError
 from servelab.labels import COLOCATED
+from servelab.options import positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
 from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
@@ -60,20 +61,13 @@ def register(subparsers) -> None:
                    help="what to minimise: cost an hour (default) or GPUs")
     c.add_argument("--gpu-price", type=_prices, default={}, metavar="GPU=USD,...",
                    help="$ per GPU-hour, replacing the catalog's (e.g. h100-sxm=2.5,h200=3.4)")
-    c.add_argument("--max-gpus", type=_positive_int, default=DEFAULT_MAX_GPUS, metavar="N",
+    c.add_argument("--max-gpus", type=positive_int, default=DEFAULT_MAX_GPUS, metavar="N",
                    help="the most GPUs a layout may use (default %(default)s)")
     p.set_defaults(func=functools.partial(_cmd_plan, parser=p), command_name="plan", gpu=None, tp=None)
 
 
-def _positive_int(text: str) -> int:
-    from servelab.options import positive_int
-    return positive_int(text)
-
-
 def _prices(text: str) -> dict[str, float]:
     """GPU=USD,GPU=USD: --gpu-price."""
-    from servelab.options import positive_float
-
     prices = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")

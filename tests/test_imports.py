@@ -70,12 +70,6 @@ def libraries_of(folder: str) -> set[str]:
     return set().union(*(LIBRARIES.get(f, set()) for f in {folder, *MAY_IMPORT[folder]}))
 
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # issue #32 ("the core imports nothing from memory/ or policies/"): the command-line
-    # options live in the core and read the policy, preemption and block-manager
-    # registries to build their flags (inside functions). Moving the CLI's option
-    # builders out of the core is part of #32's refactor.
-    ("servelab.options", "memory"): "reads the block-manager registry for --block-manager",
-    ("servelab.options", "policies"): "reads the policy and preemption registries for their flags",
     # issue #32: a table omission to settle there. The progress bars (STYLE.md: a
     # well-kept library rather than a hand-written one) are tqdm's, loaded only when a bar
     # is shown; the table lists numpy only for the core.
@@ -103,10 +97,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("servelab.validation.real_runs", "traces"): "the real runs' traces",
     ("servelab.validation.replay", "traces"): "writes the replayed trace",
     ("servelab.validation.probe", "torch"): "probes the local GPU (only when asked)",
-    # issue #32: `compare` offers the registered block managers and preemption modes as
-    # list-flag choices; the table lists neither memory/ nor policies/ for sweeps/.
-    ("servelab.sweeps.cli", "memory"): "--block-managers choices",
-    ("servelab.sweeps.cli", "policies"): "--preemptions choices",
 }
 """(importing module, imported folder or library) -> what the import is for. Each entry
 is a known break of the table, with the comment above it saying why it stands."""
@@ -257,13 +247,14 @@ def test_the_shared_components_import_no_third_party_library(folder):
     assert bad == []
 
 
-def test_the_core_imports_nothing_from_memory_or_policies_but_the_known_exceptions():
-    """Issue #32's rule: the core (servelab/) imports nothing from memory/ or policies/.
-    `servelab.request` did (block keys); the command-line options still do, listed."""
+def test_the_core_imports_nothing_from_memory_or_policies():
+    """Issue #32's rule: the core (servelab/) imports nothing from memory/ or policies/, not
+    even inside a function. `servelab.request` did (block keys), and the command-line
+    options did (registries: now passed in by `servelab.policies.cli_options`)."""
     found = {(module, folder_of(target)) for module in MODULES if folder_of(module) == "servelab"
              for target, where, _ in imports(module)
              if where != "type" and folder_of(target) in ("memory", "policies")}
-    assert found == {("servelab.options", "memory"), ("servelab.options", "policies")}
+    assert found == set()
 
 
 def test_the_checker_catches_a_forbidden_import(tmp_path, monkeypatch):

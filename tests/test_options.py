@@ -9,8 +9,9 @@ import pytest
 
 from servelab.cli import CLIError
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.options import add_scheduler_options, add_workload_options, configs_from_args
+from servelab.options import add_workload_options
 from servelab.policies import make_policy, policy_names
+from servelab.policies.cli_options import add_scheduler_options, configs_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -10,12 +10,16 @@ import random
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from servelab._validate import bounds_text, within
 from servelab.traces.record import RowIssue, Trace, TraceError, TraceRecord, merge_issues
 
 
 def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise TraceError(f"{name} must be a finite number > 0, got {value!r}")
+    """`value` if it is a finite number > 0 (the range checked and worded by
+    `servelab._validate`, as the command line's `number` parser does), else a TraceError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not within(value, 0, lo_open=True):
+        raise TraceError(f"{name} must be a finite number {bounds_text(0, lo_open=True)}, got {value!r}")
     return value
 
 
