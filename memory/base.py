@@ -164,7 +164,7 @@ class BlockManager(abc.ABC):
         Default 0: a manager without such a tier."""
         return 0
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_transfers(self) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
         """Host-tier copies implied by the calls since the last one: (GPU, host) block
         pairs to copy to the host first of all in the step, and (host, GPU) pairs to
         copy back after swaps, before compute. Default: none (no host tier)."""

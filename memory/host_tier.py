@@ -67,7 +67,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, deque
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Sequence
+
+from servelab.outputs import BlockPairs
 
 from .prefix_cache import Entries, agree
 
@@ -386,22 +388,29 @@ class HostTier:
             for entry_id, k in where.pop(h, ()):
                 self._drop(self._holder(entry_id, k), k, k + 1)
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_transfers(self) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
         """The copies since the last call: (GPU block, host block) offloads, then
-        (host block, GPU block) loads. Host blocks loaded from become free again."""
+        (host block, GPU block) loads, each as `BlockPairs` (two columns: no tuple per
+        copy unless someone iterates them). Host blocks loaded from become free again."""
         if not self._batches and not self._loads:   # most steps: nothing moved
             return [], []
-        offloads: list[tuple[int, int]] = []
+        gpu: list[int] = []
+        host: list[int] = []
         for batch in self._batches:
             gone = batch.cancelled
             if gone is None:
-                offloads += zip(batch.gpu, batch.host)
+                gpu += batch.gpu
+                host += batch.host
             else:
-                offloads += [(g, h) for g, h in zip(batch.gpu, batch.host) if h not in gone]
+                for g, h in zip(batch.gpu, batch.host):
+                    if h not in gone:
+                        gpu.append(g)
+                        host.append(h)
             batch.pending = False
             batch.gpu = batch.host = batch.cancelled = None
         self._batches.clear()
-        loads = list(zip(self._loads.values(), self._loads))
+        offloads = BlockPairs(gpu, host)
+        loads = BlockPairs(list(self._loads.values()), list(self._loads))
         self._loads.clear()
         if self._pending_free:
             self._free += self._pending_free

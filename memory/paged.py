@@ -251,7 +251,7 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_transfers(self) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
         """The host-tier copies the calls since the last one need: (GPU, host) offloads
         and (host, GPU) loads (see host_tier.py); ([], []) without a host tier."""
         return self._host.take_transfers() if self._host is not None else ([], [])
