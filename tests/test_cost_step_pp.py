@@ -9,10 +9,10 @@ one-line errors, the same checks `simulate --pp` makes.
 from __future__ import annotations
 
 import csv
-import json
 
 import pytest
 
+from test_cost_cli import cost, cost_json
 from servelab.cli import main
 from servelab.outputs import BatchShape
 from servelab.simulator.cost_model import CostModel
@@ -21,18 +21,6 @@ from servelab.simulator.pipeline import PipelineLayout, StageTimeline
 GPU = "h100-sxm"
 DECODE = (64, 2000)   # 64 sequences at context 2000
 PREFILL = (512, 1024)   # one chunk of 512 tokens after 1024 cached
-
-
-def cost(capsys, *argv) -> tuple[int, str, str]:
-    rc = main(["cost", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def cost_json(capsys, *argv) -> dict:
-    rc, out, err = cost(capsys, *argv, "--json")
-    assert rc == 0, err
-    return json.loads(out)
 
 
 def shape() -> BatchShape:
