@@ -20,18 +20,11 @@ import os
 import sys
 
 from servelab.cli import CLIError
-from servelab.options import (add_output_options, add_workload_options, non_negative_float,
-                              non_negative_int, positive_float)
+from servelab.options import (add_output_options, add_workload_options, fraction,
+                              non_negative_float, non_negative_int)
 from servelab.policies.cli_options import add_scheduler_options, configs_from_args
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-
-
-def _top_p(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -74,13 +67,13 @@ def register(subparsers) -> None:
     b.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
                    help="virtual: time advances by measured step durations, idle gaps skipped; "
                         "wall: real time, arrivals waited for (default %(default)s)")
-    b.add_argument("--gpu-memory-utilization", type=_top_p, default=None, metavar="F",
+    b.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="F",
                    help="fraction of GPU memory the run may use when --kv-blocks is not given "
                         "(default: the engine's, 0.9)")
     b.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 = greedy (default %(default)s)")
     b.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default)")
-    b.add_argument("--top-p", type=_top_p, default=1.0, help="1 = off (default)")
+    b.add_argument("--top-p", type=fraction, default=1.0, help="1 = off (default)")
     b.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly each request's trace output length, ignoring EOS "
                         "(default: on)")

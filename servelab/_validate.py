@@ -65,3 +65,21 @@ def bounds_text(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = Fals
 def _check_range(owner, name, value, lo, hi) -> None:
     if not within(value, lo, hi):
         raise ValueError(f"{owner}.{name} must be {bounds_text(lo, hi)}, got {value!r}")
+
+
+def check_bounded(what: str, value, lo=None, hi=None, *, lo_open: bool = False,
+                  hi_open: bool = False, integer: bool = False, noun: str | None = None,
+                  error: type[ValueError] = ValueError) -> None:
+    """Raise `error` ("<what> must be a finite number > 0, got 'x'"; with `integer`, "<what>
+    must be an int >= 0, got ...") unless `value` is a finite number (an int with `integer`;
+    never a bool) in the range `within` checks. For checks whose owner is not a config
+    field, e.g. a trace transform's argument, which raise their module's own `error`;
+    `noun` replaces 'an int' / 'a finite number' where a module words it otherwise."""
+    if integer:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not within(value, lo, hi, lo_open=lo_open, hi_open=hi_open):
+        noun = noun or ("an int" if integer else "a finite number")
+        bounds = bounds_text(lo, hi, lo_open=lo_open, hi_open=hi_open)
+        raise error(f"{what} must be {noun}{' ' + bounds if bounds else ''}, got {value!r}")

@@ -14,9 +14,16 @@ Pure standard library.
 """
 from __future__ import annotations
 
+import argparse
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from servelab._validate import bounds_text, within
+from servelab.options import number
+
+_finite = number(float)
+"""Any finite number: `_fraction` reads with it, then words its own range."""
 
 
 @dataclass
@@ -25,23 +32,25 @@ class VllmArgs:
     notes: list[str] = field(default_factory=list)
 
 
-def _int(flag: str, text: str, low: int = 1) -> int:
+def _read(flag: str, parse: Callable[[str], Any], text: str) -> Any:
+    """`parse(text)` (a `servelab.options.number` parser), its error re-raised as a
+    ValueError prefixed by the vLLM flag."""
     try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"--vllm-args {flag}: expected an integer, got {text!r}") from None
-    if value < low:
-        raise ValueError(f"--vllm-args {flag}: expected an integer >= {low}, got {value}")
-    return value
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--vllm-args {flag}: {e}") from None
+
+
+def _int(flag: str, text: str, low: int = 1) -> int:
+    return _read(flag, number(int, low=low), text)
 
 
 def _fraction(flag: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--vllm-args {flag}: expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise ValueError(f"--vllm-args {flag}: expected a fraction in (0, 1], got {text!r}")
+    """A finite number in (0, 1], the range checked and worded by `servelab._validate`."""
+    value = _read(flag, _finite, text)
+    if not within(value, 0, 1, lo_open=True):
+        raise ValueError(f"--vllm-args {flag}: expected a fraction "
+                         f"{bounds_text(0, 1, lo_open=True)}, got {text!r}")
     return value
 
 

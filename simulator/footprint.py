@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from servelab._validate import check_bounded
 from servelab.capacity import VLLM_FUSED_BF16
 from servelab.capacity import kv_capacity_blocks as engine_kv_capacity_blocks
 from servelab.models import MLASpec, ModelSpec, load_model_spec
@@ -271,8 +272,7 @@ def _check_dtypes(weight_dtype: str, kv_dtype: str) -> None:
 
 
 def _check_degree(name: str, degree: int) -> None:
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {degree!r}")
+    check_bounded(name, degree, 1, integer=True, noun="an integer")
 
 
 def _dense_weight_bytes(model: ModelSpec, s: ShardedShapes) -> int:
@@ -444,8 +444,7 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    check_bounded("block_size", block_size, 1, integer=True, noun="an integer")
     footprint = Footprint.of(model, tp, weight_dtype, kv_dtype, ep=ep)
     budget = gpu.memory_bytes * gpu_memory_utilization
     weights = footprint.weight_bytes

@@ -89,6 +89,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from simpy import Environment
 
+from servelab._validate import check_bounded
 from servelab.models import ModelSpec
 from servelab.outputs import BatchShape, SchedulerOutput, StepResult
 from servelab.record_table import RecordTable
@@ -124,8 +125,7 @@ def stage_layer_ranges(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """[start, end) of each stage's layers, as vLLM's `get_pp_indices` splits them:
     num_layers // pp each, the remainder one more each for the stages before the last,
     from the second-to-last backwards. ValueError when a stage would get no layer."""
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ValueError(f"pp must be an integer >= 1, got {pp!r}")
+    check_bounded("pp", pp, 1, integer=True, noun="an integer")
     if pp > num_layers:
         raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers: every pipeline stage "
                          "needs one at least")

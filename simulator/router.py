@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 from typing import Callable, ClassVar, Sequence
 
+from servelab._validate import check_bounded
 from servelab.registry import Registry
 from servelab.request import Request
 
@@ -53,8 +54,7 @@ class Router(abc.ABC):
     name: ClassVar[str] = "abstract"
 
     def __init__(self, num_replicas: int) -> None:
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        check_bounded("num_replicas", num_replicas, 1, integer=True, noun="an integer")
         self.num_replicas = num_replicas
 
     @abc.abstractmethod
@@ -110,8 +110,7 @@ class PrefixAffinityRouter(Router):
     def __init__(self, num_replicas: int, affinity_tokens: int = 256, max_imbalance: int = 8) -> None:
         super().__init__(num_replicas)
         for label, value in (("affinity_tokens", affinity_tokens), ("max_imbalance", max_imbalance)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+            check_bounded(label, value, 1, integer=True, noun="an integer")
         self.affinity_tokens = affinity_tokens
         self.max_imbalance = max_imbalance
         self._home: dict[int, int] = {}

@@ -11,14 +11,13 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from servelab._validate import check_bounded
 from servelab.traces.record import TraceError
 
 
 def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise TraceError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+    """A finite number > 0 (>= 0 with `allow_zero`), else a TraceError naming owner.name."""
+    check_bounded(f"{owner}.{name}", value, 0, lo_open=not allow_zero, error=TraceError)
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,7 @@ class Fixed:
     value: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.value, bool) or not isinstance(self.value, int) or self.value < 1:
-            raise TraceError(f"Fixed.value must be an int >= 1, got {self.value!r}")
+        check_bounded("Fixed.value", self.value, 1, integer=True, error=TraceError)
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.full(n, self.value, dtype=np.int64)

@@ -10,22 +10,20 @@ import random
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from servelab._validate import bounds_text, within
+from servelab._validate import check_bounded
 from servelab.traces.record import RowIssue, Trace, TraceError, TraceRecord, merge_issues
 
 
 def _positive(name: str, value) -> float:
     """`value` if it is a finite number > 0 (the range checked and worded by
     `servelab._validate`, as the command line's `number` parser does), else a TraceError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not within(value, 0, lo_open=True):
-        raise TraceError(f"{name} must be a finite number {bounds_text(0, lo_open=True)}, got {value!r}")
+    check_bounded(name, value, 0, lo_open=True, error=TraceError)
     return value
 
 
 def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TraceError(f"{name} must be an int >= 0, got {value!r}")
+    """`value` if it is an int >= 0, else a TraceError."""
+    check_bounded(name, value, 0, integer=True, error=TraceError)
     return value
 
 
@@ -50,8 +48,7 @@ def with_rate(trace: Trace, req_per_s: float) -> Trace:
 
 def time_window(trace: Trace, start_s: float, end_s: float | None = None) -> Trace:
     """Requests arriving in [start_s, end_s), re-based so that start_s becomes 0."""
-    if not (isinstance(start_s, (int, float)) and 0 <= start_s < math.inf):
-        raise TraceError(f"start_s must be a finite number >= 0, got {start_s!r}")
+    check_bounded("start_s", start_s, 0, error=TraceError)
     if end_s is not None and not end_s > start_s:
         raise TraceError(f"end_s must be > start_s ({start_s}), got {end_s!r}")
     end = math.inf if end_s is None else end_s
@@ -75,8 +72,8 @@ def clip_lengths(trace: Trace, max_model_len: int | None = None, *, max_prompt_t
     limits = {"max_model_len": max_model_len, "max_prompt_tokens": max_prompt_tokens,
               "max_output_tokens": max_output_tokens}
     for name, v in limits.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "max_model_len" else 1)):
-            raise TraceError(f"{name} must be an int >= {2 if name == 'max_model_len' else 1}, got {v!r}")
+        if v is not None:
+            check_bounded(name, v, 2 if name == "max_model_len" else 1, integer=True, error=TraceError)
     issues: dict[str, list] = {}
 
     def note(reason: str, i: int, before: int, after: int, what: str) -> None:

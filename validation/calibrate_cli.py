@@ -19,17 +19,11 @@ import json
 import sys
 
 from servelab.cli import CLIError
-from servelab.options import non_negative_int, positive_int
+from servelab.options import non_negative_int, number, positive_int
 
 
-def _holdout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+_holdout = number(float, low=0, high=1, high_open=True)
+"""--holdout: the share of rows held out of the fit, in [0, 1)."""
 
 
 def register(subparsers) -> None:

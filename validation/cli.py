@@ -26,15 +26,11 @@ from __future__ import annotations
 import argparse
 
 from servelab.cli import CLIError
-from servelab.options import non_negative_int, positive_float
+from servelab.options import non_negative_int, number, positive_float
 
 
-def _fraction(text: str) -> float:
-    value = positive_float(text)
-    if not value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
-
+_fraction = number(float, low=0, high=1, low_open=True, high_open=True)
+"""--train-fraction: the share of steps the fit trains on, in (0, 1)."""
 
 _STEP_RECORD_OPTIONS = {"gpu": None, "fit": False, "train_fraction": 0.5, "split_seed": 0,
                         "loss": "l1", "simulate": False, "probe": None,
