@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SHARED
+from _gpu_tables import real_measurements
 
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged
@@ -17,7 +17,6 @@ from servelab.simulator.kernels.movement import alltoall_from_ring
 from servelab.validation.kernel_fit import calibrate, extend_profile
 from servelab.validation.measurements import MeasurementSet, load_measurements
 
-MEASUREMENTS = SHARED / "gpu-measurements"
 RTX = get_gpu("rtx-pro-6000")
 
 
@@ -86,9 +85,7 @@ def test_calibrate_prefers_the_gpus_own_ring_to_another_gpus_alltoall():
 
 
 def _rtx_tables() -> MeasurementSet:
-    folder = MEASUREMENTS / "aiconfigurator-vllm-0.19.0"
-    if not folder.is_dir():
-        pytest.skip(f"the public measurements are not at {folder} (../shared absent)")
+    folder = real_measurements() / "aiconfigurator-vllm-0.19.0"
     return load_measurements([folder], RTX, drop_bad_rows=True, engine_version="0.19.0")
 
 
@@ -109,9 +106,7 @@ def test_the_ring_line_prices_measured_pcie_all_gathers_better_than_the_alltoall
     `nccl_perf`, messages >= 8 MiB), the line from L40S's own all-reduce fit prices the
     all-gathers and reduce-scatters vLLM's exchange runs within 5% at the median, closer
     than L40S's own all-to-all fit does."""
-    folder = MEASUREMENTS / "aiconfigurator-vllm-0.14.0"
-    if not folder.is_dir():
-        pytest.skip(f"the public measurements are not at {folder} (../shared absent)")
+    folder = real_measurements() / "aiconfigurator-vllm-0.14.0"
     l40s = get_gpu("l40s")
     table = load_measurements([folder], l40s, drop_bad_rows=True,
                               engine_version="0.14.0").table("nccl")
