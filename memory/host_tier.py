@@ -65,13 +65,13 @@ evicts a block whose load is still pending.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections import Counter, deque
 from typing import Hashable, NamedTuple, Sequence
 
 from servelab.outputs import BlockPairs
 
-from .prefix_cache import Entries, agree
+from .prefix_cache import Entries, agree, index_run, unindex_run
 
 
 class HostRun:
@@ -507,44 +507,8 @@ class HostTier:
         """The runs holding entries, least recently used first."""
         return [run for run in self._lru if run.lo < run.hi]
 
-    def _index(self, run: HostRun) -> None:
-        h = run.key = run.hashes[run.lo]
-        p = run.lo
-        n = self._head_at.get(p)
-        if n is None:
-            insort(self._head_positions, p)
-            self._head_at[p] = 1
-        else:
-            self._head_at[p] = n + 1
-        first = self.heads.get(h)
-        if first is None:
-            self.heads[h] = run
-        else:
-            while first.same is not None:
-                first = first.same
-            first.same = run
-
-    def _unindex(self, run: HostRun) -> None:
-        p = run.lo
-        n = self._head_at[p] - 1
-        if n:
-            self._head_at[p] = n
-        else:
-            del self._head_at[p]
-            positions = self._head_positions
-            del positions[bisect_left(positions, p)]
-        h = run.key
-        first = self.heads[h]
-        if first is run:
-            if run.same is None:
-                del self.heads[h]
-            else:
-                self.heads[h] = run.same
-        else:
-            while first.same is not run:
-                first = first.same
-            first.same = run.same
-        run.key = run.same = None
+    _index = index_run      # shared with the GPU prefix cache (memory/prefix_cache.py)
+    _unindex = unindex_run
 
     # ------------------------------------------------------------------ checks
     def lru_blocks(self) -> list[int]:

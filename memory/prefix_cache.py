@@ -32,7 +32,7 @@ the oracle in tests/test_memory_prefix_runs.py).
 """
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import Counter, deque
 from itertools import compress, count, repeat
 from operator import ne
@@ -200,6 +200,51 @@ def agree(contents: list[Hashable], keys: list[Hashable], i: int, n: int) -> int
         n = next(compress(count(), map(ne, a, b)))
     return n
 
+
+def index_run(cache, run) -> None:
+    """Enter `run` under its first entry's hash in `cache.heads` (after the runs already
+    there, under a hash collision: a chain through `same`), and count its chain position
+    in `cache._head_at` / `cache._head_positions` (kept sorted). The GPU prefix cache and
+    the host tier keep the same three fields and share this as their `_index`."""
+    h = run.key = run.hashes[run.lo]
+    p = run.lo
+    n = cache._head_at.get(p)
+    if n is None:
+        insort(cache._head_positions, p)
+        cache._head_at[p] = 1
+    else:
+        cache._head_at[p] = n + 1
+    first = cache.heads.get(h)
+    if first is None:
+        cache.heads[h] = run
+    else:
+        while first.same is not None:
+            first = first.same
+        first.same = run
+
+
+def unindex_run(cache, run) -> None:
+    """Undo `index_run` (both classes' `_unindex`)."""
+    p = run.lo
+    n = cache._head_at[p] - 1
+    if n:
+        cache._head_at[p] = n
+    else:
+        del cache._head_at[p]
+        positions = cache._head_positions
+        del positions[bisect_left(positions, p)]
+    h = run.key
+    first = cache.heads[h]
+    if first is run:
+        if run.same is None:
+            del cache.heads[h]
+        else:
+            cache.heads[h] = run.same
+    else:
+        while first.same is not run:
+            first = first.same
+        first.same = run.same
+    run.key = run.same = None
 
 class PrefixCache:
     """Chained-hash index over committed GPU blocks plus their LRU eviction order, kept
@@ -491,45 +536,8 @@ class PrefixCache:
         self._runs[run] = None
         return run
 
-    def _index(self, run: Run) -> None:
-        """Enter the view under its first entry's hash (after the views there already,
-        under a hash collision)."""
-        h = run.key = run.hashes[run.lo]
-        p = run.lo
-        n = self._head_at.get(p)
-        if n is None:
-            insort(self._head_positions, p)
-            self._head_at[p] = 1
-        else:
-            self._head_at[p] = n + 1
-        first = self.heads.get(h)
-        if first is None:
-            self.heads[h] = run
-        else:
-            while first.same is not None:
-                first = first.same
-            first.same = run
-
-    def _unindex(self, run: Run) -> None:
-        h = run.key
-        p = run.lo
-        n = self._head_at[p] - 1
-        if n:
-            self._head_at[p] = n
-        else:
-            del self._head_at[p]
-            self._head_positions.remove(p)
-        first = self.heads[h]
-        if first is run:
-            if run.same is None:
-                del self.heads[h]
-            else:
-                self.heads[h] = run.same
-        else:
-            while first.same is not run:
-                first = first.same
-            first.same = run.same
-        run.key = run.same = None
+    _index = index_run
+    _unindex = unindex_run
 
     def _retire(self, run: Run) -> None:
         """The view lost its last entry."""
@@ -796,6 +804,7 @@ class PrefixCache:
             _require(order == sorted(order, reverse=True), f"{r}: stretches out of LRU order")
         _require(sum(s.b - s.a for s in live) == self._num_evictable, "evictable count is off")
         return cached
+
 
 
 def _require(condition: bool, message: str) -> None:
