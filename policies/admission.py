@@ -5,10 +5,6 @@ The scheduler decides when to try (policy order, token budget, seats: `Scheduler
 
 - `never_fits`: at arrival, a request that could not fit even in an empty cache;
 - `allocate`: blocks for every live sequence of a request, all or nothing;
-- `known_later`: a memo of the last request refused for memory (LATER), so a waiting head
-  is not re-checked step after step while free memory does not grow;
-- `none_fits`: no waiting candidate can be admitted while running sequences only decode
-  (what a fast-forward run must be sure of);
 - `would_fit`, `freeable_blocks`: for a preemptive policy's waiting head, whether it would
   get its blocks, counted without cache hits, in the free memory or in what preempting
   some running requests would free;
@@ -20,27 +16,21 @@ elsewhere and written into blocks allocated for it before it was added (a disagg
 decode replica's request: `simulator/kv_handoff.py`). Admission takes it as it
 is, with the computed tokens its importer set, and it needs no free memory.
 
-With prefix caching, each waiting sequence's block keys and their chain hashes are built
-once (`BlockKeys`) and extended only when the sequence has grown, instead of at every
-look-up; the block manager is handed the same object each time, so it can remember what
-it found for it.
+With prefix caching, a sequence's block content keys are built from the request at each
+look-up (`Request.block_contents`) and handed to the block manager, which hashes them.
 
-The memo is used only where LATER is monotone in free blocks: a block manager that
-`grows_by_block` says LATER exactly when free < need + watermark. Without a prefix cache
-a request's need does not change; with one, a hit appearing can shrink it, so the memo
-also asks the block manager whether its own memo of the answer for the request's keys
-still stands (`BlockManager.known_later`). Property tests check that it never changes a
-decision (tests/test_scheduler_properties.py).
+The simulator's speed layer builds each waiting sequence's keys and chain hashes once,
+and adds a memo of refused admissions and a test for fast-forward runs
+(`simulator/speed/admission.py` `MemoKVAdmission`).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Hashable, Sequence as Sequence_
 
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.memory.block_keys import BlockKeys
 from servelab.policies.base import SchedulerError
-from servelab.request import Request, SeqId, Sequence
+from servelab.request import Request, Sequence
 
 
 class KVAdmission:
@@ -51,14 +41,6 @@ class KVAdmission:
         self._config = config
         self._bm = block_manager
         self._prefix_caching = prefix_caching
-        self._use_memo = block_manager.grows_by_block
-        self.later: tuple[Request, int, int] | None = None
-        """The last request whose allocation was LATER: (request, tokens, free blocks
-        then), or None. With prefix caching a hit can shorten the need without freeing
-        anything, so the block manager's own memo of that answer must stand too."""
-        self._keys: dict[SeqId, BlockKeys] = {}
-        """Block keys of waiting sequences, kept between look-ups; a sequence's entry is
-        handed to the block manager (and dropped here) when it is allocated."""
 
     def never_fits(self, req: Request) -> str | None:
         """Why `req` can never run (the reason a rejection gives), or None."""
@@ -93,35 +75,25 @@ class KVAdmission:
                 for d in done:
                     bm.free(d.seq_id)
                     d.num_computed_tokens = 0
-                if status is AllocStatus.LATER and not done and self._use_memo:
-                    self.later = (req, s.num_tokens, bm.num_free_blocks)
                 return status
             s.num_computed_tokens = bm.allocate(s.seq_id, s.num_tokens, contents,
                                                 max_total_tokens=max_total,
                                                 expected_total_tokens=expected_total)
             s.prefill_len = s.num_tokens
             done.append(s)
-        for s in done:
-            self._keys.pop(s.seq_id, None)
         if self._prefix_caching and req.cached_tokens is None:  # the first admission
             req.cached_tokens = sum(s.num_computed_tokens for s in done)
             req.cpu_cached_tokens = sum(bm.host_hit_tokens(s.seq_id) for s in done)
         return AllocStatus.OK
 
-    def block_keys(self, req: Request, seq: Sequence) -> BlockKeys:
-        """The sequence's block keys, extended to its current length. O(new blocks)."""
-        keys = self._keys.get(seq.seq_id)
-        if keys is None:
-            keys = self._keys[seq.seq_id] = BlockKeys()
-        bs = self._bm.block_size
-        if len(keys) < seq.num_tokens // bs:
-            req.extend_block_keys(keys, seq, bs)
-        return keys
+    def block_keys(self, req: Request, seq: Sequence) -> Sequence_[Hashable]:
+        """The content keys of the sequence's full blocks (speed layer hook: it keeps
+        them between look-ups). O(blocks)."""
+        return req.block_contents(seq, self._bm.block_size)
 
     def cached_tokens(self, req: Request) -> int:
         """Tokens of the live sequences of a waiting `req` that the prefix cache would
-        serve if it were admitted now (0 without prefix caching). O(blocks hit), the keys
-        built once (`block_keys`)."""
+        serve if it were admitted now (0 without prefix caching). O(blocks)."""
         if not self._prefix_caching:
             return 0
         bm = self._bm
@@ -129,27 +101,12 @@ class KVAdmission:
                    for s in req.seqs if not s.finished)
 
     def forget(self, req: Request) -> None:
-        """Drop a request's kept keys (it was rejected while waiting)."""
-        for s in req.seqs:
-            self._keys.pop(s.seq_id, None)
+        """`req` was rejected while waiting (speed layer hook: kept keys are dropped)."""
 
     def known_later(self, req: Request) -> bool:
-        """Is `req` known not to fit (LATER) with the memory free now? True when its
-        allocation already failed with as many free blocks or more, it has not grown
-        since and, with prefix caching, the block manager's memo of that answer for its
-        keys stands (no hit has appeared since). Single-sequence requests only. O(1)."""
-        if self.later is None:
-            return False
-        memo_req, tokens, free = self.later
-        if memo_req is not req or len(req.seqs) != 1:
-            return False
-        seq = req.seqs[0]
-        if seq.num_tokens != tokens or seq.finished or self._bm.num_free_blocks > free:
-            return False
-        if not self._prefix_caching:
-            return True
-        keys = self._keys.get(seq.seq_id)
-        return keys is not None and self._bm.known_later(tokens, keys)
+        """Is `req` known not to get its blocks now, without looking? Never here (speed
+        layer hook: a memo of the last refusal answers in O(1))."""
+        return False
 
     def can_swap_in(self, req: Request, beside_running: bool) -> bool:
         """Can swapped `req` come back to the GPU now? Beside running requests it also
@@ -176,32 +133,6 @@ class KVAdmission:
                 if not s.finished:
                     bm.mark_computed(s.seq_id, s.num_computed_tokens)
         return copies
-
-    def none_fits(self, candidates: Iterable[Request], num_seqs: int) -> bool:
-        """True if none of the waiting `candidates` can be admitted while `num_seqs`
-        running sequences only decode (free memory only shrinks, the step budget stays
-        as full): the rules of `Scheduler._admit`, for a fast-forward run."""
-        cfg = self._config
-        if cfg.batching == "static":
-            return True
-        if num_seqs >= cfg.max_num_seqs:
-            return True  # no seat
-        if num_seqs >= cfg.max_num_batched_tokens and cfg.step_composition == "decode_first":
-            return True  # decodes take the whole budget before admission is tried
-        for head in candidates:
-            if self.known_later(head):
-                continue
-            reserve = dict(max_total_tokens=head.prompt_len + head.max_tokens,
-                           expected_total_tokens=head.prompt_len + head.output_len)
-            for s in head.seqs:
-                if s.finished:
-                    continue
-                if self._bm.has_seq(s.seq_id):
-                    return False   # an import: it needs no memory
-                contents = self.block_keys(head, s) if self._prefix_caching else ()
-                if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
-                    return False
-        return True
 
     def would_fit(self, req: Request, extra_free: int = 0) -> bool:
         """Would the request's live sequences get their blocks with `extra_free` more

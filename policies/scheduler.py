@@ -26,57 +26,28 @@ preempted, its outcome chosen by the preemption mode (`policies/preemption.py`):
 (free the KV, back to the waiting queue) or swap (KV to the CPU pool). A step that
 preempted anything admits nothing new and swaps nothing in.
 
-This file is the one-by-one path: every decision is made here, request by request. Plain
-decodes (single-sample requests computing one token) are handed to a `DecodeBatch`
-(policies/decode_batch.py) between steps, which advances them in bulk as long as the
-decisions stay those of this path, gives them back whenever they do not, and applies runs
-of plain decode steps in closed form (`decode_run_bound`, `advance_decodes`). Requests
-are current whenever the scheduler shows them: to a policy, or through `running` and
-`requests`.
+This is the plain scheduler: every decision is made here, request by request, and the
+real backend runs it. The simulator runs its speed-layer subclass,
+`simulator/speed/scheduler.py` `BatchingScheduler`, which advances plain decodes in bulk
+and fast-forwards runs of decode steps in closed form while deciding exactly as this one
+does (tests/test_scheduler_properties.py). The few methods it overrides are marked
+"speed layer hook" below.
 """
 from __future__ import annotations
 
-import math
-
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.outputs import PreemptionMode, ScheduledSeq, SchedulerOutput, StepResult
+from servelab.outputs import (NO_WORK, PreemptionMode, ScheduledSeq, ScheduledWork, SchedulerOutput,
+                              StepResult)
 from servelab.policies.admission import KVAdmission
 from servelab.policies.admission_control import AdmissionControl
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.budget import StepBudget
-from servelab.policies.decode_batch import DecodeBatch
 from servelab.policies.preemption import make_preemption
 from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
 
 __all__ = ["Scheduler", "SchedulerError"]
-
-
-class _Refusals:
-    """The scheduler's memory of the last waiting head that no running request may be
-    preempted for (`Scheduler._preempt_for_waiting`), kept while that cannot change
-    (`Policy.may_preempt_for` depends on the two requests alone): the same head waits;
-    no request was admitted or swapped in since (`admissions`: a new running request may
-    be a victim, one that leaves cannot make one); and, under a policy that
-    `reorders_running`, no running request can have drawn the tokens it must draw before
-    it may be preempted. `clock` counts those tokens: the most a running sequence can have
-    drawn since the scheduler began (each step adds the most that one sequence draws in
-    it: 1, or 1 + K when speculating; a fast-forwarded run adds its steps)."""
-
-    __slots__ = ("clock", "_head", "_admissions", "_until")
-
-    def __init__(self) -> None:
-        self.clock = 0
-        self._head: Request | None = None
-        self._admissions = self._until = 0
-
-    def remember(self, head: Request, admissions: int, tokens: float) -> None:
-        """`head` may preempt no running request until one has drawn `tokens` more."""
-        self._head, self._admissions, self._until = head, admissions, self.clock + tokens
-
-    def holds(self, head: Request, admissions: int) -> bool:
-        return head is self._head and admissions == self._admissions and self.clock < self._until
 
 
 class Scheduler:
@@ -85,14 +56,14 @@ class Scheduler:
     `emit_block_tables=True` fills SchedulerOutput.block_tables (the real backend needs
     them; the simulator does not, and copying tables costs O(blocks) per sequence).
     `keep_token_times=True` records every token time of sample 0 (for exact ITL).
-    `batch_decodes=False` lists every decode one by one (same decisions, slower; for
-    comparison): batching is also off when either option above is on, when the policy
-    charges service per request, or when the block manager does not grow by block.
     """
+
+    _admission_class: type[KVAdmission] = KVAdmission
+    """The memory side of admission (speed layer hook: a memo of refusals)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy, *,
                  enable_prefix_caching: bool = False, emit_block_tables: bool = False,
-                 keep_token_times: bool = False, batch_decodes: bool = True) -> None:
+                 keep_token_times: bool = False) -> None:
         self.config = config
         self.bm = block_manager
         self.policy = policy
@@ -105,11 +76,9 @@ class Scheduler:
         self._requests: dict[int, Request] = {}    # added, not yet finished or rejected
         self._imports: set[int] = set()            # waiting imports: they hold blocks already
         self._running: dict[int, Request] = {}     # insertion order = admission order
-        self._listed: dict[int, Request] = {}      # running, not in the batch (any order)
         self.swapped: dict[int, Request] = {}      # insertion order = swap-out order
         self._admit_seq: dict[int, int] = {}
         self._next_admit = 0
-        self._refusals = _Refusals()
         self._growth_preempted = False
         self._pending_rejects: list[tuple[int, str]] = []
         self._finished_records: list[RequestRecord] = []
@@ -119,18 +88,13 @@ class Scheduler:
         # A static batch runs until all its members finish: nothing preempts it for a
         # waiting request (which could not join it anyway).
         self._may_preempt = policy.preemptive and config.batching != "static"
-        # Plain decodes join the batch unless the executor needs block tables or token
-        # times per sequence, or the policy charges service per request.
         spec = config.speculative
         self._spec_k = spec.num_speculative_tokens if spec.enabled else 0
         """K of a speculating engine (0: no speculation; see `_schedule_verify`)."""
         self._ahead: dict = {}
         """Speculation: seq id -> KV slots it holds beyond its computed tokens (lookahead
         reserved for a verify step, kept where proposed tokens were rejected)."""
-        self._batch = DecodeBatch(config, block_manager, enabled=(
-            batch_decodes and block_manager.grows_by_block and not emit_block_tables
-            and not keep_token_times and not self._charges_service and not spec.enabled))
-        self._kv = KVAdmission(config, block_manager, prefix_caching=enable_prefix_caching)
+        self._kv = self._admission_class(config, block_manager, prefix_caching=enable_prefix_caching)
         # the admission stage before the policy: rate limits and shedding, when configured
         self._control = AdmissionControl(config.admission) if config.admission.enabled else None
         if policy.reads_prefix_cache:
@@ -175,16 +139,14 @@ class Scheduler:
     # ------------------------------------------------------------------ queries
     @property
     def running(self) -> dict[int, Request]:
-        """Running requests in admission order, their sequences current (batched ones
-        are written back first: O(batched sequences) once per step)."""
-        self._batch.sync()
+        """Running requests in admission order (speed layer hook: it brings their
+        sequences up to date first)."""
         return self._running
 
     @property
     def requests(self) -> dict[int, Request]:
-        """Every request added and not yet finished or rejected, by id, their sequences
-        current (see `running`). A request is let go once its record is out."""
-        self._batch.sync()
+        """Every request added and not yet finished or rejected, by id (speed layer hook,
+        as `running`). A request is let go once its record is out."""
         return self._requests
 
     @property
@@ -213,7 +175,6 @@ class Scheduler:
         if self._pending_rejects:
             out.rejected, self._pending_rejects = self._pending_rejects, []
         self._growth_preempted = False
-        self._batch.pending = False  # a step that was never updated is forgotten
         step = StepBudget(self.config)
         # memory freed for the waiting head is not handed to swapped requests first
         freed_for_head = self._preempt_for_waiting(now, out)
@@ -232,17 +193,26 @@ class Scheduler:
         listed: list[ScheduledSeq] = []
         for entries in step.entries.values():
             listed.extend(entries)
-        out.scheduled = self._batch.work(listed)
+        out.scheduled = self._work(listed)
         if self._host_tier:   # the copies this step's allocations and evictions imply
             out.offload, out.load = self.bm.take_transfers()
         if self.emit_block_tables:
             table = self.bm.block_table
             out.block_tables = {e.seq_id: table(e.seq_id) for e in out.scheduled}
-        if not (listed or self._batch.pending or out.swap_in or out.preempted or out.rejected) \
+        if not (out.scheduled or out.swap_in or out.preempted or out.rejected) \
                 and self.has_unfinished():
             self._stalled(now)
         self._scheduled, self._scheduled_listed = out, listed
         return out
+
+    def _work(self, listed: list[ScheduledSeq]) -> ScheduledWork:
+        """The step's work, one entry per sequence (speed layer hook)."""
+        return ScheduledWork(listed) if listed else NO_WORK
+
+    def _step_order(self, step: StepBudget, prefill: bool | None, out: SchedulerOutput) -> list[Request]:
+        """The running requests a pass of `_schedule_running` lists, most protected first
+        (speed layer hook: it takes its batched decodes' part of `step` first)."""
+        return self._running_order(self._running)
 
     def _running_order(self, requests: dict[int, Request]) -> list[Request]:
         """Running requests, most protected first (ascending victim key), so that the
@@ -261,11 +231,7 @@ class Scheduler:
         the scheduler preempt from the end of the order — possibly the request itself.
         The batch takes its members' part first, or hands them back to be listed."""
         bm = self.bm
-        batch = self._batch
-        if batch.num_members and batch.take_step(self._listed, step, prefill, out.copies):
-            order = self._running_order(self._listed) if self._listed else []
-        else:
-            order = self._running_order(self._running)
+        order = self._step_order(step, prefill, out)
         end = len(order)
         spec_k = self._spec_k
         if spec_k and self.config.speculative.max_batch is not None \
@@ -417,25 +383,17 @@ class Scheduler:
         """Preemptive policies: before anything runs, free memory for the waiting head
         by preempting running requests the policy allows, worst victim first — only if
         that frees enough for the head to be admitted (a preemption that cannot make room
-        would be repeated step after step for nothing). True if anything was preempted.
-        A head that no running request may be preempted for is remembered
-        (`_Refusals`): asking again costs O(running) and gets the same answer until
-        something it depends on changes."""
+        would be repeated step after step for nothing). True if anything was preempted."""
         if not self._may_preempt:
             return False
         head = self.policy.peek(now)
         if head is None or not self._running or self._kv.would_fit(head):
             return False
-        if self._refusals.holds(head, self._next_admit):
-            return False
-        running, policy = self.running, self.policy  # current sequences for the policy
-        key, adm, kv = policy.victim_key, self._admit_seq, self._kv
-        victims = [r for r in running.values() if policy.may_preempt_for(head, r)]
+        victims = self._victims_for(head)
         if not victims:
-            tokens = (policy.tokens_until_preemptible([head], running.values())
-                      if policy.reorders_running else math.inf)
-            self._refusals.remember(head, self._next_admit, tokens)
             return False
+        running, policy = self.running, self.policy
+        key, adm, kv = policy.victim_key, self._admit_seq, self._kv
         if not kv.would_fit(head, extra_free=kv.freeable_blocks(victims, running)):
             return False
         preempted = False
@@ -444,10 +402,15 @@ class Scheduler:
         for victim in sorted(running.values(), key=lambda r: key(r, adm[r.request_id]), reverse=True):
             if kv.would_fit(head) or not policy.may_preempt_for(head, victim):
                 break
-            self._batch.release(victim)  # a member leaves the batch, written back
             self._preempt(victim, now, out)
             preempted = True
         return preempted
+
+    def _victims_for(self, head: Request) -> list[Request]:
+        """Running requests the policy allows to be preempted for `head` (speed layer
+        hook: it remembers a head that may preempt none). O(running)."""
+        policy = self.policy
+        return [r for r in self.running.values() if policy.may_preempt_for(head, r)]
 
     # ------------------------------------------------------------------ swap in
     def _swap_in(self, now, out, step: StepBudget) -> None:
@@ -487,16 +450,15 @@ class Scheduler:
                 step.commit(req, ran)
 
     def _set_running(self, req: Request) -> None:
+        """(speed layer hook)"""
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
-        self._listed[req.request_id] = req
         self._admit_seq[req.request_id] = self._next_admit
         self._next_admit += 1
 
     def _stop_running(self, rid: int) -> None:
-        """Forget a running request (finished or preempted; never a batched one)."""
+        """Forget a running request (finished or preempted; speed layer hook)."""
         del self._running[rid]
-        self._listed.pop(rid, None)
         del self._admit_seq[rid]
 
     # ------------------------------------------------------------------ admission
@@ -517,12 +479,11 @@ class Scheduler:
                 return
             if seats is None:
                 # max_num_seqs bounds the running sequences, scheduled this step or not
-                seats = self.config.max_num_seqs - self._batch.num_members - sum(
-                    1 for r in self._listed.values() for s in r.seqs if not s.finished)
+                seats = self.config.max_num_seqs - self._num_running_seqs()
             live = sum(1 for s in req.seqs if not s.finished)
             if live > seats:
                 return
-            if kv.later is not None and (self._running or self.swapped) and kv.known_later(req):
+            if (self._running or self.swapped) and kv.known_later(req):
                 return  # still waiting for memory: allocating would say LATER again
             if step.plan(req, allocated=False) is None:
                 return
@@ -566,19 +527,9 @@ class Scheduler:
         entries = step.plan(req, allocated=True)  # prefix hits cut the work
         step.commit(req, entries)
 
-    def _admits_while_decoding(self, now: float, num_seqs: int) -> bool:
-        """Could a waiting request be admitted while `num_seqs` running sequences only
-        decode? The rules of `_preempt_for_waiting` and `_admit`, for a fast-forward run."""
-        if not len(self.policy):
-            return False
-        candidates = self.policy.candidates(now)
-        # (a policy that reorders its running requests answered in decode_run_bound)
-        if self._may_preempt and candidates and not self.policy.reorders_running:
-            running, policy = self.running, self.policy  # current sequences for the policy
-            # a preemptive policy may evict for a candidate once memory runs short
-            if any(policy.may_preempt_for(head, r) for head in candidates for r in running.values()):
-                return True
-        return not self._kv.none_fits(candidates, num_seqs)
+    def _num_running_seqs(self) -> int:
+        """Live sequences of the running requests (speed layer hook)."""
+        return sum(1 for r in self._running.values() for s in r.seqs if not s.finished)
 
     def _stalled(self, now: float) -> None:
         """A step with nothing to run while requests remain would spin forever: with
@@ -593,29 +544,34 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestRecord]:
         """Advance every scheduled sequence by the step's work; returns the records of
         requests that finished or were rejected in this step. `out` must be the output
-        of the last schedule(), updated once. O(listed sequences + batched sequences
-        that finish), or O(all scheduled) when the executor returns sampled tokens or
-        stops. Sequences that finish in one step free their blocks in seq-id order (with
-        prefix caching, that order is the LRU order of their blocks), however the step
-        listed them."""
+        of the last schedule(), updated once. O(scheduled sequences). Sequences that
+        finish in one step free their blocks in seq-id order (with prefix caching, that
+        order is the LRU order of their blocks), however the step listed them."""
+        self._take_scheduled(out)
+        ended: list[Request] = []
+        freed: list = []
+        service: dict[int, list[int]] | None = {} if self._charges_service else None
+        t_end = out.now + result.duration_s
+        self._advance_listed(out, result, t_end, ended, freed, service)
+        self._end(ended, freed, service, t_end)
+        return self.pop_records()
+
+    def _take_scheduled(self, out: SchedulerOutput) -> None:
         if out is not self._scheduled:
             raise SchedulerError("update() for an output that is not the one the last "
                                  "schedule() made, or that was updated already")
         self._scheduled = None
-        self._refusals.clock += 1 + self._spec_k
-        t_end = out.now + result.duration_s
-        bm, running, batch = self.bm, self._running, self._batch
+
+    def _advance_listed(self, out: SchedulerOutput, result: StepResult, t_end: float,
+                        ended: list[Request], freed: list, service: dict | None) -> None:
+        """Advance the sequences the step listed; those that finish go to `ended` (their
+        requests) and `freed` (their seq ids); `service` collects (prefill tokens, tokens
+        drawn) per request when the policy charges service."""
+        bm, running = self.bm, self._running
         sampled, stopped = result.sampled, result.stopped
         max_len = self.config.max_model_len
         commit = self.prefix_caching
         keep_times = self.keep_token_times
-        service: dict[int, list[int]] | None = {} if self._charges_service else None
-        ended: list[Request] = []
-        freed: list = []
-        if batch.pending:
-            batch.update(sampled, stopped, ended, freed)
-        joining: list[Request] = []
-        join = batch.enabled
         for e in self._scheduled_listed:
             rid = e.request_id
             req = running.get(rid)
@@ -655,17 +611,19 @@ class Scheduler:
                     s.finished = True
                     freed.append(s.seq_id)
                     ended.append(req)
-                elif join and req.n == 1:
-                    joining.append(req)
             if req.first_token_s is None:
                 req.first_token_s = t_end
             if keep_times and seq.seq_id[1] == 0:
                 if req.token_times is None:
                     req.token_times = []
                 req.token_times.append(t_end)
+
+    def _end(self, ended: list[Request], freed: list, service: dict | None, t_end: float) -> None:
+        """Free the finished sequences, charge service, and finish the requests whose
+        every sample has ended."""
         if freed:
             for sid in sorted(freed) if len(freed) > 1 else freed:
-                bm.free(sid)
+                self.bm.free(sid)
             if self._ahead:
                 for sid in freed:
                     self._ahead.pop(sid, None)
@@ -673,6 +631,7 @@ class Scheduler:
             requests, on_service = self._requests, self.policy.on_service
             for rid, (pre, drawn) in service.items():
                 on_service(requests[rid], pre, drawn)
+        running = self._running
         for req in ended:
             if req.request_id in running and len(req.seqs) == req.n \
                     and all(s.finished for s in req.seqs):
@@ -681,10 +640,6 @@ class Scheduler:
                 self._stop_running(req.request_id)
                 del self._requests[req.request_id]
                 self._finished_records.append(RequestRecord.from_request(req))
-        for req in joining:
-            del self._listed[req.request_id]
-            batch.join(req)
-        return self.pop_records()
 
     def _advance_verified(self, req, seq, e, result: StepResult, t_end, ended, freed, service) -> None:
         """A speculating engine's decode of a single-sample request (`_schedule_verify`):
@@ -734,42 +689,3 @@ class Scheduler:
                              parent.prefill_len)
             self.bm.fork(parent.seq_id, child.seq_id)
             req.seqs.append(child)
-
-    # ------------------------------------------------------------------ fast-forward
-    def decode_run_bound(self, now: float, limit: int) -> int:
-        """How many of the next steps (at most `limit`) are certain to be plain decode
-        steps — every running sequence decodes one token, and nothing is admitted,
-        swapped, preempted, copied or finished — whatever time they take. Such a run can
-        be advanced in closed form by `advance_decodes`, with exactly the effect of
-        scheduling it step by step. Call it between update() and the next schedule().
-        O(block_size + waiting candidates) when every running sequence is batched,
-        otherwise O(running sequences) (see DecodeBatch.run_bound); O(running sequences)
-        too under a preemptive policy that `reorders_running` while requests wait."""
-        self._check_between_steps("decode_run_bound")
-        if self.swapped or self._pending_rejects or not self._running or limit <= 0 or self._spec_k:
-            return 0   # a speculating engine's steps produce a drawn number of tokens each
-        k = self._batch.run_bound(self._running, self._listed, limit,
-                                  lambda num_seqs: self._admits_while_decoding(now, num_seqs))
-        policy = self.policy
-        if k > 0 and self._may_preempt and policy.reorders_running and len(policy):
-            # the run ends before a running request sinks to where a waiting one may preempt it
-            k = min(k, policy.tokens_until_preemptible(policy.candidates(now), self.running.values()))
-        return k
-
-    def advance_decodes(self, num_steps: int) -> None:
-        """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
-        allowed at least that many). Per-sequence cost O(1), not O(steps)."""
-        self._check_between_steps("advance_decodes")
-        self._refusals.clock += num_steps
-        self._batch.advance(num_steps, self._running,
-                            self.policy.on_service if self._charges_service else None)
-
-    def decode_shape(self) -> tuple[int, int]:
-        """(sequences, Σ (context + 1)) of the next step if every running sequence
-        decodes one token: the first step of a decode run. O(1) when all are batched."""
-        return self._batch.decode_shape(self._running)
-
-    def _check_between_steps(self, op: str) -> None:
-        if self._batch.pending:
-            raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
-                                 "step must be updated first")

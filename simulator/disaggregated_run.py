@@ -117,7 +117,8 @@ class DisaggregatedSimulation(Simulation):
         from servelab.host_memory import check_prefix_block_sizes
         from servelab.memory import make_block_manager
         from servelab.models import load_model_spec
-        from servelab.policies import Scheduler, build_scheduler, make_policy
+        from servelab.policies import make_policy
+        from servelab.simulator.speed import BatchingScheduler, build_scheduler
         from servelab.simulator.links import get_link
         from servelab.simulator.router import make_router
 
@@ -150,7 +151,7 @@ class DisaggregatedSimulation(Simulation):
                                    num_cpu_blocks=c.cpu_kv_blocks, watermark=c.watermark,
                                    enable_prefix_caching=False, block_manager=c.block_manager)
         prefill_schedulers = [
-            Scheduler(sched, HeldKV(make_block_manager(prefill_cache, sched.max_model_len)),
+            BatchingScheduler(sched, HeldKV(make_block_manager(prefill_cache, sched.max_model_len)),
                       make_policy(c.policy, **c.policy_options), enable_prefix_caching=c.prefix_caching)
             for _ in range(p.replicas)]
         decode_schedulers = [build_scheduler(sched, decode_cache, c.policy, c.policy_options)

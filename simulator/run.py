@@ -348,10 +348,10 @@ class Simulation:
     def __init__(self, config: SimulationConfig) -> None:
         from servelab.host_memory import check_host_memory, check_prefix_block_sizes, host_tier_blocks
         from servelab.models import load_model_spec
-        from servelab.policies import build_scheduler
         from servelab.simulator.cost_model import CostModel
         from servelab.simulator.engine import Cluster
         from servelab.simulator.calibration import resolve
+        from servelab.simulator.speed import build_scheduler
         from servelab.simulator.footprint import kv_capacity_blocks
         from servelab.simulator.gpus import get_gpu
         from servelab.simulator.router import make_router

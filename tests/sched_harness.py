@@ -1,4 +1,6 @@
-"""A fake clock and a fake executor that drive the real scheduler, checking every step."""
+"""A fake clock and a fake executor that drive the real scheduler, checking every step:
+the simulator's (`simulator/speed` `BatchingScheduler`) or, with `plain=True`, the plain
+one the real backend runs (`policies/scheduler.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +9,7 @@ from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import Replay, VirtualClock, engine_loop, run_to_end
 from servelab.outputs import SchedulerOutput, StepResult
 from servelab.policies import Scheduler, build_scheduler
+from servelab.simulator import speed
 from servelab.records import RequestRecord
 from servelab.request import Request
 
@@ -66,15 +69,22 @@ def simulate(requests: list[Request], sched: SchedulerConfig | None = None,
              cache: CacheConfig | None = None, policy="fcfs", policy_options=None,
              executor=None, check_every_step: bool = True, max_steps: int = 20_000,
              on_step=None, on_schedule=None, fast_forward: bool = False,
-             batch_decodes: bool = True) -> Run:
+             batch_decodes: bool = True, plain: bool = False) -> Run:
     """Replay `requests` through a real scheduler with a fake clock. `on_schedule(scheduler,
     output)` runs between schedule() and update(); `on_step` after update(). With
     `fast_forward`, runs of plain decode steps allowed by `decode_run_bound` are applied
     at once (the executor's steps must then take a constant, exactly representable time).
-    `batch_decodes=False` makes the scheduler list every decode one by one."""
+    `batch_decodes=False` makes the scheduler list every decode one by one; `plain=True`
+    drives the plain scheduler (no batching, no fast-forward)."""
     sched = sched or SchedulerConfig()
     cache = cache or CacheConfig()
-    scheduler = build_scheduler(sched, cache, policy, policy_options, batch_decodes=batch_decodes)
+    if plain:
+        if fast_forward:
+            raise ValueError("the plain scheduler does not fast-forward")
+        scheduler = build_scheduler(sched, cache, policy, policy_options)
+    else:
+        scheduler = speed.build_scheduler(sched, cache, policy, policy_options,
+                                          batch_decodes=batch_decodes)
     executor = executor or FakeExecutor()
     if on_schedule is not None:
         executor = _Spy(executor, lambda out: on_schedule(scheduler, out))
@@ -151,10 +161,12 @@ def _fast_forward(scheduler, executor, clock, next_arrival, run) -> None:
     now = clock.now()
     limit = 1 << 30
     if next_arrival is not None:
-        # step j of the run starts at now + j·step_s and must start before the arrival
-        limit = 0
-        while now + limit * step_s < next_arrival:
+        # step j of the run starts at now + step_s added j times (as the clock adds it)
+        # and must start before the arrival
+        limit, t = 0, now
+        while t < next_arrival:
             limit += 1
+            t += step_s
     k = scheduler.decode_run_bound(now, limit)
     if k >= 2:
         scheduler.advance_decodes(k)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import SHARED
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.outputs import BatchShape
-from servelab.policies import build_scheduler
+from servelab.simulator.speed import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.engine import Cluster

@@ -14,7 +14,8 @@ from servelab.cli import main
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import VirtualClock, engine_loop, run_to_end
 from servelab.memory import make_block_manager
-from servelab.policies import Scheduler, build_scheduler, make_policy
+from servelab.policies import make_policy
+from servelab.simulator.speed import BatchingScheduler, build_scheduler
 from servelab.records import RequestRecord
 from servelab.outputs import StepResult
 from servelab.request import Request
@@ -38,7 +39,7 @@ def cluster(requests, *, prefill_blocks=4096, decode_blocks=4096, link="ib-400g"
             keep_token_times=False) -> DisaggregatedCluster:
     """Pools of llama-3.1-8b on H100s at tp 1 with the given KV blocks per replica."""
     prefill_schedulers = [
-        Scheduler(SCHED, HeldKV(make_block_manager(CacheConfig(num_gpu_blocks=prefill_blocks), 8192)),
+        BatchingScheduler(SCHED, HeldKV(make_block_manager(CacheConfig(num_gpu_blocks=prefill_blocks), 8192)),
                   make_policy(policy)) for _ in range(prefill)]
     decode_schedulers = [build_scheduler(SCHED, CacheConfig(num_gpu_blocks=decode_blocks), policy,
                                          keep_token_times=keep_token_times) for _ in range(decode)]

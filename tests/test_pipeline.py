@@ -15,7 +15,7 @@ from servelab.cli import main
 from servelab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from servelab.models import load_model_spec
 from servelab.outputs import BatchShape
-from servelab.policies import build_scheduler
+from servelab.simulator.speed import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.disaggregation import DisaggregationConfig, PoolConfig

@@ -1,16 +1,13 @@
-"""The scheduler's memory of a refused preemption (`policies/scheduler.py`, `_Refusals`)
-against the plain path that asks the policy every step: the same decisions, and the
-policy asked only when the answer may have changed."""
+"""The simulator scheduler's memory of a refused preemption (`simulator/speed/scheduler.py`,
+`_Refusals`) against the plain scheduler, which asks the policy every step: the same
+decisions, and the policy asked only when the answer may have changed."""
 from __future__ import annotations
-
-import contextlib
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from servelab.policies import MLFQPolicy, PriorityPolicy
-from servelab.policies import scheduler as scheduler_module
 
 from sched_harness import FakeExecutor, make_requests, simulate
 from test_scheduler_properties import SETTINGS, _decisions, workloads
@@ -25,17 +22,6 @@ PREEMPTIVE = st.one_of(
         "max_wait_s": st.sampled_from([None, 0.01, 1.0])})))
 
 
-@contextlib.contextmanager
-def _no_refusal_memo():
-    """A scheduler that asks the policy for victims every step."""
-    original = scheduler_module._Refusals.holds
-    scheduler_module._Refusals.holds = lambda self, head, admissions: False
-    try:
-        yield
-    finally:
-        scheduler_module._Refusals.holds = original
-
-
 @settings(SETTINGS, max_examples=80)
 @given(workloads(), PREEMPTIVE, st.booleans())
 def test_remembered_refusals_decide_as_asking_every_step(w, policy, fast_forward):
@@ -44,15 +30,17 @@ def test_remembered_refusals_decide_as_asking_every_step(w, policy, fast_forward
     and without fast-forward)."""
     reqs, sched, cache, _, _ = w
     name, options = policy
-    runs = []
-    for memo in (True, False):
-        with contextlib.nullcontext() if memo else _no_refusal_memo():
-            runs.append(simulate([r.fresh_copy() for r in reqs], sched, cache, name, options,
-                                 fast_forward=fast_forward))
-    a, b = runs
-    assert _decisions(a) == _decisions(b)
+    a, b = (simulate([r.fresh_copy() for r in reqs], sched, cache, name, options,
+                     fast_forward=fast_forward and not plain, plain=plain) for plain in (False, True))
+    _assert_same(a, b, fast_forward)
+
+
+def _assert_same(fast, plain, fast_forward: bool) -> None:
+    """The same records; the same decisions in every step, where no step was skipped."""
     by_id = lambda run: sorted(run.records, key=lambda r: r.request_id)  # noqa: E731
-    assert by_id(a) == by_id(b)
+    assert by_id(fast) == by_id(plain)
+    if not fast_forward:
+        assert _decisions(fast) == _decisions(plain)
 
 
 class _Counting:
@@ -83,8 +71,8 @@ class _CountingPriority(_Counting, PriorityPolicy):
 
 
 def _asked(policy, memo: bool, reqs, sched, cache, fast_forward: bool = False):
-    with contextlib.nullcontext() if memo else _no_refusal_memo():
-        run = simulate(reqs(), sched, cache, policy, fast_forward=fast_forward)
+    """Run the simulator's scheduler (`memo`) or the plain one (never fast-forwarded)."""
+    run = simulate(reqs(), sched, cache, policy, fast_forward=fast_forward and memo, plain=not memo)
     return run, policy.asked_at
 
 
@@ -101,8 +89,8 @@ def test_mlfq_is_asked_again_when_the_running_request_sinks():
     options = dict(prefill_tokens_per_output_token=1.0, max_wait_s=None)
     for fast_forward in (True, False):
         remembered, asked = _asked(_CountingMLFQ(**options), True, reqs, sched, cache, fast_forward)
-        plain, asked_plain = _asked(_CountingMLFQ(**options), False, reqs, sched, cache, fast_forward)
-        assert _decisions(remembered) == _decisions(plain)
+        plain, asked_plain = _asked(_CountingMLFQ(**options), False, reqs, sched, cache)
+        _assert_same(remembered, plain, fast_forward)
     steps = [o.now for o in plain.outputs]   # step by step
     arrived = steps.index(asked_plain[0])
     preempted = next(i for i, o in enumerate(plain.outputs) if o.preempted)
@@ -158,12 +146,8 @@ def test_mlfq_memory_counts_every_token_a_speculating_step_draws():
     cache = CacheConfig(block_size=16, num_gpu_blocks=10, watermark=0.0)
     reqs = [(0.0, 16, 120), (0.215, 64, 4)]
     options = dict(prefill_tokens_per_output_token=1.0, max_wait_s=None)
-    runs = []
-    for memo in (True, False):
-        with contextlib.nullcontext() if memo else _no_refusal_memo():
-            runs.append(simulate(make_requests(reqs), sched, cache, "mlfq", options,
-                                 executor=_AcceptsAll()))
-    remembered, plain = runs
+    remembered, plain = (simulate(make_requests(reqs), sched, cache, "mlfq", options,
+                                  executor=_AcceptsAll(), plain=plain) for plain in (False, True))
     assert _decisions(remembered) == _decisions(plain)
     assert [rid for o in plain.outputs for rid, _ in o.preempted] == [0]
 

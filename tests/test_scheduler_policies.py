@@ -11,6 +11,7 @@ from servelab.config import CacheConfig, SchedulerConfig
 from servelab.memory.base import AllocStatus
 from servelab.memory.paged import PagedBlockManager
 from servelab.policies import Policy, Scheduler, SchedulerError, build_scheduler, make_policy, register_policy
+from servelab.simulator import speed
 from servelab.outputs import StepResult
 from servelab.request import Request
 
@@ -273,7 +274,7 @@ def test_update_with_a_foreign_output_is_an_error():
 
 
 def test_a_step_is_updated_once_and_batched_decodes_are_never_stale():
-    sched = build_scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_gpu_blocks=16))
+    sched = speed.build_scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_gpu_blocks=16))
     for i in range(3):
         sched.add_request(Request(i, 0.0, 4, 10), 0.0)
     out = sched.schedule(0.0)

@@ -1,7 +1,6 @@
 """Property tests of the scheduler core: random traces × random configurations."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 from hypothesis import HealthCheck, example, given, settings
@@ -9,7 +8,6 @@ from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.policies import PriorityPolicy
-from servelab.policies.admission import KVAdmission
 from servelab.request import Request
 
 from _policy_options import admission_configs, policies
@@ -128,6 +126,44 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
     assert a.scheduler.bm.usage() == b.scheduler.bm.usage()
 
 
+@SETTINGS
+@given(workloads(), st.sampled_from([None, 5]), st.booleans(), st.booleans())
+def test_speed_layer_decides_as_the_plain_scheduler(w, stop_every, batched, fast_forward):
+    """The simulator's scheduler (simulator/speed: batched decodes, memos of refused
+    admissions and preemptions, block keys built once, the fast-forward) decides as the
+    plain scheduler the real backend runs: every step (without fast-forward), every
+    record, every running sequence's lengths after each step and the block manager's
+    statistics are the same."""
+    reqs, sched, cache, policy, options = w
+    real = stop_every is not None
+    fast_forward = fast_forward and not real   # a fast-forward draws no tokens, stops none
+    states = {True: [], False: []}
+
+    def snapshot(plain):
+        def on_step(scheduler, out):
+            running = scheduler.running
+            states[plain].append((out.now, tuple(sorted(
+                (s.seq_id, s.num_tokens, s.num_computed_tokens, s.num_output_tokens,
+                 len(scheduler.bm.block_table(s.seq_id)))
+                for r in running.values() for s in r.seqs if not s.finished))))
+        return on_step
+
+    runs = {plain: simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
+                            executor=FakeExecutor(real_tokens=real, stop_every=stop_every),
+                            batch_decodes=batched, plain=plain, on_step=snapshot(plain),
+                            fast_forward=fast_forward and not plain)
+            for plain in (True, False)}
+    fast, plain = runs[False], runs[True]
+    by_id = lambda run: sorted(run.records, key=lambda r: r.request_id)  # noqa: E731
+    assert by_id(fast) == by_id(plain)
+    assert fast.scheduler.bm.usage() == plain.scheduler.bm.usage()
+    if not fast_forward:
+        assert _decisions(fast) == _decisions(plain)
+        assert states[False] == states[True]
+    else:   # the fast-forwarded steps are skipped, the others seen as they are
+        assert set(states[False]) <= set(states[True])
+
+
 class _Watcher(PriorityPolicy):
     """Preemptive priority that notes what it is shown of running requests:
     (steps done, call, head, request) -> the request's sequence lengths."""
@@ -168,17 +204,6 @@ def test_policies_see_batched_requests_as_they_are(w, fast_forward):
     assert {k: watchers[True].seen[k] for k in both} == {k: watchers[False].seen[k] for k in both}
 
 
-@contextlib.contextmanager
-def _no_admission_memo():
-    """A scheduler that re-checks a waiting head's allocation every time."""
-    original = KVAdmission.known_later
-    KVAdmission.known_later = lambda self, req: False
-    try:
-        yield
-    finally:
-        KVAdmission.known_later = original
-
-
 def test_admission_memo_sees_a_prefix_hit_appear_without_memory_freed():
     """A waiting head refused for memory fits once the running request's prefill commits
     the prefix it shares (its hits grow), though no block was freed: the scheduler's
@@ -193,8 +218,7 @@ def test_admission_memo_sees_a_prefix_hit_appear_without_memory_freed():
     cache = CacheConfig(block_size=4, num_gpu_blocks=7, watermark=0,
                         enable_prefix_caching=True)
     a = simulate([r.fresh_copy() for r in reqs], sched, cache)
-    with _no_admission_memo():
-        b = simulate([r.fresh_copy() for r in reqs], sched, cache)
+    b = simulate([r.fresh_copy() for r in reqs], sched, cache, plain=True)
     admitted = next(o.now for o in b.outputs if any(e.request_id == 1 for e in o.scheduled))
     finished = next(r.finish_s for r in b.records if r.request_id == 0)
     assert admitted < finished   # H got in on its hits, before B freed anything
@@ -202,50 +226,13 @@ def test_admission_memo_sees_a_prefix_hit_appear_without_memory_freed():
 
 
 @SETTINGS
-@given(workloads(), st.booleans())
-def test_admission_memo_decides_as_checking_every_step(w, fast_forward):
-    """The scheduler skips re-checking a waiting head that could not get memory until
-    more blocks are free than then (`KVAdmission.known_later`); that never changes a decision:
-    every step and record equal those of a scheduler that checks every time."""
-    reqs, sched, cache, policy, options = w
-    a = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                 fast_forward=fast_forward)
-    with _no_admission_memo():
-        b = simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                     fast_forward=fast_forward)
-    assert _decisions(a) == _decisions(b)
-    assert sorted(a.records, key=lambda r: r.request_id) == \
-        sorted(b.records, key=lambda r: r.request_id)
-    assert a.fast_forwarded == b.fast_forwarded
-
-
-@contextlib.contextmanager
-def _plain_prefix_cache():
-    """The prefix cache without its speed machinery: admission hands the block manager a
-    new list of keys, built from the request, at every look-up (so they are hashed again
-    each time and no LATER answer is kept). (The GPU cache's runs are checked against a
-    per-block oracle in test_memory_prefix_runs.py, the host tier's in
-    test_host_tier_runs.py.)"""
-    patches = [(KVAdmission, "block_keys",
-                lambda self, req, seq: req.block_contents(seq, self._bm.block_size))]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
-
-
-@SETTINGS
-@given(workloads(), st.booleans())
-def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w, fast_forward):
+@given(workloads())
+def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w):
     """Keys and chain hashes built once per waiting sequence (BlockKeys), LATER answers
     kept while they provably stand (LaterMemos): none of it changes a decision. Every
-    step, every record, the prefix cache's eviction order after every step and the
-    cache's statistics equal those of the plain path, on random workloads with shared
-    prefixes, with and without a CPU tier."""
+    step, every copy between the tiers, every record, the prefix cache's eviction order
+    after every step and the cache's statistics equal those of the plain scheduler, on
+    random workloads with shared prefixes, with and without a CPU tier."""
     reqs, sched, cache, policy, options = w
     cache = replace(cache, enable_prefix_caching=True)
     evictable = {True: [], False: []}
@@ -253,12 +240,13 @@ def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w, fast_forward)
     def run(speedy):
         def on_step(scheduler, out):
             evictable[speedy].append(scheduler.bm.evictable_hashes())
+        # decodes listed one by one: batched ones grow in another order within a step,
+        # so they take other block ids (test_batched_decodes_decide_as_one_by_one)
         return simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,
-                        fast_forward=fast_forward, on_step=on_step)
+                        on_step=on_step, plain=not speedy, batch_decodes=False)
 
     a = run(True)
-    with _plain_prefix_cache():
-        b = run(False)
+    b = run(False)
     assert _decisions(a) == _decisions(b)
     assert [(o.offload, o.load) for o in a.outputs] == [(o.offload, o.load) for o in b.outputs]
     assert sorted(a.records, key=lambda r: r.request_id) == \
@@ -278,8 +266,7 @@ def test_admission_memo_at_the_boundary():
                     Request(3, 0.002, head_prompt, 3)]
             cache = CacheConfig(block_size=4, num_gpu_blocks=num_blocks)
             a = simulate([r.fresh_copy() for r in reqs], SchedulerConfig(), cache)
-            with _no_admission_memo():
-                b = simulate([r.fresh_copy() for r in reqs], SchedulerConfig(), cache)
+            b = simulate([r.fresh_copy() for r in reqs], SchedulerConfig(), cache, plain=True)
             if _decisions(a) != _decisions(b):
                 diverged.append((num_blocks, head_prompt))
     assert not diverged

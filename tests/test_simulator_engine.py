@@ -8,7 +8,7 @@ import pytest
 
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.outputs import BatchShape, ScheduledSeq, ScheduledWork, SchedulerOutput
-from servelab.policies import build_scheduler
+from servelab.simulator.speed import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.engine import Cluster

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
-from servelab.policies import build_scheduler
+from servelab.simulator.speed import build_scheduler
 from servelab.request import Request
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.engine import Cluster
