@@ -181,6 +181,16 @@ class Policy(abc.ABC):
     (Victim order may change freely: nothing is preempted within a run of plain decode
     steps.)"""
 
+    order_moves: ClassVar[bool] = False
+    """Can `peek` return another request as time passes or service is charged, with no
+    request added or removed (sjf's and mlfq's starvation guards, lpm as the prefix cache
+    fills, fair share as tenants are served)? Such a policy overrides `peek`; defining
+    `peek` without declaring this either way is an error when the class is created. It
+    may also say which requests `peek` could return meanwhile, `candidates(now)`: the
+    simulator's fast-forward needs that to skip decode steps while requests wait
+    (`simulator/speed/scheduler.py` `waiting_candidates`), and steps one by one without
+    it. With static keys (the default) that is the head alone."""
+
     victims_by_admission: ClassVar[bool] = True
     """Is the victim always the most recently admitted running request (the default
     `victim_key`)? Then the scheduler keeps running requests in admission order instead
@@ -200,6 +210,11 @@ class Policy(abc.ABC):
         if cls.on_service is not Policy.on_service and not cls.charges_service:
             raise TypeError(f"{cls.__qualname__} overrides on_service but does not declare "
                             "charges_service = True, so it would never be called")
+        if cls.peek is not Policy.peek and not any(
+                "order_moves" in vars(k) for k in cls.__mro__ if k is not Policy):
+            raise TypeError(f"{cls.__qualname__} overrides peek but does not declare "
+                            "order_moves (True if the head can change with time or service "
+                            "alone), so the simulator would assume it cannot")
         if cls.victim_key is not Policy.victim_key and cls.victims_by_admission:
             raise TypeError(f"{cls.__qualname__} overrides victim_key but does not declare "
                             "victims_by_admission = False, so running requests would be "
@@ -253,13 +268,6 @@ class Policy(abc.ABC):
         """The request to admit next, or None when nothing waits."""
         return self._queue.peek()
 
-    def candidates(self, now: float) -> list[Request]:
-        """Every request `peek` could return while no request is added or removed
-        (time and service may pass). The simulator's fast-forward uses it to prove that
-        nothing waiting can be admitted during a run of decode steps."""
-        head = self.peek(now)
-        return [head] if head is not None else []
-
     def waiting(self, now: float) -> list[Request]:
         """All waiting requests in admission order (O(n log n); for tests and reports)."""
         return self._queue.ordered()
@@ -287,7 +295,7 @@ class Policy(abc.ABC):
         """Asked of a preemptive policy that declares `reorders_running`, while requests
         wait: how many more tokens every one of `running` may draw (one per decode step)
         before `may_preempt_for(head, r)` could first hold for one of the waiting `heads`
-        (`candidates`) and one `r` of them; 0 if it may hold now."""
+        (those `peek` could return meanwhile) and one `r` of them; 0 if it may hold now."""
         raise NotImplementedError(f"{type(self).__qualname__} declares reorders_running "
                                   "but does not say when its running requests reorder")
 

@@ -44,6 +44,7 @@ class FairSharePolicy(Policy):
     victims_by_admission = False
     acts_on = (TENANTS,)
     charges_service = True
+    order_moves = True
     flags = (PolicyFlag("tenant-weights", "weights", "tenant shares (default 1 each)",
                         parse=parse_tenant_weights, metavar="A=W,B=W"),)
 

@@ -34,6 +34,7 @@ class LongestPrefixMatchPolicy(Policy):
 
     acts_on = (SHARED_PREFIXES,)
     reads_prefix_cache = True
+    order_moves = True
     flags = (
         max_wait_flag("lpm-max-wait-s"),
         PolicyFlag("lpm-max-queue", "max_queue", "order by cached prefix while at most N "

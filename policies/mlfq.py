@@ -64,6 +64,7 @@ class MLFQPolicy(Policy):
     """
 
     victims_by_admission = False
+    order_moves = True
     reorders_running = True
     flags = (
         PolicyFlag("mlfq-quantum-tokens", "quantum_tokens", "output tokens of the top level's "

@@ -66,6 +66,7 @@ class SJFPolicy(Policy):
     """
 
     victims_by_admission = False
+    order_moves = True
     flags = (
         PolicyFlag("sjf-predictor", "predictor", "output-length predictor", choices=PREDICTORS),
         max_wait_flag("sjf-max-wait-s"),

@@ -105,7 +105,14 @@ class PrefillReplica(Replica):
         bm = self.held
         return any(bm.can_allocate(r.seqs[0].num_tokens, (), max_total_tokens=r.prompt_len + r.max_tokens,
                                    expected_total_tokens=r.prompt_len + r.output_len)
-                   is not AllocStatus.OK for r in sched.policy.candidates(self.env.now))
+                   is not AllocStatus.OK for r in _next_candidates(sched.policy, self.env.now))
+
+
+def _next_candidates(policy, now: float) -> list:
+    """The waiting requests the policy could pick next (all of them, if it cannot say)."""
+    from servelab.simulator.speed import waiting_candidates
+    candidates = waiting_candidates(policy, now)
+    return candidates if candidates is not None else policy.waiting(now)
 
 
 AFTER_DELIVERIES = NORMAL + 1

@@ -3,11 +3,12 @@
 decisions, and the policy asked only when the answer may have changed."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from servelab.policies import MLFQPolicy, PriorityPolicy
+from servelab.policies import MLFQPolicy, Policy, PriorityPolicy
 
 from sched_harness import FakeExecutor, make_requests, simulate
 from test_scheduler_properties import SETTINGS, _decisions, workloads
@@ -67,7 +68,7 @@ class _CountingMLFQ(_Counting, MLFQPolicy):
 
 
 class _CountingPriority(_Counting, PriorityPolicy):
-    pass
+    order_moves = False   # its peek only notes the time
 
 
 def _asked(policy, memo: bool, reqs, sched, cache, fast_forward: bool = False):
@@ -165,3 +166,50 @@ def test_priority_is_asked_once_while_nothing_changes():
     plain, asked_plain = _asked(_CountingPriority(preemptive=True), False, reqs, sched, cache)
     assert _decisions(remembered) == _decisions(plain)
     assert len(asked) == 1 and len(asked_plain) > 3
+
+
+class _Alternating(Policy):
+    """A policy whose head moves with time and that cannot say where it goes next: the
+    earliest arrival in even 50 ms windows, the latest in odd ones (no `candidates`)."""
+
+    order_moves = True
+
+    def waiting_key(self, req):
+        return (req.arrival_s, req.request_id)
+
+    def peek(self, now):
+        ordered = self._queue.ordered()
+        if not ordered:
+            return None
+        return ordered[0] if int(now / 0.05) % 2 == 0 else ordered[-1]
+
+
+def test_a_policy_whose_head_moves_must_say_so():
+    with pytest.raises(TypeError, match="overrides peek but does not declare order_moves"):
+        class _Silent(Policy):
+            def waiting_key(self, req):
+                return (req.request_id,)
+
+            def peek(self, now):
+                return None
+
+
+def test_the_fast_forward_steps_aside_for_a_moving_order_it_cannot_follow():
+    """With requests waiting, a policy whose order moves and that names no candidates gets
+    no fast-forwarded steps; with none waiting the run is fast-forwarded as any other; the
+    records equal the plain scheduler's."""
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    cache = CacheConfig(block_size=4, num_gpu_blocks=64)
+    spec = [(0.0, 8, 30), (0.0, 8, 30), (0.001, 8, 5), (0.002, 8, 5)]
+    fast = simulate(make_requests(spec), sched, cache, _Alternating(), fast_forward=True)
+    plain = simulate(make_requests(spec), sched, cache, _Alternating(), plain=True)
+    _assert_same(fast, plain, fast_forward=True)
+    assert 0 < fast.fast_forwarded
+    # the two short requests wait for a seat until a long one ends: no step skipped then
+    last_admitted = max(min(o.now for o in plain.outputs if any(e.request_id == rid for e in o.scheduled))
+                        for rid in (2, 3))
+    stepped = [o.now for o in fast.outputs]
+    assert [o.now for o in plain.outputs if o.now <= last_admitted] == \
+        [t for t in stepped if t <= last_admitted]
+    lone = simulate(make_requests(spec[:1]), sched, cache, _Alternating(), fast_forward=True)
+    assert lone.fast_forwarded == 28

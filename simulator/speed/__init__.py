@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from servelab.policies import Policy, make_policy
 
-from .scheduler import BatchingScheduler
+from .scheduler import BatchingScheduler, waiting_candidates
 
-__all__ = ["BatchingScheduler", "build_scheduler"]
+__all__ = ["BatchingScheduler", "build_scheduler", "waiting_candidates"]
 
 
 def build_scheduler(scheduler_config, cache_config, policy: str | Policy = "fcfs",

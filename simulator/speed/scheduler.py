@@ -17,8 +17,10 @@ Capabilities it needs, checked by name: batching needs a block manager that decl
 `grows_by_block` (block use then follows each sequence's length), and steps aside — every
 request listed one by one, as the plain scheduler does — when the executor needs block
 tables or token times per sequence, when the policy charges service per request, or when
-the engine speculates (`batching`, with the reason in `batching_off`). The fast-forward
-needs a policy's `candidates` and `tokens_until_preemptible` (policies/base.py).
+the engine speculates (the reason in `batching_off`). The fast-forward needs to know which
+waiting requests the policy could pick next: the head, for a policy with static keys, or
+what a policy whose `order_moves` says through `candidates(now)`; without that it steps
+aside (`waiting_candidates`), as it does for a speculating engine.
 Requests are current whenever the scheduler shows them: to a policy, or through
 `running` and `requests`.
 """
@@ -38,7 +40,19 @@ from servelab.request import Request
 from .admission import MemoKVAdmission
 from .decode_batch import DecodeBatch
 
-__all__ = ["BatchingScheduler"]
+__all__ = ["BatchingScheduler", "waiting_candidates"]
+
+
+def waiting_candidates(policy: Policy, now: float) -> list[Request] | None:
+    """Every waiting request `policy.peek` could return while no request is added or
+    removed (time and service may pass), or None if the policy cannot say: the head of a
+    policy with static keys; `candidates(now)` of one whose `order_moves`
+    (policies/base.py), where it defines it."""
+    if not policy.order_moves:
+        head = policy.peek(now)
+        return [head] if head is not None else []
+    candidates = getattr(policy, "candidates", None)
+    return candidates(now) if candidates is not None else None
 
 
 class _Refusals:
@@ -180,12 +194,15 @@ class BatchingScheduler(Scheduler):
         self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self._running or limit <= 0 or self._spec_k:
             return 0   # a speculating engine's steps produce a drawn number of tokens each
-        k = self._batch.run_bound(self._running, self._listed, limit,
-                                  lambda num_seqs: self._admits_while_decoding(now, num_seqs))
         policy = self.policy
-        if k > 0 and self._may_preempt and policy.reorders_running and len(policy):
+        candidates = waiting_candidates(policy, now) if len(policy) else []
+        if candidates is None:
+            return 0   # the policy cannot say which waiting request could come next
+        k = self._batch.run_bound(self._running, self._listed, limit,
+                                  lambda num_seqs: self._admits_while_decoding(candidates, num_seqs))
+        if k > 0 and self._may_preempt and policy.reorders_running and candidates:
             # the run ends before a running request sinks to where a waiting one may preempt it
-            k = min(k, policy.tokens_until_preemptible(policy.candidates(now), self.running.values()))
+            k = min(k, policy.tokens_until_preemptible(candidates, self.running.values()))
         return k
 
     def advance_decodes(self, num_steps: int) -> None:
@@ -206,12 +223,12 @@ class BatchingScheduler(Scheduler):
             raise SchedulerError(f"{op}() between schedule() and update(): the scheduled "
                                  "step must be updated first")
 
-    def _admits_while_decoding(self, now: float, num_seqs: int) -> bool:
-        """Could a waiting request be admitted while `num_seqs` running sequences only
-        decode? The rules of `_preempt_for_waiting` and `_admit`, for a fast-forward run."""
-        if not len(self.policy):
+    def _admits_while_decoding(self, candidates: list[Request], num_seqs: int) -> bool:
+        """Could one of the waiting `candidates` be admitted while `num_seqs` running
+        sequences only decode? The rules of `_preempt_for_waiting` and `_admit`, for a
+        fast-forward run."""
+        if not candidates:
             return False
-        candidates = self.policy.candidates(now)
         # (a policy that reorders its running requests answered in decode_run_bound)
         if self._may_preempt and candidates and not self.policy.reorders_running:
             running, policy = self.running, self.policy  # current sequences for the policy
