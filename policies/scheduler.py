@@ -43,6 +43,7 @@ from servelab.policies.admission import KVAdmission
 from servelab.policies.admission_control import AdmissionControl
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.budget import StepBudget
+from servelab.policies.lookahead import SpeculativeSteps
 from servelab.policies.preemption import make_preemption
 from servelab.records import RequestRecord
 from servelab.request import Request, RequestStatus, Sequence
@@ -50,8 +51,9 @@ from servelab.request import Request, RequestStatus, Sequence
 __all__ = ["Scheduler", "SchedulerError"]
 
 
-class Scheduler:
-    """Continuous batching over a block manager, ordered by a policy.
+class Scheduler(SpeculativeSteps):
+    """Continuous batching over a block manager, ordered by a policy (a speculating
+    engine's verify steps: `SpeculativeSteps`, policies/lookahead.py).
 
     `emit_block_tables=True` fills SchedulerOutput.block_tables (the real backend needs
     them; the simulator does not, and copying tables costs O(blocks) per sequence).
@@ -90,10 +92,9 @@ class Scheduler:
         self._may_preempt = policy.preemptive and config.batching != "static"
         spec = config.speculative
         self._spec_k = spec.num_speculative_tokens if spec.enabled else 0
-        """K of a speculating engine (0: no speculation; see `_schedule_verify`)."""
+        """K of a speculating engine (0: no speculation)."""
         self._ahead: dict = {}
-        """Speculation: seq id -> KV slots it holds beyond its computed tokens (lookahead
-        reserved for a verify step, kept where proposed tokens were rejected)."""
+        """Speculation: seq id -> lookahead slots it holds (policies/lookahead.py)."""
         self._kv = self._admission_class(config, block_manager, prefix_caching=enable_prefix_caching)
         # the admission stage before the policy: rate limits and shedding, when configured
         self._control = AdmissionControl(config.admission) if config.admission.enabled else None
@@ -277,34 +278,6 @@ class Scheduler:
             if end is None:
                 break  # the request preempted itself: nothing left to free
             step.commit(req, entries)
-
-    def _schedule_verify(self, req, s, k, order, i, end, now, out, step) -> int | None:
-        """A speculating engine's decode of a single-sample request: the last sampled token
-        and K' = min(k, tokens left to produce - 1, room below max_model_len, budget) proposed
-        ones, K' + 1 tokens verified in one pass (K' = 0: a plain decode). Their KV slots are
-        reserved ahead (`_ahead`); where they cannot be had without preempting, the step
-        decodes plainly instead. Returns the new end of `order` (see `_make_room`), or None
-        when `req` itself had to go."""
-        sid = s.seq_id
-        q = 1 + max(0, min(k, req.output_len - s.num_output_tokens - 1,
-                           self.config.max_model_len - s.num_tokens - 1, step.tokens - 1))
-        ahead = self._ahead.get(sid, 0)
-        bm = self.bm
-        if q > 1 and q > ahead and not bm.can_append_slots(sid, q - ahead):
-            q = 1
-        if q > ahead:
-            if not bm.can_append_slots(sid, q - ahead):
-                end = self._make_room(sid, req, order, i, end, now, out, allow_swap=True, slots=q - ahead)
-                if end is None:
-                    return None
-            copies = bm.append_slots(sid, q - ahead)
-            if copies:
-                out.copies.extend(copies)
-            self._ahead[sid] = q
-        step.entries[req.request_id] = [ScheduledSeq(req.request_id, sid, q, s.num_computed_tokens, 1, False)]
-        step.tokens -= q
-        step.seqs -= 1
-        return end
 
     def _grow(self, req, entries, order, i, end, now, out) -> int | None:
         """Give each decoding sequence of `req` its next slot (see `_make_room`).
@@ -640,48 +613,6 @@ class Scheduler:
                 self._stop_running(req.request_id)
                 del self._requests[req.request_id]
                 self._finished_records.append(RequestRecord.from_request(req))
-
-    def _advance_verified(self, req, seq, e, result: StepResult, t_end, ended, freed, service) -> None:
-        """A speculating engine's decode of a single-sample request (`_schedule_verify`):
-        it produced p tokens, 1 <= p <= its verified tokens (`StepResult.produced`, or the
-        tokens sampled); their KV is now computed, the slots of rejected positions stay
-        reserved as lookahead. Every produced token is an output token timed at the
-        step's end; the request finishes at its length, at max_model_len or at a stop."""
-        sid = seq.seq_id
-        tokens = result.sampled[sid] if result.sampled is not None else None
-        p = len(tokens) if tokens is not None else (result.produced or {}).get(sid, 1)
-        if not 1 <= p <= e.num_tokens:
-            raise SchedulerError(f"a step of {e.num_tokens} verified tokens produced {p} tokens for "
-                                 f"sequence {sid}")
-        seq.num_computed_tokens += p
-        left = self._ahead.get(sid, 0) - p
-        if left > 0:
-            self._ahead[sid] = left
-        else:
-            self._ahead.pop(sid, None)
-        if service is not None:
-            acc = service.get(req.request_id)
-            if acc is None:
-                acc = service[req.request_id] = [0, 0]
-            acc[1] += p
-        stopped, max_len = result.stopped, self.config.max_model_len
-        for i in range(p):
-            seq.num_tokens += 1
-            seq.num_output_tokens += 1
-            if tokens is not None:
-                seq.output_token_ids.append(tokens[i])
-            if seq.num_output_tokens >= req.output_len or seq.num_tokens >= max_len \
-                    or (stopped and sid in stopped and i == p - 1):
-                seq.finished = True
-                freed.append(sid)
-                ended.append(req)
-                break
-        if req.first_token_s is None:
-            req.first_token_s = t_end
-        if self.keep_token_times:
-            if req.token_times is None:
-                req.token_times = []
-            req.token_times.extend([t_end] * (i + 1))
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         for i in range(len(req.seqs), req.n):
