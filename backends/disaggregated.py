@@ -358,14 +358,16 @@ class DisaggregatedServer:
         self.prefill.scheduler.add_request(part, now)
 
     def _blocked(self, now: float) -> bool:
-        """`PrefillReplica._blocked` of the simulator: nothing runs, requests wait, blocks
-        are held, and some waiting request the policy may pick next does not fit now."""
+        """As `PrefillReplica._blocked` of the simulator: nothing runs, requests wait,
+        blocks are held, and the waiting request the policy picks now does not fit. Asked
+        at each start of a prefill step; a release or an arrival starts the next."""
         sched, bm = self.prefill.scheduler, self.held
         if sched.num_running or sched.num_swapped or not sched.num_waiting or not bm.num_held_blocks:
             return False
-        return any(bm.can_allocate(r.seqs[0].num_tokens, (), max_total_tokens=r.prompt_len + r.max_tokens,
-                                   expected_total_tokens=r.prompt_len + r.output_len)
-                   is not AllocStatus.OK for r in sched.policy.candidates(now))
+        head = sched.policy.peek(now)
+        return head is not None and bm.can_allocate(
+            head.seqs[0].num_tokens, (), max_total_tokens=head.prompt_len + head.max_tokens,
+            expected_total_tokens=head.prompt_len + head.output_len) is not AllocStatus.OK
 
     def _prefilled(self, records: list[RequestRecord], now: float) -> None:
         """Queue finished prefills for a decode engine; keep the other records as final."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import ClassVar, Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 
 class AllocStatus(enum.Enum):
@@ -107,19 +107,6 @@ class BlockManager(abc.ABC):
     one. With one, the manager's calls imply copies between the tiers, which the
     scheduler collects once per step (`take_transfers`) for the executor."""
 
-    grows_by_block: ClassVar[bool] = False
-    """The one optional capability: does block use follow the paging law? That is, a
-    sequence whose last block is unshared holds exactly ceil(tokens / block_size) blocks,
-    takes one free block each time its length crosses a block boundary and none
-    otherwise, whatever else is held; appending n slots in one call takes the same blocks
-    as n calls of one; and whether a new sequence without cached contents fits
-    (`can_allocate`) depends only on its block count against `num_free_blocks`, so it
-    does not turn from LATER to OK while free blocks do not grow. A scheduler may then
-    append a decoding sequence's slots lazily, several at once at block boundaries, and
-    reason about growth and admission by counting blocks. Paging: yes; reservations
-    (contiguous): no. False, the default, is always correct, only slower; a manager that
-    declares it is held to the law by tests/test_memory_properties.py."""
-
     @abc.abstractmethod
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,
@@ -152,12 +139,6 @@ class BlockManager(abc.ABC):
         changes, no statistic counts. Default 0: a manager without a prefix cache."""
         return 0
 
-    def known_later(self, num_tokens: int, block_contents: Sequence[Hashable]) -> bool:
-        """Does a LATER answer that `can_allocate` gave for these very contents (the
-        same object) and token count still stand, as the manager kept it? O(1). A peek,
-        save that a memo found stale may be dropped. Default False: nothing is kept."""
-        return False
-
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         """Of the tokens `allocate` hit for this (allocated) sequence, how many were
         loaded from a host (CPU) tier of the prefix cache rather than found on the GPU.
@@ -169,13 +150,6 @@ class BlockManager(abc.ABC):
         pairs to copy to the host first of all in the step, and (host, GPU) pairs to
         copy back after swaps, before compute. Default: none (no host tier)."""
         return [], []
-
-    @property
-    def num_free_blocks_without_offload(self) -> int:
-        """Free blocks that can be taken without copying an evicted prefix block to a
-        host tier: what a run of steps advanced in closed form may grow into, since it
-        has no step to perform copies in. Default: `num_free_blocks`."""
-        return self.num_free_blocks
 
     @abc.abstractmethod
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
@@ -194,32 +168,6 @@ class BlockManager(abc.ABC):
         """Extend the sequence by `num_new_tokens` slots. If its last block is shared
         (after a fork) and partially filled, it is first copied: the returned
         (src, dst) GPU block pairs are copies the executor must perform."""
-
-    def append_slots_many(self, growth: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """`append_slots(seq_id, num_new_tokens)` for each pair in turn (each sequence at
-        most once), returning all copies. This default is always correct: it checks each
-        sequence first (`can_append_slots`), so bad input and a sequence with no room
-        change nothing; only growths that fit one at a time but not together (they
-        compete for the same free blocks) can fail halfway. A manager may override it
-        with one pass over the batch, for speed only: the same blocks and copies as the
-        calls in turn (tests/test_memory_properties.py holds an override to that)."""
-        unique_ids("append_slots_many", (seq_id for seq_id, _ in growth))
-        for seq_id, num_new_tokens in growth:
-            if not self.can_append_slots(seq_id, num_new_tokens):
-                raise BlockManagerError(f"append_slots_many: no room for {num_new_tokens} more "
-                                        f"tokens of sequence {seq_id!r}")
-        copies: list[tuple[int, int]] = []
-        for seq_id, num_new_tokens in growth:
-            copies += self.append_slots(seq_id, num_new_tokens)
-        return copies
-
-    def max_uniform_growth(self, seq_ids: Sequence[Hashable], limit: int) -> int:
-        """The largest k <= limit such that every listed sequence can append k slots,
-        one at a time and all together, with no failure and no copy-on-write. May
-        under-estimate (it bounds a simulator fast-forward: a smaller k only shortens the
-        run), must never over-estimate, and should cost O(1) or O(len(seq_ids)). This
-        default, 0, is always correct: decode steps are then simulated one by one."""
-        return 0
 
     @abc.abstractmethod
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:

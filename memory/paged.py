@@ -1,105 +1,54 @@
-"""vLLM-style paged KV-cache block manager.
+"""A paged KV-cache block manager, one block at a time: the plain version the real
+backend runs (the simulator's speed layer, simulator/speed/paged.py, decides alike,
+faster: tests/test_plain_paged.py).
 
-The GPU pool is `num_gpu_blocks` fixed-size blocks. A sequence holds a block table (its
-blocks in token order), and only its last block can be partly filled, so the waste per
-sequence is under one block. Blocks carry reference counts: `fork` shares a parent's
-blocks with a child, and the first write into a shared partial block copies it
-(copy-on-write, reported by `append_slots`). With prefix caching, full blocks whose
-contents are known are committed to a `PrefixCache` and reused by later sequences with
-the same prefix; unreferenced committed blocks stay cached until a block is needed and
-the free list is empty, then go least recently used first. Sequences can be swapped as a
-group to a CPU pool with its own capacity and back.
+A sequence holds a block table of GPU blocks in token order; only its last block can be
+partly filled. Blocks carry reference counts: `fork` shares a parent's blocks, and the
+first write into a shared partial block copies it (copy-on-write). With prefix caching,
+computed full blocks enter a `PrefixCache` (prefix_cache.py) and later sequences with
+the same prefix reuse them; unreferenced cached blocks stay until the free list is
+empty, least recently used first (then to the host tier, host_tier.py, if any). Sequences swap as a
+group to a CPU pool and back. Free blocks are a stack, and a sequence's blocks go back
+last first, so its tail is evicted before its head (what other prompts share).
 
-Costs. Free blocks sit on a LIFO stack (a Python list): taking n blocks is one slice and
-giving one back is an append, O(1) per block, and the most recently freed block is reused
-first, which keeps the working set compact. The reference count of a block nobody
-references (a free one, or an evictable cached one) is *parked* at 1, the count a block
-gets when it is taken, and the manager keeps the total of references beyond the first
-(`_extra_refs`, from forks, swaps and prefix hits): while that is 0, taking blocks and
-freeing a sequence write no count at all, and without a prefix cache a free is one
-`extend` of the free stack. What tells an evictable block from a referenced one is the
-prefix cache (a run's entries from `ev` on, in its LRU stretches). Every operation works per
-block, never per token: appending k tokens costs O(1 + new blocks), `can_append_slots`
-is O(1). Allocation, free and swap are O(blocks of the sequences involved), in C where
-they can be. With prefix caching, a look-up, a commit and a release cost O(1) Python
-steps per run of cache entries involved (see prefix_cache.py): a sequence keeps the runs
-it references (`_SeqBlocks.spans`), and their blocks are compared and moved as slices.
-
-Every mutating method checks its preconditions before it changes anything and raises
-`BlockManagerError` on a violation, leaving the manager exactly as it was.
+Costs: O(blocks involved) per call; `usage` and `check_invariants` walk every table.
+A mutating call checks first and raises `BlockManagerError`, changing nothing.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
 
-from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_size
-from .block_keys import BlockKeys
+from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
+                   check_size, unique_ids)
 from .host_tier import HostTier
-from .later_memo import LaterMemos
-from .paged_growth import PagedGrowth
-from .paged_swap import PagedSwapping
-from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
+from .prefix_cache import Hit, PrefixCache, chain_hashes
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
-NO_KEYS = BlockKeys()
-"""The contents of a sequence with no known keys (never extended)."""
 
 
 @dataclass(slots=True, eq=False)
-class _SeqBlocks:
-    """A sequence's block table and prefix-cache progress."""
+class _Seq:
+    """A sequence's block table and how far its chain of cache entries reaches."""
 
-    blocks: list[int]
-    """GPU block ids, or CPU block ids while swapped out."""
+    blocks: list[int]                 # GPU block ids, or CPU ones while swapped out
     num_tokens: int
+    keys: list[Hashable] = field(default_factory=list)   # of full blocks, may run ahead
+    hashes: list[int] = field(default_factory=list)      # their chain hashes
     on_gpu: bool = True
-    contents: BlockKeys = NO_KEYS
-    """Content keys (and chain hashes) of its full blocks, as far as known (may run ahead
-    of num_tokens). Never extended while the manager holds it."""
-    num_committed: int = 0
-    """Leading blocks whose content is in the cache chain (its own or an equal block)."""
+    num_committed: int = 0            # leading blocks in the cache (own entry or equal one)
     last_entry_id: int = 0
-    chain_broken: bool = False
-    """A collision stopped the chain: no later block of this sequence is committed."""
-    num_loaded: int = 0
-    """Of its prefix hits at allocation, the blocks loaded from the host tier."""
-    spans: list = field(default_factory=list)
-    """The cache entries it references, in block order: (run, a, b) for its blocks at
-    positions a .. b - 1, entries of that run (a run is indexed by chain position).
-    Its other blocks are uncached."""
-    loc: tuple | None = None
-    """(run, index) where the last entry of its chain was on the GPU, or None."""
-    forked: bool = False
-    """It may share blocks beyond its cache entries (a fork, or a group swapped back
-    in): committing then goes through `_commit_shared`, and releasing it reads every
-    block's count."""
+    chain_broken: bool = False        # no block from num_committed on is committed
+    num_loaded: int = 0               # prefix hits loaded from the host tier
 
 
-class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
-    """Paged KV-cache blocks with reference counts, prefix caching, copy-on-write and swap.
+class PagedBlockManager(BlockManager):
+    """Paged blocks with reference counts, prefix caching, copy-on-write and swap.
 
-    `watermark_blocks` is kept free when admitting new sequences (`allocate`,
-    `swap_in`) so running sequences have room to grow; appends may use it.
-
-    Prefix statistics count at `allocate` only (`can_allocate` merely peeks): queries
-    are the request's full blocks with known contents, hits the blocks reused. A
-    block-aligned prompt that is fully cached still computes its last block, so the
-    hit rate of a repeated prompt stays below 1, as the work done does.
-
-    Growth (`append_slots` and its batch form) lives in `PagedGrowth` (paged_growth.py)
-    and swapping in `PagedSwapping` (paged_swap.py); the state they share is this class's.
-    """
-
-    grows_by_block = True
-
-    __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "watermark_blocks",
-                 "_seqs", "_refcount", "_extra_refs", "_free", "_cache",
-                 "_cpu_refcount", "_cpu_free", "_slots_used", "_prefix_queries", "_prefix_hits",
-                 "_later", "num_host_blocks", "_host")
+    `watermark_blocks` stay free when admitting (`allocate`, `swap_in`) so running
+    sequences have room to grow. Prefix statistics count at `allocate` only: queries are
+    the request's full blocks with known contents, hits the blocks reused."""
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  watermark_blocks: int = 0, enable_prefix_caching: bool = False,
@@ -119,26 +68,15 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         if num_host_blocks and not enable_prefix_caching:
             raise ValueError(f"{owner}: a host tier ({num_host_blocks} blocks) holds prefix-cache "
                              "blocks and needs enable_prefix_caching")
-        self._seqs: dict[Hashable, _SeqBlocks] = {}
-        self._free = list(range(num_gpu_blocks - 1, -1, -1))  # block 0 is taken first
-        self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
-        self._refcount = [1] * num_gpu_blocks
-        """GPU block-table references of each used block; a block nobody references reads
-        1 (parked: see the module docstring)."""
-        self._extra_refs = 0
-        """Sum over GPU blocks of (references - 1) where above 1: 0 means nothing is shared."""
-        self._cpu_refcount = [0] * num_cpu_blocks
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._free = list(range(num_gpu_blocks - 1, -1, -1))   # block 0 is taken first
+        self._refs = [0] * num_gpu_blocks
         self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
-        self._slots_used = 0
-        """Token slots filled in referenced GPU blocks, each block counted once."""
+        self._cpu_refs = [0] * num_cpu_blocks
+        self._host = HostTier(num_host_blocks) if num_host_blocks else None
+        self._cache = PrefixCache(self._host) if enable_prefix_caching else None
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self._later = LaterMemos(self._cache) if self._cache is not None else None
-        """LATER answers kept for waiting sequences' keys (see later_memo.py)."""
-        self._host = HostTier(num_host_blocks) if num_host_blocks else None
-        """The host-memory tier of the prefix cache (see host_tier.py), or None."""
-        if self._host is not None:
-            self._cache.host = self._host
 
     @classmethod
     def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
@@ -152,24 +90,8 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
                      max_total_tokens: int | None = None,
                      expected_total_tokens: int | None = None) -> AllocStatus:
-        """O(1) without prefix caching. With it, O(blocks hit), or O(1) when the same
-        `BlockKeys` was found LATER before and nothing that could change that happened
-        since (`LaterMemos`). Changes nothing visible (cache lookups here are not counted
-        as queries and do not refresh the LRU order)."""
         check_count("can_allocate", "num_tokens", num_tokens, 1)
-        num_blocks = -(-num_tokens // self.block_size)
-        if self._cache is None or not block_contents:
-            return self._admission(num_blocks, NO_MATCH)
-        keys = BlockKeys.of(block_contents)
-        later = self._later
-        if keys is block_contents and later.known_later(keys, num_tokens, self.num_free_blocks):
-            return _LATER
-        match = self._match(num_tokens, keys)
-        status = self._admission(num_blocks, match)
-        if status is _LATER and keys is block_contents:
-            cap = min(len(keys), (num_tokens - 1) // self.block_size)
-            later.remember(keys, num_tokens, self.num_free_blocks, min(len(match.blocks) + 1, cap))
-        return status
+        return self._admission(num_tokens, self._match(num_tokens, block_contents)[0])
 
     def allocate(self, seq_id: Hashable, num_tokens: int,
                  block_contents: Sequence[Hashable] = (), *,
@@ -178,201 +100,253 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         if seq_id in self._seqs:
             raise BlockManagerError(f"allocate: sequence {seq_id!r} already has blocks")
         check_count("allocate", "num_tokens", num_tokens, 1)
-        bs = self.block_size
-        num_blocks = -(-num_tokens // bs)
-        cache = self._cache
-        contents = BlockKeys.of(block_contents) if cache is not None and block_contents else NO_KEYS
-        match = self._match(num_tokens, contents)
-        status = self._admission(num_blocks, match)
+        hits, last_entry_id = self._match(num_tokens, block_contents)
+        status = self._admission(num_tokens, hits)
         if status is not _OK:
             raise BlockManagerError(
                 f"allocate: no room for sequence {seq_id!r} ({status.value}): needs "
-                f"{num_blocks - len(match.blocks)} new blocks, {self.num_free_blocks} free, "
-                f"watermark {self.watermark_blocks}")
-        refcount = self._refcount
-        hits = match.blocks
-        # host-tier hits are taken out of it first: _take may evict into it
-        loaded = cache.take_host_hits(match) if match.num_on_host else ()
+                f"{-(-num_tokens // self.block_size) - len(hits)} new blocks, "
+                f"{self.num_free_blocks} free, watermark {self.watermark_blocks}")
+        cache = self._cache
+        keys = list(block_contents) if cache is not None else []
         if cache is not None:
-            self._later.forget(contents)
-            self._prefix_queries += min(len(contents), num_tokens // bs)
+            self._prefix_queries += min(len(keys), num_tokens // self.block_size)
             self._prefix_hits += len(hits)
-            for p in match.pieces:
-                if p.__class__ is not tuple:
-                    continue
-                run, a, b = p
-                ev = run.ev
-                if ev > a:   # referenced already: one more reference each
-                    shared = run.blocks[a:ev if ev < b else b]
-                    for blk in shared:
-                        refcount[blk] += 1
-                    self._extra_refs += len(shared)
-                if b > ev:   # revived: their parked counts become their one reference
-                    k = cache.revive(run, b)
-                    self._later.touches += k
-                    self._slots_used += k * bs
-        num_gpu_hits = len(hits) - match.num_on_host
-        new = self._take(num_blocks - num_gpu_hits)
-        self._slots_used += num_tokens - num_gpu_hits * bs
-        blocks = hits + new if hits else new
-        if loaded:   # the first new blocks receive the host hits, in order
-            spans = []
-            moved = iter(loaded)
-            used = 0
-            for p in match.pieces:
-                if p.__class__ is not tuple:
-                    entries = next(moved)
-                    blocks[p.a:p.b] = new[used:used + p.b - p.a]
-                    used += p.b - p.a
-                    p = (cache.adopt(blocks, contents, entries, p.blocks), p.a, p.b)
-                spans.append(p)
-            del blocks[len(hits):len(hits) + used]
-        else:
-            spans = [p for p in match.pieces if p.__class__ is tuple]
-        loc = None
-        if spans:
-            run, _, b = spans[-1]
-            loc = (run, b - 1)
-        self._seqs[seq_id] = _SeqBlocks(blocks, num_tokens, True, contents, len(hits),
-                                        match.last_entry_id, num_loaded=match.num_on_host,
-                                        spans=spans, loc=loc)
-        return len(hits) * bs
+        # Host hits leave the host tier before blocks are taken (taking may evict into
+        # it), then are loaded into the first new blocks.
+        loaded = [cache.host.load(hit.block) for hit in hits if hit.on_host]
+        for hit in hits:
+            if not hit.on_host:
+                cache.revive(hit.block)
+                self._refs[hit.block] += 1
+        new = self._take(-(-num_tokens // self.block_size) - len(hits) + len(loaded))
+        blocks = []
+        for hit in hits:
+            if hit.on_host:
+                blocks.append(new.pop(0))
+                cache.adopt(blocks[-1], loaded.pop(0), hit.block)
+            else:
+                blocks.append(hit.block)
+        self._seqs[seq_id] = _Seq(blocks + new, num_tokens, keys, chain_hashes(keys),
+                                  num_committed=len(hits), last_entry_id=last_entry_id,
+                                  num_loaded=sum(hit.on_host for hit in hits))
+        return len(hits) * self.block_size
 
     def cached_prefix_tokens(self, num_tokens: int, block_contents: Sequence[Hashable] = ()) -> int:
-        """O(blocks hit) with the keys' chain hashes at hand (a `BlockKeys`)."""
         check_count("cached_prefix_tokens", "num_tokens", num_tokens, 1)
-        return len(self._match(num_tokens, block_contents).blocks) * self.block_size
-
-    def known_later(self, num_tokens: int, block_contents: Sequence[Hashable]) -> bool:
-        later = self._later
-        return later is not None and type(block_contents) is BlockKeys \
-            and later.known_later(block_contents, num_tokens, self.num_free_blocks)
+        return len(self._match(num_tokens, block_contents)[0]) * self.block_size
 
     def host_hit_tokens(self, seq_id: Hashable) -> int:
         return self._seq("host_hit_tokens", seq_id).num_loaded * self.block_size
 
     def take_transfers(self) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
-        """The host-tier copies the calls since the last one need: (GPU, host) offloads
-        and (host, GPU) loads (see host_tier.py); ([], []) without a host tier."""
         return self._host.take_transfers() if self._host is not None else ([], [])
 
+    # ------------------------------------------------------------------ prefix commits
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        """O(runs met) Python steps, the newly committed blocks compared and entered as
-        slices (see `PrefixCache.commit`)."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or not seq.on_gpu or type(num_computed_tokens) is not int \
-                or num_computed_tokens < 0:   # (one test for the valid case: called per chunk)
-            seq = self._gpu_seq("mark_computed", seq_id)
-            check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
+        """Commit the sequence's full computed blocks with known contents, in order.
+
+        A block other sequences also hold is committed only where each of them holds
+        the same blocks before it too (forks do; a group swapped back in may not): the
+        others then share the chain as it stands there. Elsewhere the chain stops. This
+        keeps every holder of an entry a holder of the entries before it, as the run
+        cache of simulator/speed/prefix_runs.py needs, so both decide alike. O(blocks committed),
+        plus O(sequences x blocks) when blocks are shared."""
+        seq = self._gpu_seq("mark_computed", seq_id)
+        check_count("mark_computed", "num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > seq.num_tokens:
             raise BlockManagerError(f"mark_computed: sequence {seq_id!r} has {seq.num_tokens} "
                                     f"tokens, not {num_computed_tokens}")
-        cache = self._cache
-        if cache is None or seq.chain_broken:
+        end = min(num_computed_tokens // self.block_size, len(seq.keys))
+        if self._cache is None or seq.chain_broken or end <= seq.num_committed:
             return
-        end = min(num_computed_tokens // self.block_size, len(seq.contents.keys))
-        if end <= seq.num_committed:
-            return
-        if seq.forked and self._extra_refs:
+        if all(self._refs[b] == 1 for b in seq.blocks[seq.num_committed:end]):
+            self._commit(seq, end)
+        else:
             self._commit_shared(seq, end)
-        else:   # only its committed blocks (prefix hits) can be shared
-            self._commit(seq, end)
 
-    def _commit(self, seq: _SeqBlocks, end: int) -> None:
-        """Commit the sequence's blocks up to `end` and record where its chain stands."""
-        loc = seq.loc
-        if loc is not None:
-            run, off = loc
-            if self._cache.grow(run, off, seq.blocks, seq.contents.hashes, seq.num_committed, end):
-                seq.num_committed, seq.last_entry_id, seq.loc = end, run.id0 + end - 1, (run, end - 1)
-                _, a, _ = seq.spans[-1]   # its last span is that run's
-                seq.spans[-1] = (run, a, end)
-                return
-        link = self._cache.commit(seq.blocks, seq.contents, seq.num_committed, end,
-                                  seq.last_entry_id, loc, self._free)
-        seq.num_committed, seq.last_entry_id, seq.chain_broken, seq.loc = link[:4]
-        if link.grown:
-            run, a, _ = seq.spans[-1]
-            seq.spans[-1] = (run, a, run.hi)
-        if link.runs:
-            seq.spans += [(run, run.lo, run.hi) for run in link.runs]
-
-    def _commit_shared(self, seq: _SeqBlocks, end: int) -> None:
-        """`_commit` for a sequence that may share blocks it has not committed yet (a
-        fork, or a group swapped back in). A run needs whoever holds one of its entries
-        to hold the entries before it, so shared blocks are committed only where every
-        other holder shares all of the sequence's blocks up to there (a fork's sharers
-        do; a swapped group's members may not): those *sharers* keep the same chain over
-        their shared blocks, so the commit stops where each sharer's shared blocks end
-        and the sharer takes the sequence's chain as it stands there (runs made over its
-        blocks included). At a block held otherwise the chain stops (`chain_broken`): it
-        stays uncached. O(sequences x blocks): rare."""
-        blocks, c = seq.blocks, seq.num_committed
-        refcount = self._refcount
-        if all(refcount[b] == 1 for b in blocks[c:end]):
-            self._commit(seq, end)
-            return
-        sharers = []   # (how many leading blocks it shares with seq, it)
+    def _commit_shared(self, seq: _Seq, end: int) -> None:
+        """`_commit` where some of the blocks are shared: each other holder of a block
+        must be a *sharer* (it holds the same blocks up to there), else the chain stops
+        there; each sharer takes the chain as it stands where its shared blocks end."""
+        blocks, start = seq.blocks, seq.num_committed
+        sharers = []   # (how many leading blocks it shares with seq, it), block start included
         for other in self._seqs.values():
-            theirs = other.blocks
-            if other is not seq and other.on_gpu and len(theirs) > c and theirs[c] == blocks[c]:
-                f = 0
-                while f < len(theirs) and f < len(blocks) and theirs[f] == blocks[f]:
-                    f += 1
-                if f > c:
-                    sharers.append((f, other))
-        broken = False
-        for p in range(c, end):   # every other holder of block p must be a sharer
-            if refcount[blocks[p]] - 1 != sum(1 for f, _ in sharers if f > p):
-                end, broken = p, True
+            if other is not seq and other.on_gpu:
+                shared = _common_prefix(other.blocks, blocks)
+                if shared > start:
+                    sharers.append((shared, other))
+        stopped = False
+        for p in range(start, end):
+            if self._refs[blocks[p]] - 1 != sum(1 for shared, _ in sharers if shared > p):
+                end, stopped = p, True
                 break
-        for stop in sorted({min(f, end) for f, _ in sharers} | {end}):
+        for stop in sorted({min(shared, end) for shared, _ in sharers} | {end}):
             if stop > seq.num_committed and not seq.chain_broken:
                 self._commit(seq, stop)
-            for f, other in sharers:
-                if f >= stop:
+            for shared, other in sharers:
+                if shared >= stop:
                     other.num_committed, other.last_entry_id = seq.num_committed, seq.last_entry_id
-                    other.chain_broken, other.loc = seq.chain_broken, seq.loc
-                    other.spans = list(seq.spans)
-        if broken and seq.num_committed == end:
+                    other.chain_broken = seq.chain_broken
+        if stopped and seq.num_committed == end:
             seq.chain_broken = True
 
+    def _commit(self, seq: _Seq, end: int) -> None:
+        """Enter the sequence's blocks num_committed .. end - 1 into the cache, one by
+        one, until the chain stops."""
+        for i in range(seq.num_committed, end):
+            entry_id, freed = self._cache.commit(seq.blocks[i], seq.hashes[i], seq.last_entry_id,
+                                                 seq.keys[i])
+            if freed is not None:
+                self._free.append(freed)
+            if entry_id is None:
+                seq.chain_broken = True
+                return
+            seq.num_committed, seq.last_entry_id = i + 1, entry_id
+
+    # ------------------------------------------------------------------ growth
+    def can_append_slots(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        seq = self._gpu_seq("can_append_slots", seq_id)
+        check_count("can_append_slots", "num_new_tokens", num_new_tokens, 0)
+        need, copy = self._growth(seq, num_new_tokens)
+        return need + copy <= self.num_free_blocks
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Returns [(src, dst)] when a shared partial last block was copied first."""
+        seq = self._gpu_seq("append_slots", seq_id)
+        check_count("append_slots", "num_new_tokens", num_new_tokens, 0)
+        need, copy = self._growth(seq, num_new_tokens)
+        if need + copy > self.num_free_blocks:
+            raise BlockManagerError(
+                f"append_slots: no room for {num_new_tokens} more tokens of sequence "
+                f"{seq_id!r}: needs {need + copy} blocks, {self.num_free_blocks} free")
+        copies = []
+        if copy:
+            src, (dst,) = seq.blocks[-1], self._take(1)
+            self._refs[src] -= 1
+            seq.blocks[-1] = dst
+            copies.append((src, dst))
+        seq.blocks += self._take(need)
+        seq.num_tokens += num_new_tokens
+        return copies
+
+    def _growth(self, seq: _Seq, num_new_tokens: int) -> tuple[int, bool]:
+        """New blocks these tokens need, and whether a shared, partly filled last block
+        is copied first."""
+        need = -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.blocks)
+        copy = num_new_tokens > 0 and seq.num_tokens % self.block_size != 0 \
+            and self._refs[seq.blocks[-1]] > 1
+        return need, copy
+
     # ------------------------------------------------------------------ sharing and release
-    # (growth: paged_growth.py; swapping: paged_swap.py)
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
-        """O(blocks). The child keeps only the parent's contents of full blocks: what
-        comes after the fork point is its own."""
+        """The child keeps only the parent's contents of full blocks."""
         parent = self._gpu_seq("fork", parent_seq_id)
         if child_seq_id in self._seqs:
             raise BlockManagerError(f"fork: child sequence {child_seq_id!r} already has blocks")
-        refcount = self._refcount
         for b in parent.blocks:
-            refcount[b] += 1
-        self._extra_refs += len(parent.blocks)
-        parent.forked = True
-        self._seqs[child_seq_id] = _SeqBlocks(
-            list(parent.blocks), parent.num_tokens, True,
-            parent.contents.prefix(parent.num_tokens // self.block_size), parent.num_committed,
-            parent.last_entry_id, parent.chain_broken, spans=list(parent.spans), loc=parent.loc,
-            forked=True)
+            self._refs[b] += 1
+        full = parent.num_tokens // self.block_size
+        self._seqs[child_seq_id] = _Seq(
+            list(parent.blocks), parent.num_tokens, parent.keys[:full], parent.hashes[:full],
+            num_committed=parent.num_committed, last_entry_id=parent.last_entry_id,
+            chain_broken=parent.chain_broken)
 
     def free(self, seq_id: Hashable) -> None:
-        """O(blocks). Blocks go back last-first, so a cached sequence's tail is
-        evicted before its head (the head is what other prefixes share)."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise BlockManagerError(f"free: unknown sequence {seq_id!r} "
                                     "(never allocated, or already freed)")
         del self._seqs[seq_id]
-        if seq.on_gpu:
-            self._release(seq)
-        else:
-            cpu_refcount = self._cpu_refcount
-            cpu_free = self._cpu_free
-            for b in reversed(seq.blocks):
-                cpu_refcount[b] -= 1
-                if not cpu_refcount[b]:
-                    cpu_free.append(b)
+        for b in reversed(seq.blocks):   # last block first
+            if seq.on_gpu:
+                self._refs[b] -= 1
+                if not self._refs[b]:
+                    self._unreferenced(b)
+            else:
+                self._cpu_refs[b] -= 1
+                if not self._cpu_refs[b]:
+                    self._cpu_free.append(b)
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        group = self._group("can_swap_out", seq_ids, on_gpu=True)
+        return len(self._group_blocks(group)) <= len(self._cpu_free)
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """A block shared inside the group moves once and stays shared on the CPU; one
+        also held outside the group stays on the GPU for the others. The group's chains
+        restart: its blocks are committed again after swap-in."""
+        group = self._group("swap_out", seq_ids, on_gpu=True)
+        moving = self._group_blocks(group)
+        if len(moving) > len(self._cpu_free):
+            raise BlockManagerError(f"swap_out: needs {len(moving)} CPU blocks, "
+                                    f"{len(self._cpu_free)} free")
+        mapping = {}
+        for gpu_block, refs in moving.items():
+            mapping[gpu_block] = self._cpu_free.pop()
+            self._cpu_refs[mapping[gpu_block]] = refs
+            self._refs[gpu_block] -= refs
+        for gpu_block in reversed(moving):
+            if not self._refs[gpu_block]:
+                self._unreferenced(gpu_block)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = False
+            seq.num_committed, seq.last_entry_id, seq.chain_broken = 0, 0, False
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
+        group = self._group("can_swap_in", seq_ids, on_gpu=False)
+        return self._swap_in_status(len(self._group_blocks(group)))
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        group = self._group("swap_in", seq_ids, on_gpu=False)
+        moving = self._group_blocks(group)
+        status = self._swap_in_status(len(moving))
+        if status is not _OK:
+            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
+                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
+                                    f"watermark {self.watermark_blocks}")
+        mapping = dict(zip(moving, self._take(len(moving))))
+        for cpu_block, refs in moving.items():
+            self._refs[mapping[cpu_block]] = refs
+            self._cpu_refs[cpu_block] -= refs
+            if not self._cpu_refs[cpu_block]:
+                self._cpu_free.append(cpu_block)
+        for seq in group:
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_gpu = True
+        return list(mapping.items())
+
+    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
+        """Like admission the watermark stays free, unless nothing else holds GPU
+        blocks: then waiting could not help."""
+        if num_blocks > self.num_gpu_blocks:
+            return _NEVER
+        free = self.num_free_blocks
+        if free - num_blocks >= self.watermark_blocks:
+            return _OK
+        return _OK if num_blocks <= free and self.num_used_blocks == 0 else _LATER
+
+    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_Seq]:
+        group = []
+        for seq_id in unique_ids(op, seq_ids):
+            seq = self._seq(op, seq_id)
+            if seq.on_gpu != on_gpu:
+                where = "swapped out" if on_gpu else "not swapped out"
+                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
+            group.append(seq)
+        return group
+
+    @staticmethod
+    def _group_blocks(group: list[_Seq]) -> dict[int, int]:
+        """Distinct blocks of the group, first seen first -> references inside it."""
+        refs: dict[int, int] = {}
+        for seq in group:
+            for b in seq.blocks:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
 
     # ------------------------------------------------------------------ queries
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -385,18 +359,11 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         return not self._seq("is_swapped", seq_id).on_gpu
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        """Token slots the sequence holds."""
         return self._seq("num_tokens", seq_id).num_tokens
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
-
-    @property
-    def num_free_blocks_without_offload(self) -> int:
-        """With a host tier, taking an evictable block copies it to the host: only the
-        free list is free of copies. Without one, every free block."""
-        return len(self._free) if self._host is not None else self.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -406,276 +373,130 @@ class PagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         """Cached blocks nobody references, least recently used (next evicted) first."""
         return self._cache.evictable_blocks() if self._cache is not None else []
 
-    def evictable_hashes(self) -> list[int]:
-        """The chain hashes of `evictable_blocks()`, in the same order: what is cached
-        and in which eviction order, independent of which block ids hold it."""
-        if self._cache is None:
-            return []
-        cached = self._cache.cached()
-        return [run.hashes[k] for run, k in map(cached.__getitem__, self.evictable_blocks())]
-
     def usage(self) -> BlockUsage:
+        """O(blocks held): token slots are counted from the block tables."""
         cached = self._cache.num_evictable if self._cache is not None else 0
         used = self.num_gpu_blocks - len(self._free) - cached
+        host = self._host
         return BlockUsage(
             num_total_blocks=self.num_gpu_blocks, num_used_blocks=used,
             num_free_blocks=len(self._free), num_cached_blocks=cached,
-            token_slots_used=self._slots_used, token_slots_allocated=used * self.block_size,
+            token_slots_used=sum(self._fills().values()), token_slots_allocated=used * self.block_size,
             reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
             num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
             prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits,
             num_host_total_blocks=self.num_host_blocks,
-            num_host_cached_blocks=self._host.num_cached if self._host is not None else 0,
-            host_offloaded_blocks=self._host.offloaded if self._host is not None else 0,
-            host_loaded_blocks=self._host.loaded if self._host is not None else 0)
+            num_host_cached_blocks=host.num_cached if host is not None else 0,
+            host_offloaded_blocks=host.offloaded if host is not None else 0,
+            host_loaded_blocks=host.loaded if host is not None else 0)
 
     # ------------------------------------------------------------------ internals
-    def _seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
+    def _seq(self, op: str, seq_id: Hashable) -> _Seq:
+        if seq_id not in self._seqs:
             raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        return seq
+        return self._seqs[seq_id]
 
-    def _gpu_seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        if not seq.on_gpu:
+    def _gpu_seq(self, op: str, seq_id: Hashable) -> _Seq:
+        if not self._seq(op, seq_id).on_gpu:
             raise BlockManagerError(f"{op}: sequence {seq_id!r} is swapped out")
-        return seq
+        return self._seqs[seq_id]
 
-    def _match(self, num_tokens: int, block_contents: Sequence[Hashable]) -> PrefixMatch:
+    def _match(self, num_tokens: int, block_contents: Sequence[Hashable]) -> tuple[list[Hit], int]:
         """Cached leading blocks, never all of the tokens: at least the last token is
-        computed, since the next token is sampled from its output."""
+        computed, since the next token is sampled from its output. O(keys) to hash."""
         if self._cache is None or not block_contents:
-            return NO_MATCH
-        return self._cache.match(BlockKeys.of(block_contents), (num_tokens - 1) // self.block_size)
+            return [], 0
+        keys = list(block_contents)
+        return self._cache.match(chain_hashes(keys), keys, (num_tokens - 1) // self.block_size)
 
-    def _admission(self, num_blocks: int, match: PrefixMatch) -> AllocStatus:
+    def _admission(self, num_tokens: int, hits: list[Hit]) -> AllocStatus:
+        """Room for a new sequence: blocks it lacks, plus evictable and host hits (each
+        takes a block off the free count), keeping the watermark free."""
+        num_blocks = -(-num_tokens // self.block_size)
         if num_blocks > self.num_gpu_blocks - self.watermark_blocks:
             return _NEVER
-        need = num_blocks - len(match.blocks)
-        if match.blocks:  # reviving an evictable hit takes it out of the free count
-            # (a host hit needs a fresh GPU block, as a miss does)
-            need += match.num_on_host + self._cache.num_evictable_in(match.pieces)
+        need = num_blocks - len(hits) + sum(
+            hit.on_host or self._cache.is_evictable(hit.block) for hit in hits)
         return _OK if self.num_free_blocks - need >= self.watermark_blocks else _LATER
 
     def _take(self, n: int) -> list[int]:
-        """n blocks off the free stack, then least recently used cached ones. The
-        caller has checked that they exist."""
-        free = self._free
-        if n <= len(free):
-            if not n:
-                return []
-            taken = free[:-n - 1:-1]  # top of the stack first
-            del free[-n:]
-            return taken
-        taken = free[::-1]
-        free.clear()
-        return self._cache.evict(n - len(taken), taken)   # into the host tier, if any
+        """n blocks off the free stack, then least recently used cached ones, each with
+        one reference. The caller has checked that they exist."""
+        taken = []
+        for _ in range(n):
+            block = self._free.pop() if self._free else self._cache.evict()
+            self._refs[block] = 1
+            taken.append(block)
+        return taken
 
-    def _release(self, seq: _SeqBlocks) -> None:
-        """Drop one reference to each of a sequence's GPU blocks, last block first. A
-        block that loses its last one keeps its count, parked at 1. O(1) Python steps
-        when nothing is shared and no prefix cache is kept: every block goes back; with
-        a prefix cache, O(1) per run of entries the sequence references."""
-        blocks, num_tokens = seq.blocks, seq.num_tokens
-        cache = self._cache
-        if cache is not None and (not seq.forked or not self._extra_refs):
-            self._release_spans(seq)   # only its cache entries can be shared
-            return
-        if not self._extra_refs:   # nothing is shared: every block goes
-            self._free.extend(reversed(blocks))
-            self._slots_used -= num_tokens
-            return
-        refcount = self._refcount
-        bs = self.block_size
-        last_released = refcount[blocks[-1]] == 1
-        # The counts are read in C. Shared blocks, when any, are mostly leading ones
-        # (prefix hits, e.g. a system prompt every request shares): only those are
-        # visited (each loses a reference) and the others go as one slice.
-        counts = itemgetter(*blocks)(refcount) if len(blocks) > 1 else (refcount[blocks[0]],)
-        ones = counts.count(1)
-        lead = len(blocks) - ones
-        if cache is not None:
-            if lead:
-                if counts[lead:].count(1) == ones:
-                    shared = blocks[:lead]
-                else:
-                    shared = [b for b, c in zip(blocks, counts) if c != 1]
-                for b in shared:
-                    refcount[b] -= 1
-                self._extra_refs -= lead
-            self._park(blocks, seq.spans, counts)
-            released = ones * bs
+    def _unreferenced(self, block: int) -> None:
+        """A GPU block lost its last reference: cached, it becomes evictable; else free."""
+        if self._cache is not None and self._cache.holds(block):
+            self._cache.park(block)
         else:
-            if not lead:   # nothing shared: every block goes
-                unreferenced = blocks[::-1]
-            elif counts[lead:].count(1) == ones:
-                for b in blocks[:lead]:
-                    refcount[b] -= 1
-                self._extra_refs -= lead
-                unreferenced = blocks[lead:]
-                unreferenced.reverse()
-            else:
-                unreferenced = []
-                extra = 0
-                for b in reversed(blocks):
-                    if refcount[b] == 1:
-                        unreferenced.append(b)
-                    else:
-                        refcount[b] -= 1
-                        extra += 1
-                self._extra_refs -= extra
-            released = len(unreferenced) * bs
-            self._free += unreferenced
-        if last_released:  # the last block was only partly filled
-            released -= len(blocks) * bs - num_tokens
-        self._slots_used -= released
+            self._free.append(block)
 
-    def _release_spans(self, seq: _SeqBlocks) -> None:
-        """`_release` of a sequence whose only shared blocks are cache entries (prefix
-        hits): its other blocks all go, and in each span the entries others still hold
-        come first (whoever holds an entry holds the run before it), so the counts are
-        read at a span's ends, and bisected in between only when some are held. O(1)
-        Python steps per span, plus one per entry still held."""
-        blocks, spans = seq.blocks, seq.spans
-        refcount, free = self._refcount, self._free
-        last_released = refcount[blocks[-1]] == 1
-        pieces = []
-        held = 0
-        end = len(blocks)
-        for run, a, b in reversed(spans):   # (run, a, b): the blocks at positions a .. b - 1
-            if b < end:
-                free += blocks[b:end][::-1]
-            end = a
-            entries = run.blocks
-            if refcount[entries[a]] == 1:
-                u = a
-            elif refcount[entries[b - 1]] > 1:
-                u = b
-            else:   # the first entry only this sequence holds
-                u = bisect_left(range(a, b), True, key=lambda k: refcount[entries[k]] == 1) + a
-            if u > a:
-                for blk in entries[a:u]:
-                    refcount[blk] -= 1
-                held += u - a
-            if u < b:
-                pieces.append((run, u, b))
-        if end:
-            free += blocks[:end][::-1]
-        self._extra_refs -= held
-        if pieces:
-            self._cache.park(pieces)
-        released = (len(blocks) - held) * self.block_size
-        if last_released:  # the last block was only partly filled
-            released -= len(blocks) * self.block_size - seq.num_tokens
-        self._slots_used -= released
-
-    def _park(self, blocks: list[int], spans: list, counts: tuple) -> None:
-        """The blocks of a forked sequence whose count read 1 (`counts`, one per block)
-        just lost their last reference, last block first: the cached ones become the
-        most recently used evictable entries, the others go onto the free stack.
-        O(blocks)."""
-        free = self._free
-        pieces = []
-        end = len(blocks)
-        for run, a, b in reversed(spans):   # (run, a, b): the blocks at positions a .. b - 1
-            if b < end:
-                free += [blocks[k] for k in range(end - 1, b - 1, -1) if counts[k] == 1]
-            u = b - counts[a:b].count(1)
-            if u < b:
-                pieces.append((run, u, b))
-            end = a
-        if end:
-            free += [blocks[k] for k in range(end - 1, -1, -1) if counts[k] == 1]
-        if pieces:
-            self._cache.park(pieces)
+    def _fills(self) -> dict[int, int]:
+        """Referenced GPU block -> token slots filled (sharers agree)."""
+        fills: dict[int, int] = {}
+        for seq in self._seqs.values():
+            if seq.on_gpu:
+                for i, b in enumerate(seq.blocks):
+                    fills[b] = min(self.block_size, seq.num_tokens - i * self.block_size)
+        return fills
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         bs = self.block_size
-        refs = [0] * self.num_gpu_blocks
-        cpu_refs = [0] * self.num_cpu_blocks
-        fill: dict[int, int] = {}
+        refs, cpu_refs = [0] * self.num_gpu_blocks, [0] * self.num_cpu_blocks
+        fills: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
-            blocks = seq.blocks
-            _require(seq.num_tokens >= 1 and len(blocks) == -(-seq.num_tokens // bs),
-                     f"sequence {seq_id!r}: {len(blocks)} blocks for {seq.num_tokens} tokens")
-            _require(len(set(blocks)) == len(blocks), f"sequence {seq_id!r} holds a block twice")
-            counts = refs if seq.on_gpu else cpu_refs
-            for i, b in enumerate(blocks):
-                counts[b] += 1
-                if seq.on_gpu:
-                    f = bs if i < len(blocks) - 1 else seq.num_tokens - i * bs
-                    _require(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
-            _require(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
+            _require(seq.num_tokens >= 1 and len(seq.blocks) == -(-seq.num_tokens // bs),
+                     f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
+            _require(len(set(seq.blocks)) == len(seq.blocks), f"sequence {seq_id!r} holds a block twice")
+            _require(seq.num_committed <= min(len(seq.keys), seq.num_tokens // bs),
                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
-            _require(seq.on_gpu or not seq.spans, f"swapped sequence {seq_id!r} holds cache entries")
-        _require([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
-                 "GPU reference counts differ from the block tables")
-        _require(self._extra_refs == sum(r - 1 for r in refs if r > 1),
-                 f"extra reference total {self._extra_refs} differs from the block tables")
-        _require(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
-        _check_pool("GPU", self._free, refs)
-        _check_pool("CPU", self._cpu_free, cpu_refs)
-        used = sum(1 for r in refs if r)
-        cached = 0
-        if self._cache is not None:
-            in_cache = self._cache.check_invariants(refs)
-            cached = self._cache.num_evictable
-            _require(not set(self._free) & set(self._cache.evictable_blocks()),
-                     "a block is both free and evictable")
-            _require(not any(b in in_cache for b in self._free), "a free block is cached")
-            for seq_id, seq in self._seqs.items():
+            for i, b in enumerate(seq.blocks):
+                (refs if seq.on_gpu else cpu_refs)[b] += 1
                 if seq.on_gpu:
-                    self._check_spans(seq_id, seq, in_cache)
+                    fill = min(bs, seq.num_tokens - i * bs)
+                    _require(fills.setdefault(b, fill) == fill, f"sharers of block {b} disagree on its fill")
+        _require(refs == self._refs, "GPU reference counts differ from the block tables")
+        _require(cpu_refs == self._cpu_refs, "CPU reference counts differ from the block tables")
+        evictable = self.evictable_blocks()
+        for name, free, counts in (("GPU", self._free + evictable, refs), ("CPU", self._cpu_free, cpu_refs)):
+            _require(len(set(free)) == len(free), f"{name} free and evictable blocks repeat")
+            _require(all(counts[b] == 0 for b in free), f"a {name} block is both free and referenced")
+            _require(len(free) + sum(1 for r in counts if r) == len(counts),
+                     f"{name} blocks are neither free nor referenced")
+        if self._cache is not None:
+            entries = self._cache.entries()
+            _require(not set(self._free) & set(entries), "a free block is cached")
+            _require(set(evictable) == {b for b in entries if not refs[b]},
+                     "evictable blocks differ from the unreferenced cached ones")
+            _require(len({e.id for e in entries.values()}) == len(entries), "an entry id repeats")
+            for seq_id, seq in self._seqs.items():
+                if seq.on_gpu and seq.num_tokens % bs:
+                    _require(seq.blocks[-1] not in entries, f"sequence {seq_id!r}: partial block cached")
         if self._host is not None:
-            self._host.check_invariants({(run.hashes[k], run.parent_of(k), run.contents[k])
-                                         for run, k in in_cache.values()})
-            _require(not set(self._cache.entry_ids()) & set(self._host.entry_ids()),
-                     "an entry is in both tiers")
-        _require(used + len(self._free) + cached == self.num_gpu_blocks,
-                 f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
-        cpu_used = sum(1 for r in cpu_refs if r)
-        _require(cpu_used + len(self._cpu_free) == self.num_cpu_blocks,
-                 f"CPU used {cpu_used} + free {len(self._cpu_free)} != {self.num_cpu_blocks}")
-        _require(sum(fill.values()) == self._slots_used,
-                 f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
+            self._host.check_invariants()
+            gpu_hashes = {e.hash for e in self._cache.entries().values()}
+            _require(not gpu_hashes & {e.hash for e in self._host.entries().values()},
+                     "a content is cached in both tiers")
         _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
-        if self._later is not None:
-            for keys, num_tokens in self._later.valid():
-                if self.num_free_blocks <= self._later.free_then(keys):
-                    status = self._admission(-(-num_tokens // bs), self._match(num_tokens, keys))
-                    _require(status is _LATER, f"a kept LATER answer is {status.value} now")
 
 
-    def _check_spans(self, seq_id: Hashable, seq: _SeqBlocks, in_cache: dict) -> None:
-        """A sequence's spans name, in order, exactly its cached blocks, and its partial
-        last block is not cached."""
-        named = []
-        for run, a, b in seq.spans:
-            _require(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
-            _require(seq.blocks[a:b] == run.blocks[a:b],
-                     f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
-            named += range(a, b)
-        _require(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
-        held = [i for i, b in enumerate(seq.blocks) if b in in_cache]
-        _require(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")
-        if seq.num_tokens % self.block_size:
-            _require(seq.blocks[-1] not in in_cache,
-                     f"sequence {seq_id!r}: partial block {seq.blocks[-1]} is cached")
-
-
-register_block_manager("paged", PagedBlockManager.from_config)
-
-
-def _check_pool(name: str, free: list[int], refs: list[int]) -> None:
-    _require(len(set(free)) == len(free), f"{name} free list holds a block twice")
-    for b in free:
-        _require(refs[b] == 0, f"{name} block {b} is both free and referenced")
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading blocks two block tables share."""
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)
+
+
+register_block_manager("paged", PagedBlockManager.from_config)

@@ -17,7 +17,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Hashable
 
 if TYPE_CHECKING:
-    from servelab.memory.block_keys import BlockKeys
+    from servelab.simulator.speed.block_keys import BlockKeys
 
 SeqId = tuple[int, int]
 
@@ -25,7 +25,7 @@ SeqId = tuple[int, int]
 class RegionOffset(int):
     """The key of the block `j` blocks after its region's first block (1 <= j < the
     region's size in blocks, `size`), in a trace that names content per region of several
-    blocks (`Request.block_contents`; memory/block_keys.py hashes such keys). Equal to,
+    blocks (`Request.block_contents`; memory/prefix_cache.py hashes such keys). Equal to,
     and hashing as, the int j; take them from `region_offsets` (shared objects, so long
     prompts allocate none)."""
 

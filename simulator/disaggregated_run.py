@@ -115,10 +115,9 @@ class DisaggregatedSimulation(Simulation):
 
     def __init__(self, config: SimulationConfig) -> None:
         from servelab.host_memory import check_prefix_block_sizes
-        from servelab.memory import make_block_manager
         from servelab.models import load_model_spec
         from servelab.policies import make_policy
-        from servelab.simulator.speed import BatchingScheduler, build_scheduler
+        from servelab.simulator.speed import BatchingScheduler, build_scheduler, make_block_manager
         from servelab.simulator.links import get_link
         from servelab.simulator.router import make_router
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.memory import prefix_cache
-from servelab.memory.block_keys import BlockKeys, RegionOffset, region_offsets
+from servelab.simulator.speed import prefix_runs
+from servelab.simulator.speed.block_keys import BlockKeys, RegionOffset, region_offsets
 from servelab.request import Request
 
 
@@ -59,7 +59,7 @@ def test_an_offsets_hash_is_its_regions_first_hash_plus_the_offset():
     for region in range(3):
         first = 4 * region
         parent = h[first - 1] if first else None
-        assert h[first] == prefix_cache.chain_hash(parent, (7 + region, 64))
+        assert h[first] == prefix_runs.chain_hash(parent, (7 + region, 64))
         assert h[first + 1:first + 4] == [h[first] + j for j in (1, 2, 3)]
     assert len(set(h)) == 12
 
@@ -68,7 +68,7 @@ def test_region_rule_follows_a_replaced_chain_hash(monkeypatch):
     """Tests force collisions by replacing `chain_hash`: region firsts use it, so two
     regions then share their offsets' hashes too (the cache's checks turn that into a
     miss, see test_memory_paged)."""
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: 5)
+    monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: 5)
     keys = BlockKeys()
     req = trace_request(128, (1, 2), 64)
     req.extend_block_keys(keys, req.seqs[0], 16)
@@ -108,4 +108,4 @@ def test_keys_hash_the_same_however_they_are_split(keys, cuts):
         if type(key) is RegionOffset and 0 < key <= i:
             assert whole.hashes[i] == whole.hashes[i - key] + key
         else:
-            assert whole.hashes[i] == prefix_cache.chain_hash(whole.hashes[i - 1] if i else None, key)
+            assert whole.hashes[i] == prefix_runs.chain_hash(whole.hashes[i - 1] if i else None, key)

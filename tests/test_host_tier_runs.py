@@ -16,15 +16,16 @@ from collections import OrderedDict
 
 from hypothesis import example, given, settings, strategies as st
 
-from servelab.memory import AllocStatus, PagedBlockManager
-from servelab.memory.block_keys import BlockKeys
+from servelab.memory import AllocStatus
+from servelab.simulator.speed import RunPagedBlockManager
+from servelab.simulator.speed.block_keys import BlockKeys
 
 BS = 2
 
 
 class PlainTwoTierManager:
     """Paged blocks with a per-block prefix cache and a per-block host tier: what
-    `PagedBlockManager` with prefix caching and `num_host_blocks` decides, without forks,
+    `RunPagedBlockManager` with prefix caching and `num_host_blocks` decides, without forks,
     swaps or a watermark, and with a chain hash that does not collide."""
 
     def __init__(self, num_blocks: int, num_host_blocks: int) -> None:
@@ -211,7 +212,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "admit", "compute", 
                min_size=20, max_size=150)
 
 
-def check_same(m: PagedBlockManager, plain: PlainTwoTierManager, live: list[str]) -> None:
+def check_same(m: RunPagedBlockManager, plain: PlainTwoTierManager, live: list[str]) -> None:
     assert m.evictable_blocks() == list(plain.lru)
     assert [m.block_table(s) for s in live] == [plain.seqs[s]["blocks"] for s in live]
     assert sorted(m._cache.hash_index().items()) == sorted(plain.by_hash.items())
@@ -233,7 +234,7 @@ def check_same(m: PagedBlockManager, plain: PlainTwoTierManager, live: list[str]
     num_blocks=10, num_host_blocks=6)
 @given(ops=OPS, num_blocks=st.integers(5, 12), num_host_blocks=st.integers(1, 10))
 def test_host_runs_decide_as_one_block_at_a_time(ops, num_blocks, num_host_blocks):
-    m = PagedBlockManager(BS, num_blocks, enable_prefix_caching=True,
+    m = RunPagedBlockManager(BS, num_blocks, enable_prefix_caching=True,
                           num_host_blocks=num_host_blocks)
     plain = PlainTwoTierManager(num_blocks, num_host_blocks)
     live: list[str] = []
@@ -277,7 +278,7 @@ class Both:
     """The manager and the oracle driven by the same calls, compared after each."""
 
     def __init__(self, num_blocks: int, num_host_blocks: int) -> None:
-        self.m = PagedBlockManager(BS, num_blocks, enable_prefix_caching=True,
+        self.m = RunPagedBlockManager(BS, num_blocks, enable_prefix_caching=True,
                                    num_host_blocks=num_host_blocks)
         self.plain = PlainTwoTierManager(num_blocks, num_host_blocks)
         self.live: list[str] = []

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.memory import BlockManagerError, ContiguousBlockManager, PagedBlockManager
+from servelab.memory import BlockManagerError, ContiguousBlockManager
+from servelab.simulator.speed import RunPagedBlockManager
 
 MANAGERS = {
-    "paged": lambda: PagedBlockManager(4, 8, 4, enable_prefix_caching=True),
+    "paged": lambda: RunPagedBlockManager(4, 8, 4, enable_prefix_caching=True),
     "contiguous": lambda: ContiguousBlockManager(4, 8, 4, mode="oracle", max_model_len=64),
 }
 
@@ -21,7 +22,16 @@ def alloc(m, seq_id, num_tokens, contents=()):
 def m(request):
     """A manager holding a running sequence 'a' (6 tokens, 2 blocks) and a swapped
     sequence 's' (4 tokens, 1 block on the CPU); 6 GPU blocks free, 3 CPU blocks."""
-    m = MANAGERS[request.param]()
+    return _holding_a_and_s(MANAGERS[request.param]())
+
+
+@pytest.fixture
+def paged():
+    """`m` for the speed layer's manager alone, which grows in bulk (`append_slots_many`)."""
+    return _holding_a_and_s(MANAGERS["paged"]())
+
+
+def _holding_a_and_s(m):
     alloc(m, "a", 6, [(1, 2, 3, 4)])
     m.mark_computed("a", 6)
     alloc(m, "s", 4)
@@ -85,15 +95,17 @@ def test_append_bad_count(m, k):
                     "append_slots: num_new_tokens must be an integer >= 0")
 
 
-def test_append_many_bad_input(m):
+def test_append_many_bad_input(paged):
+    m = paged
     assert_rejected(m, lambda: m.append_slots_many([("a", 1), ("zz", 1)]),
                     "unknown sequence 'zz'")
     assert_rejected(m, lambda: m.append_slots_many([("a", 1), ("s", 1)]), "'s' is swapped out")
     assert_rejected(m, lambda: m.append_slots_many([("a", -1)]), "num_new_tokens must be an integer >= 0")
 
 
-def test_append_many_is_all_or_nothing(m):
+def test_append_many_is_all_or_nothing(paged):
     """'c' fits, 'a' then does not: 'c' has not grown either."""
+    m = paged
     alloc(m, "c", 1)
     assert_rejected(m, lambda: m.append_slots_many([("c", 3), ("a", 64)]),
                     "append_slots_many: no room")
@@ -106,7 +118,7 @@ def test_paged_append_many_with_an_unhashable_id_grows_nothing(dry):
     does, and takes their growth back: with free blocks at hand, and once the free stack
     has run dry after 'a' took the last free block, so that 'c' would evict (cached
     blocks of 'old')."""
-    m = PagedBlockManager(4, 7, enable_prefix_caching=True)
+    m = RunPagedBlockManager(4, 7, enable_prefix_caching=True)
     alloc(m, "a", 4)
     alloc(m, "c", 4)
     if dry:
@@ -123,7 +135,7 @@ def test_paged_append_many_with_an_unhashable_id_grows_nothing(dry):
 def test_paged_append_many_checks_the_batch_as_a_whole():
     """Each growth fits alone, not both together: paging (which overrides the default)
     refuses the batch before touching either sequence."""
-    m = PagedBlockManager(4, 4)
+    m = RunPagedBlockManager(4, 4)
     alloc(m, "x", 4)
     alloc(m, "y", 4)  # 2 blocks free
     assert m.can_append_slots("x", 8) and m.can_append_slots("y", 8)
@@ -134,7 +146,7 @@ def test_paged_append_many_checks_the_batch_as_a_whole():
 def test_paged_append_many_counts_copies_as_one_by_one_does():
     """Three holders of a shared partial block all grow: the first two copy it, the last
     writes in place (it is the only holder by then). Two free blocks are enough."""
-    m = PagedBlockManager(4, 4)
+    m = RunPagedBlockManager(4, 4)
     alloc(m, "p", 6)                    # 2 blocks, the last half full
     m.fork("p", "c1")
     m.fork("p", "c2")
@@ -213,7 +225,7 @@ def test_swap_unknown_or_repeated_sequence(m):
 def test_constructor_rejects_bad_sizes(kind, kwargs, match):
     args = dict(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark_blocks=0) | kwargs
     if kind == "paged":
-        make = lambda: PagedBlockManager(**args)  # noqa: E731
+        make = lambda: RunPagedBlockManager(**args)  # noqa: E731
     else:
         make = lambda: ContiguousBlockManager(**args, max_model_len=64)  # noqa: E731
     with pytest.raises(ValueError, match=match):
@@ -222,7 +234,7 @@ def test_constructor_rejects_bad_sizes(kind, kwargs, match):
 
 def test_constructor_rejects_bad_options():
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool, got 'yes'"):
-        PagedBlockManager(4, 8, enable_prefix_caching="yes")
+        RunPagedBlockManager(4, 8, enable_prefix_caching="yes")
     with pytest.raises(ValueError, match="mode must be one of .* got 'lazy'"):
         ContiguousBlockManager(4, 8, mode="lazy", max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, got 0"):
@@ -235,7 +247,7 @@ def test_paged_append_many_undoes_a_refused_batch_exactly(prefix_caching):
     free stack is as it was (the next growth takes the very blocks it would have), and
     so are the reference counts (with a prefix cache a free block counts 0, else 1)."""
     def manager():
-        m = PagedBlockManager(4, 16, enable_prefix_caching=prefix_caching)
+        m = RunPagedBlockManager(4, 16, enable_prefix_caching=prefix_caching)
         alloc(m, "x", 4)
         alloc(m, "y", 4)
         return m
@@ -257,7 +269,7 @@ def test_paged_append_many_takes_an_int_of_another_type():
     class Count(int):
         pass
 
-    m, ref = PagedBlockManager(4, 8), PagedBlockManager(4, 8)
+    m, ref = RunPagedBlockManager(4, 8), RunPagedBlockManager(4, 8)
     for mgr in (m, ref):
         alloc(mgr, "x", 4)
         alloc(mgr, "y", 3)

@@ -20,10 +20,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from _batch_growth import append_many_as_one_by_one
 
-from servelab.memory import AllocStatus, BlockManagerError, PagedBlockManager
-from servelab.memory import prefix_cache
-from servelab.memory.block_keys import BlockKeys
-from servelab.memory.host_tier import HostTier
+from servelab.memory import AllocStatus, BlockManagerError
+from servelab.simulator.speed import RunPagedBlockManager
+from servelab.simulator.speed import prefix_runs
+from servelab.simulator.speed.block_keys import BlockKeys
+from servelab.simulator.speed.host_runs import HostTier
 
 BS = 2
 
@@ -33,7 +34,7 @@ def keys(*contents):
 
 
 def manager(gpu=4, host=4, cpu=0):
-    return PagedBlockManager(BS, gpu, cpu, enable_prefix_caching=True, num_host_blocks=host)
+    return RunPagedBlockManager(BS, gpu, cpu, enable_prefix_caching=True, num_host_blocks=host)
 
 
 def fill(m, seq, contents, tokens):
@@ -171,9 +172,9 @@ def test_a_gpu_commit_drops_the_host_copy_of_the_same_content():
 
 def test_tier_needs_prefix_caching_and_counts_blocks():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        PagedBlockManager(BS, 4, num_host_blocks=2)
+        RunPagedBlockManager(BS, 4, num_host_blocks=2)
     with pytest.raises(ValueError, match="num_host_blocks"):
-        PagedBlockManager(BS, 4, enable_prefix_caching=True, num_host_blocks=-1)
+        RunPagedBlockManager(BS, 4, enable_prefix_caching=True, num_host_blocks=-1)
     m = manager(gpu=4, host=3)
     assert m.num_host_blocks == 3 and m.usage().num_host_total_blocks == 3
 
@@ -182,7 +183,7 @@ def test_free_blocks_without_offload_exclude_evictable_ones():
     m = manager(gpu=4, host=2)
     fill(m, "a", keys(1, 2), 5)
     assert m.num_free_blocks == 4 and m.num_free_blocks_without_offload == 2
-    plain = PagedBlockManager(BS, 4, enable_prefix_caching=True)
+    plain = RunPagedBlockManager(BS, 4, enable_prefix_caching=True)
     fill(plain, "a", keys(1, 2), 5)
     assert plain.num_free_blocks_without_offload == plain.num_free_blocks == 4
 
@@ -233,7 +234,7 @@ class EpochMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = PagedBlockManager(BS, 7, 6, watermark_blocks=1, enable_prefix_caching=True,
+        self.m = RunPagedBlockManager(BS, 7, 6, watermark_blocks=1, enable_prefix_caching=True,
                                    num_host_blocks=self.host_blocks)
         self.tokens: dict[int, list[int]] = {}
         self.shadow: dict[tuple[str, int, int], int] = {}
@@ -471,7 +472,7 @@ def test_host_tier_steps_keep_every_token(machine):
 
 def test_host_tier_with_a_weak_hash(monkeypatch):
     """Collisions everywhere: hits from either tier must still be exact."""
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: hash(content) % 3)
+    monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: hash(content) % 3)
     run_state_machine_as_test(EpochMachine, settings=SETTINGS)
 
 
@@ -514,9 +515,9 @@ def test_bulk_offloads_move_the_same_blocks_as_one_at_a_time(ops, host, weak_has
     than the tier, loads evicted again within a step, and colliding hashes. Actions:
     0 and 4 admit and compute a prompt (4 frees it at once), 1 admit it only (its loads
     stay pending), 2 end the step (take the copies), 3 free the oldest live sequence."""
-    original = prefix_cache.chain_hash
+    original = prefix_runs.chain_hash
     if weak_hash:
-        prefix_cache.chain_hash = lambda parent, content: hash(content) % 5
+        prefix_runs.chain_hash = lambda parent, content: hash(content) % 5
     try:
         bulk, each = manager(gpu=9, host=host), manager(gpu=9, host=host)
         each._host.__class__ = OneAtATimeTier
@@ -549,4 +550,4 @@ def test_bulk_offloads_move_the_same_blocks_as_one_at_a_time(ops, host, weak_has
         bulk.check_invariants()
         each.check_invariants()
     finally:
-        prefix_cache.chain_hash = original
+        prefix_runs.chain_hash = original

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from servelab.config import CacheConfig
-from servelab.memory import (AllocStatus, BlockManagerError, ContiguousBlockManager,
-                             PagedBlockManager, make_block_manager)
-from servelab.memory import prefix_cache
+from servelab.memory import AllocStatus, BlockManagerError, ContiguousBlockManager, make_block_manager
+from servelab.memory import PagedBlockManager
+from servelab.simulator import speed
+from servelab.simulator.speed import RunPagedBlockManager
+from servelab.simulator.speed import prefix_runs
 from servelab.request import Request
 
 OK, LATER, NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
@@ -18,7 +20,7 @@ def blocks_of(tokens: list[int], bs: int) -> list[tuple[int, ...]]:
     return [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
 
 
-def cached_seq(m: PagedBlockManager, seq_id, tokens: list[int]) -> int:
+def cached_seq(m: RunPagedBlockManager, seq_id, tokens: list[int]) -> int:
     """Allocate a sequence, mark all of it computed (commits its full blocks)."""
     hit = m.allocate(seq_id, len(tokens), blocks_of(tokens, m.block_size))
     m.mark_computed(seq_id, len(tokens))
@@ -27,7 +29,7 @@ def cached_seq(m: PagedBlockManager, seq_id, tokens: list[int]) -> int:
 
 # --------------------------------------------------------------------------- basics
 def test_allocate_append_free_accounting():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     assert m.allocate("a", 6) == 0
     assert m.block_table("a") == [0, 1]
     u = m.usage()
@@ -50,7 +52,7 @@ def test_allocate_append_free_accounting():
 
 
 def test_append_many_tokens_spans_blocks():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("a", 3)
     assert m.can_append_slots("a", 30)
     assert not m.can_append_slots("a", 38)       # 41 tokens need 11 blocks
@@ -61,7 +63,7 @@ def test_append_many_tokens_spans_blocks():
 
 
 def test_freed_blocks_are_reused_first():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("a", 8)
     m.allocate("b", 4)
     m.free("a")
@@ -71,7 +73,7 @@ def test_freed_blocks_are_reused_first():
 
 # --------------------------------------------------------------------------- admission
 def test_can_allocate_ok_later_never():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     assert m.can_allocate(40) is OK
     assert m.can_allocate(41) is NEVER           # 11 blocks > 10
     m.allocate("a", 24)                          # 6 blocks
@@ -82,7 +84,7 @@ def test_can_allocate_ok_later_never():
 
 
 def test_watermark_limits_admission_but_not_appends():
-    m = PagedBlockManager(4, 10, watermark_blocks=2)
+    m = RunPagedBlockManager(4, 10, watermark_blocks=2)
     assert m.can_allocate(32) is OK              # 8 blocks leaves exactly 2
     assert m.can_allocate(33) is NEVER           # 9 > 10 - 2: never, even when empty
     m.allocate("a", 28)                          # 7 blocks, 3 free
@@ -98,7 +100,7 @@ def test_watermark_limits_admission_but_not_appends():
 
 
 def test_allocate_without_room_raises():
-    m = PagedBlockManager(4, 4)
+    m = RunPagedBlockManager(4, 4)
     m.allocate("a", 12)
     with pytest.raises(BlockManagerError, match="no room for sequence 'b' \\(later\\)"):
         m.allocate("b", 8)
@@ -110,7 +112,7 @@ def test_allocate_without_room_raises():
 
 # --------------------------------------------------------------------------- prefix caching
 def test_prefix_hit_after_commit_and_stats():
-    m = PagedBlockManager(4, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(4, 16, enable_prefix_caching=True)
     prompt = list(range(10))                      # 2 full blocks + 2 tokens
     assert cached_seq(m, "a", prompt) == 0
     a_blocks = m.block_table("a")
@@ -126,7 +128,7 @@ def test_prefix_hit_after_commit_and_stats():
 
 
 def test_no_hit_before_mark_computed_and_partial_commit():
-    m = PagedBlockManager(4, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(4, 16, enable_prefix_caching=True)
     prompt = list(range(16))
     m.allocate("a", 16, blocks_of(prompt, 4))
     assert m.allocate("b", 16, blocks_of(prompt, 4)) == 0     # nothing committed yet
@@ -138,7 +140,7 @@ def test_no_hit_before_mark_computed_and_partial_commit():
 
 
 def test_all_blocks_hit_still_computes_the_last_token():
-    m = PagedBlockManager(4, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(4, 16, enable_prefix_caching=True)
     prompt = list(range(8))
     cached_seq(m, "a", prompt)
     assert m.allocate("b", 8, blocks_of(prompt, 4)) == 4      # the last block is dropped
@@ -147,15 +149,15 @@ def test_all_blocks_hit_still_computes_the_last_token():
 
 
 def test_different_prefix_same_block_content_does_not_hit():
-    m = PagedBlockManager(2, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 16, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 5])
     assert m.allocate("b", 5, [(9, 9), (3, 4)]) == 0          # (3, 4) follows another block
     assert m.allocate("c", 5, [(1, 2), (3, 4)]) == 4
 
 
 def test_forced_hash_collision_is_a_miss(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: 7)
-    m = PagedBlockManager(2, 16, enable_prefix_caching=True)
+    monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: 7)
+    m = RunPagedBlockManager(2, 16, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3])
     assert m.allocate("b", 3, [(5, 6)]) == 0                  # same hash, other content
     assert m.allocate("c", 3, [(1, 2)]) == 2                  # same content still hits
@@ -165,8 +167,8 @@ def test_forced_hash_collision_is_a_miss(monkeypatch):
 def test_hash_that_ignores_the_prefix_cannot_cause_a_wrong_hit(monkeypatch):
     # With the parent left out of the hash, (3, 4) after (9, 9) collides with (3, 4)
     # after (1, 2): only the parent-entry check stands between it and a wrong reuse.
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: hash(content))
-    m = PagedBlockManager(2, 16, enable_prefix_caching=True)
+    monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: hash(content))
+    m = RunPagedBlockManager(2, 16, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 0])
     cached_seq(m, "b", [9, 9, 7, 7, 0])
     assert m.allocate("c", 5, [(9, 9), (3, 4)]) == 2          # (9, 9) hits, (3, 4) must not
@@ -183,7 +185,7 @@ def test_trace_hash_keys_hit_only_under_an_equal_chain():
     keys = [r.block_contents(r.seqs[0], bs) for r in reqs]
     assert keys[0] == [(5, 16), 1, 2, 3, (7, 16), 1, 2, 3, (9, 16), 1, 2, 3]
     assert keys[0][:6] + reqs[0].block_contents(reqs[0].seqs[0], bs, 6) == keys[0]
-    m = PagedBlockManager(bs, 40, enable_prefix_caching=True)
+    m = RunPagedBlockManager(bs, 40, enable_prefix_caching=True)
     m.allocate("a", 48, keys[0])
     m.mark_computed("a", 48)
     assert m.allocate("b", 48, keys[1]) == 16      # region 5; not region 9 after 8
@@ -197,7 +199,7 @@ def test_trace_hash_keys_of_different_region_sizes_never_meet():
     bs = 4
     a = Request(0, 0.0, 16, 1, prefix_hashes=(2, 3), prefix_block_size=8)
     b = Request(1, 0.0, 16, 1, prefix_hashes=(1,), prefix_block_size=16)
-    m = PagedBlockManager(bs, 40, enable_prefix_caching=True)
+    m = RunPagedBlockManager(bs, 40, enable_prefix_caching=True)
     m.allocate("a", 16, a.block_contents(a.seqs[0], bs))
     m.mark_computed("a", 16)
     assert m.allocate("b", 16, b.block_contents(b.seqs[0], bs)) == 0
@@ -205,7 +207,7 @@ def test_trace_hash_keys_of_different_region_sizes_never_meet():
 
 
 def test_lru_eviction_order_exact():
-    m = PagedBlockManager(2, 6, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 6, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4])                          # blocks 0, 1
     cached_seq(m, "b", [5, 6, 7, 8])                          # blocks 2, 3
     m.free("a")                                               # tail first: 1 is older than 0
@@ -234,7 +236,7 @@ def test_lru_eviction_order_exact():
 def test_release_behind_shared_leading_blocks_is_tail_first():
     """A sequence whose leading blocks another one still holds (a prefix hit) parks the
     rest of its blocks last first, and the shared ones keep their other reference."""
-    m = PagedBlockManager(2, 12, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 12, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])              # blocks 0-3
     assert m.allocate("b", 8, [(1, 2), (3, 4), (9, 9), (8, 8)]) == 4
     m.mark_computed("b", 8)
@@ -248,7 +250,7 @@ def test_release_behind_shared_leading_blocks_is_tail_first():
 
 
 def test_eviction_order_follows_last_use():
-    m = PagedBlockManager(2, 4, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 4, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 0])                             # blocks 0 (cached), 1 (partial)
     cached_seq(m, "b", [3, 4, 0])                             # blocks 2, 3
     m.free("a")
@@ -266,7 +268,7 @@ def test_eviction_order_follows_last_use():
 
 
 def test_hit_on_evictable_block_counts_against_free_space():
-    m = PagedBlockManager(2, 3, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 3, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 5])                       # 3 blocks, 2 committed
     m.free("a")
     assert m.num_free_blocks == 3
@@ -278,7 +280,7 @@ def test_hit_on_evictable_block_counts_against_free_space():
 
 
 def test_only_hits_on_referenced_blocks_save_free_blocks():
-    m = PagedBlockManager(2, 5, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 5, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 5])                       # 3 blocks, 2 committed
     m.allocate("c", 1)                                        # 1 free block left
     assert m.can_allocate(5, [(1, 2), (3, 4)]) is OK          # a holds both hits: 1 new block
@@ -290,7 +292,7 @@ def test_only_hits_on_referenced_blocks_save_free_blocks():
 
 
 def test_duplicate_content_continues_the_chain():
-    m = PagedBlockManager(2, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 16, enable_prefix_caching=True)
     tokens = [1, 2, 3, 4, 5, 6, 0]
     contents = blocks_of(tokens, 2)
     m.allocate("a", 7, contents)
@@ -303,7 +305,7 @@ def test_duplicate_content_continues_the_chain():
 
 
 def test_orphaned_block_gives_way_to_a_reachable_one():
-    m = PagedBlockManager(2, 8, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 8, enable_prefix_caching=True)
     contents = [(1, 2), (3, 4)]
     m.allocate("a", 5, contents)
     m.allocate("b", 5, contents)                              # both compute the same prompt
@@ -322,7 +324,7 @@ def test_orphaned_block_gives_way_to_a_reachable_one():
 
 
 def test_prefix_caching_off_ignores_contents():
-    m = PagedBlockManager(2, 16)
+    m = RunPagedBlockManager(2, 16)
     cached_seq(m, "a", [1, 2, 3])
     assert m.allocate("b", 3, [(1, 2)]) == 0
     u = m.usage()
@@ -331,7 +333,7 @@ def test_prefix_caching_off_ignores_contents():
 
 # --------------------------------------------------------------------------- fork / CoW
 def test_fork_shares_blocks_and_copy_on_write_happens_once():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("p", 6)                                        # blocks 0, 1 (1 half full)
     m.fork("p", "c")
     assert m.block_table("c") == m.block_table("p") == [0, 1]
@@ -347,7 +349,7 @@ def test_fork_shares_blocks_and_copy_on_write_happens_once():
 
 
 def test_fork_at_block_boundary_needs_no_copy():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("p", 8)
     m.fork("p", "c")
     assert m.append_slots("c", 1) == []
@@ -358,7 +360,7 @@ def test_fork_at_block_boundary_needs_no_copy():
 
 
 def test_three_samples_two_copies_last_writes_in_place():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("s0", 5)
     m.fork("s0", "s1")
     m.fork("s0", "s2")
@@ -370,7 +372,7 @@ def test_three_samples_two_copies_last_writes_in_place():
 
 
 def test_can_append_counts_the_copy_block():
-    m = PagedBlockManager(4, 2)
+    m = RunPagedBlockManager(4, 2)
     m.allocate("p", 5)
     m.fork("p", "c")
     assert not m.can_append_slots("c", 1)                     # the copy needs a block; none free
@@ -380,7 +382,7 @@ def test_can_append_counts_the_copy_block():
 
 
 def test_fork_truncates_future_contents_and_child_commits():
-    m = PagedBlockManager(2, 16, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 16, enable_prefix_caching=True)
     m.allocate("p", 3, [(1, 2), (3, 4)])                      # (3, 4) describes a future block
     m.mark_computed("p", 3)
     m.fork("p", "c")
@@ -395,7 +397,7 @@ def test_fork_truncates_future_contents_and_child_commits():
 
 # --------------------------------------------------------------------------- fast-forward bound
 def test_max_uniform_growth_is_exact():
-    m = PagedBlockManager(4, 6)
+    m = RunPagedBlockManager(4, 6)
     m.allocate("a", 4)                                        # room 0
     m.allocate("b", 7)                                        # room 1; 3 blocks free
     # k = 4q + r takes 2q blocks plus one per sequence whose room is below r.
@@ -411,7 +413,7 @@ def test_max_uniform_growth_is_exact():
 
 
 def test_max_uniform_growth_is_zero_before_a_copy():
-    m = PagedBlockManager(4, 10)
+    m = RunPagedBlockManager(4, 10)
     m.allocate("p", 5)
     m.fork("p", "c")
     assert m.max_uniform_growth(["p"], 10) == 0               # its next token copies block 1
@@ -423,7 +425,7 @@ def test_max_uniform_growth_is_zero_before_a_copy():
 
 # --------------------------------------------------------------------------- swapping
 def test_swap_round_trip_keeps_sharing():
-    m = PagedBlockManager(4, 8, 8)
+    m = RunPagedBlockManager(4, 8, 8)
     m.allocate("p", 6)
     m.fork("p", "c")
     m.append_slots("c", 3)                                    # c: [0, 2, 3]; shares block 0
@@ -447,7 +449,7 @@ def test_swap_round_trip_keeps_sharing():
 
 
 def test_swap_out_part_of_a_sharing_group_copies_the_shared_block():
-    m = PagedBlockManager(4, 8, 8)
+    m = RunPagedBlockManager(4, 8, 8)
     m.allocate("p", 6)
     m.fork("p", "c")
     out = m.swap_out(["c"])
@@ -459,7 +461,7 @@ def test_swap_out_part_of_a_sharing_group_copies_the_shared_block():
 
 
 def test_swap_capacity_and_status():
-    m = PagedBlockManager(4, 6, 2, watermark_blocks=1)
+    m = RunPagedBlockManager(4, 6, 2, watermark_blocks=1)
     m.allocate("a", 12)                                       # 3 blocks
     assert not m.can_swap_out(["a"])                          # 3 > 2 CPU blocks
     m.free("a")
@@ -475,7 +477,7 @@ def test_swap_capacity_and_status():
 
 
 def test_swap_in_waives_the_watermark_when_the_pool_is_otherwise_empty():
-    m = PagedBlockManager(4, 4, 4, watermark_blocks=1)
+    m = RunPagedBlockManager(4, 4, 4, watermark_blocks=1)
     m.allocate("a", 12)
     m.append_slots("a", 4)                                    # grew into the watermark: 4 blocks
     m.swap_out(["a"])
@@ -485,7 +487,7 @@ def test_swap_in_waives_the_watermark_when_the_pool_is_otherwise_empty():
 
 
 def test_swap_in_later_and_never():
-    m = PagedBlockManager(4, 3, 8)
+    m = RunPagedBlockManager(4, 3, 8)
     m.allocate("a", 8)
     m.swap_out(["a"])
     m.allocate("b", 8)
@@ -500,7 +502,7 @@ def test_swap_in_later_and_never():
 
 
 def test_swap_in_evicts_cached_blocks_lru_first():
-    m = PagedBlockManager(2, 4, 4, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 4, 4, enable_prefix_caching=True)
     m.allocate("a", 3)
     m.swap_out(["a"])
     cached_seq(m, "b", [1, 2, 3, 4, 5, 6, 7])                 # 4 blocks, 3 committed
@@ -515,7 +517,7 @@ def test_swap_in_evicts_cached_blocks_lru_first():
 
 
 def test_cached_block_stays_cached_when_its_holder_is_swapped_out():
-    m = PagedBlockManager(2, 8, 8, enable_prefix_caching=True)
+    m = RunPagedBlockManager(2, 8, 8, enable_prefix_caching=True)
     cached_seq(m, "a", [1, 2, 3, 4, 5])
     m.swap_out(["a"])
     assert m.usage().num_cached_blocks == 2
@@ -527,7 +529,7 @@ def test_cached_block_stays_cached_when_its_holder_is_swapped_out():
 
 # --------------------------------------------------------------------------- misc
 def test_check_invariants_detects_corruption():
-    m = PagedBlockManager(4, 4)
+    m = RunPagedBlockManager(4, 4)
     m.allocate("a", 5)
     m._refcount[0] += 1
     with pytest.raises(AssertionError, match="reference counts"):
@@ -535,14 +537,20 @@ def test_check_invariants_detects_corruption():
 
 
 def test_make_block_manager_maps_config():
-    paged = make_block_manager(CacheConfig(block_size=8, num_gpu_blocks=200, num_cpu_blocks=4,
-                                           watermark=0.05, enable_prefix_caching=True), 1024)
-    assert isinstance(paged, PagedBlockManager)
-    assert (paged.block_size, paged.num_gpu_blocks, paged.num_cpu_blocks) == (8, 200, 4)
-    assert paged.watermark_blocks == 10
-    assert paged.usage().prefix_queries == 0
+    """The registry builds the plain manager a config names; the simulator's speed layer
+    builds its own for `paged` and the registered one for the others."""
+    cache = CacheConfig(block_size=8, num_gpu_blocks=200, num_cpu_blocks=4, watermark=0.05,
+                        enable_prefix_caching=True)
+    for make, cls in ((make_block_manager, PagedBlockManager),
+                      (speed.make_block_manager, RunPagedBlockManager)):
+        paged = make(cache, 1024)
+        assert type(paged) is cls
+        assert (paged.block_size, paged.num_gpu_blocks, paged.num_cpu_blocks) == (8, 200, 4)
+        assert paged.watermark_blocks == 10
+        assert paged.usage().prefix_queries == 0
     for mode in ("max", "pow2", "oracle"):
         cfg = CacheConfig(block_manager=f"contiguous-{mode}", num_gpu_blocks=100)
         m = make_block_manager(cfg, 512)
+        assert type(speed.make_block_manager(cfg, 512)) is ContiguousBlockManager
         assert isinstance(m, ContiguousBlockManager)
         assert (m.mode, m.max_model_len, m.watermark_blocks) == (mode, 512, 1)

@@ -1,4 +1,4 @@
-"""The prefix cache keeps its entries per run (memory/prefix_cache.py): a commit enters a
+"""The prefix cache keeps its entries per run (memory/prefix_runs.py): a commit enters a
 stretch of blocks as one run, a release parks runs, an eviction takes runs' tails. None
 of that may change a decision. The oracle here is the cache as its contract states it,
 one block at a time: a dict from chain hash to block, an entry per block, an
@@ -11,14 +11,15 @@ from collections import OrderedDict
 
 from hypothesis import given, settings, strategies as st
 
-from servelab.memory import AllocStatus, PagedBlockManager
-from servelab.memory.block_keys import BlockKeys
+from servelab.memory import AllocStatus
+from servelab.simulator.speed import RunPagedBlockManager
+from servelab.simulator.speed.block_keys import BlockKeys
 
 BS = 2
 
 
 class PlainPrefixManager:
-    """Paged blocks with a per-block prefix cache: what `PagedBlockManager` with prefix
+    """Paged blocks with a per-block prefix cache: what `RunPagedBlockManager` with prefix
     caching decides, without forks, swaps, a watermark or a host tier."""
 
     def __init__(self, num_blocks: int) -> None:
@@ -135,7 +136,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "compute", "compute"
 @settings(max_examples=300, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16))
 def test_runs_decide_as_one_block_at_a_time(ops, num_blocks):
-    m = PagedBlockManager(BS, num_blocks, enable_prefix_caching=True)
+    m = RunPagedBlockManager(BS, num_blocks, enable_prefix_caching=True)
     plain = PlainPrefixManager(num_blocks)
     live: list[str] = []
     for n, (op, a, b, c) in enumerate(ops):
@@ -177,7 +178,7 @@ def test_a_referenced_orphan_stops_the_chain_as_one_block_at_a_time():
     entry, and that entry is evicted while X lives. Z then recomputes the second block
     (a new entry) and finds its third block's hash held by X's entry, whose parent is
     gone: referenced, so Z's chain stops there, in both."""
-    m = PagedBlockManager(BS, 10, enable_prefix_caching=True)
+    m = RunPagedBlockManager(BS, 10, enable_prefix_caching=True)
     plain = PlainPrefixManager(10)
     a = BlockKeys.of(prompt(0, 3, 0))
     filler = [BlockKeys.of([("w", n, i) for i in range(4)]) for n in range(2)]
@@ -212,7 +213,7 @@ def test_a_group_swapped_in_shares_blocks_a_run_may_not_hold():
     it. S recommitting must not make a run over that block (Q would hold an entry
     without the one before it, and releasing S would park Q's block): S's chain stops
     there, and no block ever goes to two sequences."""
-    m = PagedBlockManager(1, 12, 12, enable_prefix_caching=True)
+    m = RunPagedBlockManager(1, 12, 12, enable_prefix_caching=True)
     m.allocate("P", 2, ["k0"])
     m.allocate("S", 4, ["k0", "k1", "k2"])
     m.mark_computed("P", 1)

@@ -19,13 +19,14 @@ from collections import Counter
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
 from _batch_growth import append_many_as_one_by_one
 
 from servelab.memory import AllocStatus, BlockManagerError, ContiguousBlockManager, PagedBlockManager
-from servelab.memory import prefix_cache
+from servelab.simulator.speed import RunPagedBlockManager
+from servelab.simulator.speed import prefix_runs
 
 SETTINGS = settings(max_examples=200, deadline=None, stateful_step_count=30)
 BS = 2
@@ -132,6 +133,7 @@ class ShadowMachine(RuleBasedStateMachine):
         self.compute(seq, start)
         return copies
 
+    @precondition(lambda self: hasattr(self.m, "append_slots_many"))   # a speed capability
     @rule(mask=st.integers(1, (1 << 16) - 1), ks=st.lists(st.integers(0, 5), min_size=16, max_size=16))
     def append_many(self, mask, ks):
         """append_slots_many takes the very blocks (and makes the very copies) of
@@ -140,11 +142,8 @@ class ShadowMachine(RuleBasedStateMachine):
         if not group:
             return
         copies, before = append_many_as_one_by_one(self.m, group, self.state)
-        if copies is None:
-            if isinstance(self.m, PagedBlockManager):   # all or nothing
-                assert self.state(self.m) == self.state(before)
-            else:  # the default grows one by one: what it grew before failing stays
-                self.m = before
+        if copies is None:   # all or nothing
+            assert self.state(self.m) == self.state(before)
             return
         others = {b for s in self.gpu_seqs() if s not in dict(group) for b in self.m.block_table(s)}
         assert not {dst for _, dst in copies} & others, "copy-on-write into a shared block"
@@ -161,7 +160,7 @@ class ShadowMachine(RuleBasedStateMachine):
         whose last block is unshared, grown by k slots in one call, takes the very blocks
         k calls of one slot take, one free block per block boundary crossed and no copy;
         and whether a new sequence fits depends only on its block count."""
-        if not type(self.m).grows_by_block:
+        if not getattr(self.m, "grows_by_block", False):
             return
         fits = self.m.can_allocate(n)
         assert self.m.can_allocate(-(-n // BS) * BS) is fits
@@ -191,8 +190,9 @@ class ShadowMachine(RuleBasedStateMachine):
     def state(self, m):
         tables = {s: (m.block_table(s), m.num_tokens(s)) for s in self.tokens}
         return tables, m.usage(), m.num_free_blocks, m.evictable_blocks() \
-            if isinstance(m, PagedBlockManager) else None
+            if isinstance(m, RunPagedBlockManager) else None
 
+    @precondition(lambda self: hasattr(self.m, "max_uniform_growth"))   # a speed capability
     @rule(mask=st.integers(0, (1 << 16) - 1), limit=st.integers(0, 6))
     def uniform_growth(self, mask, limit):
         """max_uniform_growth is exact here: k rounds of one token each succeed without
@@ -285,7 +285,7 @@ class ShadowMachine(RuleBasedStateMachine):
         distinct = {b for t in gpu for b in t}
         cpu = {b for s in self.swapped_seqs() for b in self.m.block_table(s)}
         u = self.m.usage()
-        if isinstance(self.m, PagedBlockManager):
+        if isinstance(self.m, (RunPagedBlockManager, PagedBlockManager)):
             assert u.num_used_blocks == len(distinct)
             assert u.num_cpu_used_blocks == len(cpu)
             fill = {}
@@ -303,10 +303,17 @@ class ShadowMachine(RuleBasedStateMachine):
 
 class PagedMachine(ShadowMachine):
     def make_manager(self):
-        return PagedBlockManager(BS, 12, 6, watermark_blocks=1)
+        return RunPagedBlockManager(BS, 12, 6, watermark_blocks=1)
 
 
 class PrefixCachingMachine(ShadowMachine):
+    def make_manager(self):
+        return RunPagedBlockManager(BS, 12, 6, watermark_blocks=1, enable_prefix_caching=True)
+
+
+class PlainPrefixCachingMachine(ShadowMachine):
+    """The plain manager the real backend runs (memory/paged.py), held to the same shadow."""
+
     def make_manager(self):
         return PagedBlockManager(BS, 12, 6, watermark_blocks=1, enable_prefix_caching=True)
 
@@ -331,8 +338,12 @@ def test_paged_prefix_caching():
 def test_paged_prefix_caching_with_a_weak_hash(monkeypatch):
     """The hash ignores the prefix and maps every block to one of 3 values: hits must
     still be exact (content and parent checks), merely rarer."""
-    monkeypatch.setattr(prefix_cache, "chain_hash", lambda parent, content: hash(content) % 3)
+    monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: hash(content) % 3)
     run_state_machine_as_test(PrefixCachingMachine, settings=SETTINGS)
+
+
+def test_plain_paged_prefix_caching():
+    run_state_machine_as_test(PlainPrefixCachingMachine, settings=SETTINGS)
 
 
 def test_contiguous():

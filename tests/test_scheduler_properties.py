@@ -239,7 +239,7 @@ def test_prefix_cache_speed_machinery_decides_as_the_plain_path(w):
 
     def run(speedy):
         def on_step(scheduler, out):
-            evictable[speedy].append(scheduler.bm.evictable_hashes())
+            evictable[speedy].append(scheduler.bm.evictable_blocks())
         # decodes listed one by one: batched ones grow in another order within a step,
         # so they take other block ids (test_batched_decodes_decide_as_one_by_one)
         return simulate([r.fresh_copy() for r in reqs], sched, cache, policy, options,

@@ -4,7 +4,7 @@ of refused admissions, and the admission test of a fast-forward run.
 A waiting sequence is looked up in the prefix cache step after step, and a long prompt has
 about a thousand blocks: building its keys and hashing their chain at every look-up is
 what made prefix caching slow. `MemoKVAdmission` builds each waiting sequence's keys and
-chain hashes once (`BlockKeys`, memory/block_keys.py) and extends them only when the
+chain hashes once (`BlockKeys`, block_keys.py) and extends them only when the
 sequence has grown; the block manager is handed the same object each time, so it can
 remember what it found for it.
 
@@ -28,7 +28,7 @@ from typing import Iterable
 
 from servelab.config import SchedulerConfig
 from servelab.memory.base import AllocStatus, BlockManager
-from servelab.memory.block_keys import BlockKeys
+from .block_keys import BlockKeys
 from servelab.policies.admission import KVAdmission
 from servelab.request import Request, SeqId, Sequence
 
@@ -44,7 +44,7 @@ class MemoKVAdmission(KVAdmission):
         self._keys: dict[SeqId, BlockKeys] = {}
         """Block keys of waiting sequences, kept between look-ups; a sequence's entry is
         handed to the block manager (and dropped here) when it is allocated."""
-        self._use_memo = block_manager.grows_by_block
+        self._use_memo = getattr(block_manager, "grows_by_block", False)
         self.later: tuple[Request, int, int] | None = None
         """The last request whose allocation was LATER: (request, tokens, free blocks
         then), or None."""

@@ -302,7 +302,8 @@ class DecodeBatch:
                 return 0  # its first decode copies the shared last block
         if k <= 0 or len(seq_ids) > self._max_run_seqs or admits(len(seq_ids)):
             return 0
-        return self._bm.max_uniform_growth(seq_ids, k)
+        uniform_growth = getattr(self._bm, "max_uniform_growth", None)   # a capability
+        return uniform_growth(seq_ids, k) if uniform_growth is not None else 0
 
     def advance(self, num_steps: int, running: dict[int, Request],
                 on_service: Callable[[Request, int, int], None] | None) -> None:

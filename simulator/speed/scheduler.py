@@ -243,7 +243,7 @@ def _batching_off(config: SchedulerConfig, block_manager: BlockManager, policy: 
     """Why plain decodes cannot be batched in this scheduler, or None if they can."""
     if not batch_decodes:
         return "turned off (batch_decodes=False)"
-    if not block_manager.grows_by_block:
+    if not getattr(block_manager, "grows_by_block", False):
         return f"the block manager ({type(block_manager).__name__}) does not grow by block"
     if emit_block_tables:
         return "the executor needs block tables per sequence"

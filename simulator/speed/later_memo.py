@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_keys import BlockKeys
-from .prefix_cache import PrefixCache, Watch
+from .prefix_runs import PrefixCache, Watch
 
 
 @dataclass(slots=True, eq=False)

@@ -10,7 +10,7 @@ is built and hashed once.
 
 The plain path stays beside it: a block manager given a plain list of keys wraps it in a
 fresh `BlockKeys`, which hashes the same chain in the same way (`chain_hash`, looked up in
-`prefix_cache` at every extension so that tests can replace it). Cost: O(new keys) per
+`prefix_runs` at every extension so that tests can replace it). Cost: O(new keys) per
 `extend`, one tuple hash each; `prefix` copies O(n) references.
 
 Region offsets. A trace that names content only per region of several blocks (Mooncake's
@@ -31,9 +31,9 @@ from typing import Hashable, Iterable, Sequence
 
 from servelab.request import RegionOffset, region_offsets   # the keys Request.block_contents makes
 
-from . import prefix_cache
+from . import prefix_runs
 
-_DEFAULT_CHAIN_HASH = prefix_cache.chain_hash
+_DEFAULT_CHAIN_HASH = prefix_runs.chain_hash
 
 
 class BlockKeys(Sequence):
@@ -65,7 +65,7 @@ class BlockKeys(Sequence):
             return
         h = self.hashes[-1] if self.hashes else None
         out = self.hashes
-        chain = prefix_cache.chain_hash
+        chain = prefix_runs.chain_hash
         if chain is _DEFAULT_CHAIN_HASH:   # the same function, inlined: a third faster
             for content in new:
                 h = hash((h, content))
@@ -81,7 +81,7 @@ class BlockKeys(Sequence):
         a run of one region's offsets in order (checked by identity: they are shared
         objects) is hashed as one range, in C."""
         hashes = self.hashes
-        chain = prefix_cache.chain_hash
+        chain = prefix_runs.chain_hash
         i, n = 0, len(new)
         while i < n:
             key = new[i]
@@ -116,7 +116,7 @@ class BlockKeys(Sequence):
         if skip:
             self._extend_region(firsts[0], size, skip, min(end, size))
         if whole_to > whole_from:
-            chain = prefix_cache.chain_hash
+            chain = prefix_runs.chain_hash
             keys, hashes = self.keys, self.hashes
             offsets = region_offsets(size)
             tail = size - 1
@@ -135,7 +135,7 @@ class BlockKeys(Sequence):
         blocks are held already)."""
         keys, hashes = self.keys, self.hashes
         if lo == 0:
-            hashes.append(prefix_cache.chain_hash(hashes[-1] if hashes else None, first))
+            hashes.append(prefix_runs.chain_hash(hashes[-1] if hashes else None, first))
             keys.append(first)
             lo = 1
         if hi > lo:

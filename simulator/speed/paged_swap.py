@@ -1,6 +1,6 @@
 """Swapping a paged block manager's sequences to its CPU pool and back.
 
-Part of `PagedBlockManager` (see paged.py for its state and invariants). Sequences move
+Part of `RunPagedBlockManager` (see paged.py for its state and invariants). Sequences move
 as a group; a block several of them share moves once and stays shared, and the CPU pool
 has its own reference counts and free list (`_cpu_refcount`, `_cpu_free`), separate from
 the prefix cache's host tier.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import repeat
 from typing import TYPE_CHECKING, Hashable, Iterable
 
-from .base import AllocStatus, BlockManagerError, unique_ids
+from servelab.memory.base import AllocStatus, BlockManagerError, unique_ids
 
 if TYPE_CHECKING:
     from .paged import _SeqBlocks

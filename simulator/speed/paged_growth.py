@@ -1,7 +1,7 @@
 """Growing the sequences of a paged block manager: one token after another, or a whole
 decode step's batch at once.
 
-Part of `PagedBlockManager` (see paged.py for its state and invariants), kept apart
+Part of `RunPagedBlockManager` (see paged.py for its state and invariants), kept apart
 because it is what every running sequence pays on every step: the common case of
 `can_append_slots` and `append_slots` is inlined, and `append_slots_many` grows a
 decode batch in one pass that hands out the same blocks, in the same order, as calling
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from .base import BlockManagerError, check_count, unique_ids
+from servelab.memory.base import BlockManagerError, check_count, unique_ids
 
 
 class PagedGrowth:
