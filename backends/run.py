@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from servelab import __version__
+from servelab._validate import check_bounded
 from servelab.atomic import atomic_path
 from servelab.capacity import SERVELAB_TORCH, kv_capacity_blocks
 from servelab.backends.attention import SeqWork
@@ -136,13 +136,10 @@ class RealRunConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("RealRunConfig.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"RealRunConfig.seed must be an int >= 0, got {self.seed!r}")
+        check_bounded("RealRunConfig.seed", self.seed, 0, integer=True)
         if self.model is None and self.checkpoint is None:
             raise ValueError("RealRunConfig needs a model or a checkpoint")
-        gb = self.kv_offload_gb
-        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 <= gb < math.inf:
-            raise ValueError(f"RealRunConfig.kv_offload_gb must be a finite number >= 0, got {gb!r}")
+        check_bounded("RealRunConfig.kv_offload_gb", self.kv_offload_gb, 0)
         if self.kv_offload_gb and not self.cache.get("enable_prefix_caching"):
             raise ValueError("RealRunConfig.kv_offload_gb: a CPU tier holds prefix-cache blocks "
                              "and needs enable_prefix_caching (--prefix-caching)")

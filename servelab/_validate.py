@@ -15,12 +15,15 @@ def check_int(owner: str, name: str, value, lo: int | None = None, hi: int | Non
 
 
 def check_float(owner: str, name: str, value, lo: float | None = None, hi: float | None = None,
-                lo_open: bool = False) -> None:
+                lo_open: bool = False, note: str = "") -> None:
+    """A number, not NaN (inf passes unless a bound excludes it), in the range; `note`
+    follows the range in parentheses ("must be > 0 (inf: no limit), got 0")."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
     if lo_open and lo is not None and not within(value, lo, lo_open=True):
-        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, lo_open=True)}, got {value!r}")
-    _check_range(owner, name, value, None if lo_open else lo, hi)
+        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, lo_open=True)}"
+                         f"{_note(note)}, got {value!r}")
+    _check_range(owner, name, value, None if lo_open else lo, hi, note)
 
 
 def check_choice(owner: str, name: str, value, choices) -> None:
@@ -62,9 +65,13 @@ def bounds_text(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = Fals
     return ""
 
 
-def _check_range(owner, name, value, lo, hi) -> None:
+def _check_range(owner, name, value, lo, hi, note: str = "") -> None:
     if not within(value, lo, hi):
-        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, hi)}, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {bounds_text(lo, hi)}{_note(note)}, got {value!r}")
+
+
+def _note(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 def check_bounded(what: str, value, lo=None, hi=None, *, lo_open: bool = False,

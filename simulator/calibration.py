@@ -34,7 +34,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from servelab._validate import check_known_keys
+from servelab._validate import check_bounded, check_known_keys
 from servelab.simulator.gpus import DTYPE_BYTES, GPUSpec, get_gpu
 from servelab.simulator.kernels import KernelParams
 
@@ -337,15 +337,12 @@ def _check_profile(p: CalibrationProfile) -> None:
         version_key(p.engine_version, "field 'engine_version'")
     if not isinstance(p.kernels, KernelParams):
         raise ValueError(f"field 'kernels' must be a KernelParams, got {type(p.kernels).__name__}")
-    if isinstance(p.tp, bool) or not isinstance(p.tp, int) or p.tp < 1:
-        raise ValueError(f"field 'tp' must be an integer >= 1, got {p.tp!r}")
+    check_bounded("field 'tp'", p.tp, 1, integer=True, noun="an integer")
     for name in ("weight_dtype", "kv_dtype"):
         if getattr(p, name) not in DTYPE_BYTES:
             raise ValueError(f"field {name!r} must be one of {', '.join(DTYPE_BYTES)}, "
                              f"got {getattr(p, name)!r}")
-    o = p.step_overhead_s
-    if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 <= o < math.inf:
-        raise ValueError(f"field 'step_overhead_s' must be a finite number >= 0, got {o!r}")
+    check_bounded("field 'step_overhead_s'", p.step_overhead_s, 0)
     unknown = sorted(set(p.scales) - set(OP_CLASSES)) if isinstance(p.scales, dict) else []
     if unknown:
         raise ValueError(f"field 'scales': unknown op class(es) {', '.join(unknown)}; "

@@ -80,6 +80,7 @@ from pathlib import Path
 
 import numpy as np
 
+from servelab._validate import check_bounded
 from servelab.models import ModelSpec, load_model_spec
 from servelab.outputs import BatchShape
 from servelab.simulator import kernels as K
@@ -141,12 +142,9 @@ class CostModel:
         if not (first_stage and last_stage):   # one pipeline stage (simulator/pipeline.py)
             self.shapes = stage_shapes(self.shapes, first_stage, last_stage)
         self.ep, self.expert_load = ep, expert_load
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        check_bounded("block_size", block_size, 1, integer=True, noun="an integer")
         overhead = self.profile.step_overhead_s if step_overhead_s is None else step_overhead_s
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) \
-                or not 0 <= overhead < math.inf:
-            raise ValueError(f"step_overhead_s must be a finite number >= 0, got {overhead!r}")
+        check_bounded("step_overhead_s", overhead, 0)
         self.tp, self.weight_dtype, self.kv_dtype = tp, weight_dtype, kv_dtype
         self._check_experts()
         self.block_size = block_size

@@ -22,12 +22,11 @@ slower than the prefill (`overlap` = bandwidth × lanes × the prefill's compute
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields
 from functools import cache
 from importlib import resources
 
-from servelab._validate import check_known_keys
+from servelab._validate import check_bounded, check_known_keys
 
 KV_TRANSFER_MODES = ("after-prefill", "layerwise")
 """When a prompt's KV moves: once its prefill has ended (the default: what vLLM's NIXL
@@ -46,14 +45,9 @@ class LinkSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        bw = self.bandwidth_gbps
-        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float))
-                               or not 0 < bw < math.inf):
-            raise ValueError(f"link {self.name}: bandwidth_gbps must be a positive number or "
-                             f"null, got {bw!r}")
-        lat = self.latency_us
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
-            raise ValueError(f"link {self.name}: latency_us must be a number >= 0, got {lat!r}")
+        if self.bandwidth_gbps is not None:     # None: unlimited
+            check_bounded(f"link {self.name}: bandwidth_gbps", self.bandwidth_gbps, 0, lo_open=True)
+        check_bounded(f"link {self.name}: latency_us", self.latency_us, 0)
 
     def seconds(self, nbytes: float, lanes: int) -> float:
         """Time to move `nbytes` over `lanes` links of this kind at once, latency included."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from servelab._validate import check_bounded
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged_choice, resolve
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
@@ -53,9 +54,8 @@ def _check(kind: str, opts: dict) -> None:
     if missing:
         raise ValueError(f"cost {kind} needs {', '.join(missing)}")
     for name, low in _INT_FIELDS.items():
-        value = opts.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if opts.get(name) is not None:
+            check_bounded(f"--{name.replace('_', '-')}", opts[name], low, integer=True, noun="an integer")
     choices = {**_CHOICES, "dtype": _DTYPES.get(kind, ()),
                "kv_dtype": _KV_DTYPES.get(kind, _CHOICES["kv_dtype"])}
     for name, allowed in choices.items():

@@ -23,14 +23,13 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from servelab import __version__
-from servelab._validate import check_choice, check_float, check_int, check_known_keys
+from servelab._validate import check_bounded, check_choice, check_float, check_int, check_known_keys
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.record_table import RecordTable
 from servelab.engines import engine_names, get_preset
@@ -160,9 +159,7 @@ class SimulationConfig:
         check_choice(o, "block_manager", self.block_manager, block_manager_names())
         check_choice(o, "scheduler.preemption", self.scheduler.preemption, preemption_names())
         check_float(o, "watermark", self.watermark, 0.0, 0.5)
-        if isinstance(self.kv_offload_gb, bool) or not isinstance(self.kv_offload_gb, (int, float)) \
-                or not 0 <= self.kv_offload_gb < math.inf:
-            raise ValueError(f"{o}.kv_offload_gb must be a finite number >= 0, got {self.kv_offload_gb!r}")
+        check_bounded(f"{o}.kv_offload_gb", self.kv_offload_gb, 0)
         if self.kv_offload_gb and not self.prefix_caching:
             raise ValueError(f"{o}.kv_offload_gb: a CPU tier holds prefix-cache blocks and needs "
                              "prefix caching (--prefix-caching)")
@@ -265,8 +262,7 @@ def _check_experts(c: SimulationConfig) -> None:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{_OWNER}.{name} must be a finite number > 0, got {value!r}")
+    check_bounded(f"{_OWNER}.{name}", value, 0, lo_open=True)
 
 
 def load_config(path: str | Path) -> SimulationConfig:

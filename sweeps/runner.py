@@ -29,6 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from servelab._validate import check_bounded
 from servelab.simulator.run import SimulationResult, run_simulation, write_run_dir
 from servelab.sweeps.sweep import (POINT_ERRORS, RAY_INSTALL_HINT, RUNS_DIR, PointOutcome,
                                    Progress, SweepError, SweepOutcome, SweepPoint, sweep_lock, commit_point,
@@ -95,8 +96,7 @@ class SweepRunner:
     def __init__(self, out_dir: Path, *, workers: int | None = None, ray: bool = False,
                  ray_address: str | None = None, output_format: str = "csv") -> None:
         workers = default_workers() if workers is None else workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        check_bounded("workers", workers, 1, integer=True, noun="an integer")
         self.out_dir, self.workers = Path(out_dir), workers
         self.output_format = output_format
         self.runs_dir = self.out_dir / RUNS_DIR

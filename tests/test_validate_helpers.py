@@ -86,3 +86,66 @@ def test_check_bounded_words_the_noun_a_module_uses():
     with pytest.raises(ValueError, match=r"^num_replicas must be an integer >= 1, got True$"):
         make_router(router_names()[0], True)
     _check_degree("tp", 1)
+
+
+def test_check_float_note_follows_the_range():
+    from servelab._validate import check_float
+    check_float("P", "x", math.inf, 0, lo_open=True, note="inf: no limit")    # inf passes
+    with pytest.raises(ValueError, match=r"^P\.x must be > 0 \(inf: no limit\), got 0$"):
+        check_float("P", "x", 0, 0, lo_open=True, note="inf: no limit")
+    with pytest.raises(ValueError, match=r"^P\.x must be >= 1 \(1: none\), got 0\.5$"):
+        check_float("P", "x", 0.5, 1, note="1: none")
+    with pytest.raises(ValueError, match=r"^P\.x must be a number, got nan$"):      # no note
+        check_float("P", "x", math.nan, 1, note="1: none")
+    with pytest.raises(ValueError, match=r"^P\.x must be in \[0, 1\], got 2$"):       # none given
+        check_float("P", "x", 2, 0, 1)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("split_k_min", 0, r"^GemmParams\.split_k_min must be > 0 \(inf: no limit\), got 0$"),
+    ("overlap", 0.5, r"^GemmParams\.overlap must be >= 1 \(1: no overlap, inf: full\), got 0\.5$"),
+    ("overlap", True, r"^GemmParams\.overlap must be a number, got True$"),
+    ("floor_s", "x", r"^GemmParams\.floor_s must be a number, got 'x'$"),
+])
+def test_kernel_params_keep_their_hints(field, value, message):
+    from servelab.simulator.kernels import GemmParams
+    if field != "floor_s":
+        GemmParams(**{field: math.inf})                 # inf: no limit / full overlap
+    with pytest.raises(ValueError, match=message):
+        GemmParams(**{field: value})
+
+
+def _config_checks():
+    """Config checks moved onto `check_bounded` (issue #32): each case builds one bad value."""
+    from pathlib import Path
+
+    from servelab.simulator.cost_model import CostModel
+    from servelab.simulator.links import LinkSpec
+    from servelab.simulator.pricing import _check
+    from servelab.simulator.run import SimulationConfig
+    from servelab.sweeps.runner import SweepRunner
+    from servelab.traces.transforms import Assignment
+    from servelab.validation.validate import ValidateOptions
+    return [
+        (lambda: LinkSpec("x", 0, 1), ValueError, "link x: bandwidth_gbps must be a finite number > 0, got 0"),
+        (lambda: LinkSpec("x", None, math.inf), ValueError,
+         "link x: latency_us must be a finite number >= 0, got inf"),
+        (lambda: Assignment(priority=1.5), TraceError, "Assignment.priority must be an int, got 1.5"),
+        (lambda: SweepRunner(Path("unused"), workers=0), ValueError, "workers must be an integer >= 1, got 0"),
+        (lambda: ValidateOptions(split_seed=-1), ValueError, "split_seed must be an integer >= 0, got -1"),
+        (lambda: _check("gemm", {"m": True, "n": 1, "k": 1}), ValueError, "--m must be an integer >= 1, got True"),
+        (lambda: SimulationConfig(kv_offload_gb=-1), ValueError,
+         "SimulationConfig.kv_offload_gb must be a finite number >= 0, got -1"),
+        (lambda: SimulationConfig(rate=0), ValueError, "SimulationConfig.rate must be a finite number > 0, got 0"),
+        (lambda: CostModel("tiny-llama", "cpu", block_size=2.5), ValueError,
+         "block_size must be an integer >= 1, got 2.5"),
+        (lambda: CostModel("tiny-llama", "cpu", step_overhead_s=math.nan), ValueError,
+         "step_overhead_s must be a finite number >= 0, got nan"),
+    ]
+
+
+def test_config_checks_refuse_with_one_line():
+    for build, error, message in _config_checks():
+        with pytest.raises(error) as e:
+            build()
+        assert type(e.value) is error and str(e.value) == message

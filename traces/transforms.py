@@ -122,8 +122,8 @@ class Assignment:
         if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant
                                         or not self.tenant.isprintable()):
             raise TraceError(f"Assignment.tenant must be a non-empty printable string, got {self.tenant!r}")
-        if self.priority is not None and (isinstance(self.priority, bool) or not isinstance(self.priority, int)):
-            raise TraceError(f"Assignment.priority must be an int, got {self.priority!r}")
+        if self.priority is not None:
+            check_bounded("Assignment.priority", self.priority, integer=True, error=TraceError)
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) is not None:
                 _positive(f"Assignment.{name}", getattr(self, name))

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from servelab._validate import check_bounded
 from servelab.models import ModelSpec
 from servelab.outputs import BatchShape
 from servelab.records import RequestRecord, StepRecord
@@ -281,9 +282,7 @@ class ValidateOptions:
             raise ValueError(f"collinear_tol must be in (0, 1), got {self.collinear_tol!r}")
         if not 0 < self.train_fraction < 1:
             raise ValueError(f"train_fraction must be in (0, 1), got {self.train_fraction!r}")
-        if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int) \
-                or self.split_seed < 0:
-            raise ValueError(f"split_seed must be an integer >= 0, got {self.split_seed!r}")
+        check_bounded("split_seed", self.split_seed, 0, integer=True, noun="an integer")
         if self.simulate and not (self.fit or self.calibration):
             raise ValueError("simulate needs a calibration: fit one (fit=True) or pass a profile")
         for name in ("max_mape_pct", "max_total_error_pct"):

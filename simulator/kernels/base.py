@@ -7,6 +7,8 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
+from servelab._validate import check_float
+
 INF = math.inf
 
 
@@ -26,9 +28,8 @@ def _check_fields(params, skip: tuple[str, ...] = ()) -> None:
         if f.name in skip:
             continue
         value = getattr(params, f.name)
+        check_float(type(params).__name__, f.name, value)
         owner = f"{type(params).__name__}.{f.name}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError(f"{owner} must be a number, got {value!r}")
         if f.name in params._fractions:
             if not 0 < value <= 1:
                 raise ValueError(f"{owner} must be a fraction of peak in (0, 1], got {value!r} "

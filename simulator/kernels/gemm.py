@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from servelab._validate import check_float
 from servelab.simulator.gpus import GPUSpec
 from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params, l2_hit
 
@@ -78,14 +79,9 @@ class GemmParams(_Params):
 
     def _check(self) -> None:
         for name in ("sm_feed_gbps", "split_k_min"):    # inf allowed: no such limit
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"GemmParams.{name} must be > 0 (inf: no limit), got {value!r}")
+            check_float("GemmParams", name, getattr(self, name), 0, lo_open=True, note="inf: no limit")
         for name in ("overlap", "epilogue_overlap", "cta_overlap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-                raise ValueError(f"GemmParams.{name} must be >= 1 (1: no overlap, inf: full), "
-                                 f"got {value!r}")
+            check_float("GemmParams", name, getattr(self, name), 1, note="1: no overlap, inf: full")
         _check_fields(self, skip=("sm_feed_gbps", "split_k_min", "overlap", "epilogue_overlap",
                                   "cta_overlap"))
 
