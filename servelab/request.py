@@ -14,10 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
-from typing import TYPE_CHECKING, Hashable
-
-if TYPE_CHECKING:
-    from servelab.simulator.speed.block_keys import BlockKeys
+from typing import Hashable
 
 SeqId = tuple[int, int]
 
@@ -191,7 +188,7 @@ class Request:
                 tokens = tokens + tuple(seq.output_token_ids)
             n_full = min(n_full, len(tokens) // block_size)
             return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(start, n_full)]
-        layout = self._region_layout(seq, block_size, start)
+        layout = self.region_layout(seq, block_size, start)
         if layout is not None:
             firsts, per, skip, count = layout
             later = region_offsets(per)
@@ -211,24 +208,12 @@ class Request:
             return out
         return []
 
-    def extend_block_keys(self, keys: BlockKeys, seq: Sequence, block_size: int) -> None:
-        """Extend `keys` (this sequence's, `block_contents` from 0) to the sequence's
-        full blocks: the same keys and hashes as `keys.extend(block_contents(...))`, a
-        region of trace hashes laid out in bulk. O(new blocks), in C but for one step
-        per region."""
-        start = len(keys)
-        layout = self._region_layout(seq, block_size, start)
-        if layout is not None:
-            keys.extend_regions(*layout)
-        elif start < seq.num_tokens // block_size:
-            keys.extend(self.block_contents(seq, block_size, start))
-
-    def _region_layout(self, seq: Sequence, block_size: int, start: int
-                       ) -> tuple[list[tuple[int, int]], int, int, int] | None:
+    def region_layout(self, seq: Sequence, block_size: int, start: int
+                      ) -> tuple[list[tuple[int, int]], int, int, int] | None:
         """With trace prefix hashes whose regions are whole blocks: the first keys of
         the regions holding blocks start.., the blocks a region holds, how many of the
-        first region's blocks come before `start`, and the number of new blocks (see
-        `BlockKeys.extend_regions`). None otherwise."""
+        first region's blocks come before `start`, and the number of new blocks (what
+        the simulator's `BlockKeys.extend_regions` hashes in bulk). None otherwise."""
         if self.prompt_token_ids is not None or self.prefix_hashes is None \
                 or self.prefix_block_size % block_size:
             return None

@@ -29,7 +29,7 @@ def trace_request(prompt_len: int, hashes: tuple[int, ...], region_tokens: int) 
        steps=st.lists(st.integers(1, 50), min_size=1, max_size=12))
 def test_every_way_of_building_a_sequences_keys_agrees(block_size, region_blocks, odd_region,
                                                        hashes, extra, steps):
-    """In bulk (`extend_block_keys`), from the plain key list in pieces, or all at once:
+    """In bulk (`BlockKeys.extend_to`), from the plain key list in pieces, or all at once:
     the same keys, of the same types, and the same hashes."""
     region_tokens = region_blocks * block_size + (1 if odd_region and block_size > 1 else 0)
     prompt_len = max(1, len(hashes) * region_tokens + extra - 20)
@@ -40,7 +40,7 @@ def test_every_way_of_building_a_sequences_keys_agrees(block_size, region_blocks
     for step in steps:
         tokens += step
         seq.num_tokens = tokens
-        req.extend_block_keys(bulk, seq, block_size)
+        bulk.extend_to(req, seq, block_size)
         pieces.extend(req.block_contents(seq, block_size, len(pieces)))
         assert len(bulk) == len(pieces) == len(req.block_contents(seq, block_size))
     whole = BlockKeys(req.block_contents(seq, block_size))
@@ -53,7 +53,7 @@ def test_an_offsets_hash_is_its_regions_first_hash_plus_the_offset():
     keys = BlockKeys()
     req = trace_request(3 * 64, (7, 8, 9), 64)   # 4 blocks of 16 tokens a region
     seq = req.seqs[0]
-    req.extend_block_keys(keys, seq, 16)
+    keys.extend_to(req, seq, 16)
     h = keys.hashes
     assert len(h) == 12 and all(type(k) is RegionOffset for i, k in enumerate(keys.keys) if i % 4)
     for region in range(3):
@@ -71,7 +71,7 @@ def test_region_rule_follows_a_replaced_chain_hash(monkeypatch):
     monkeypatch.setattr(prefix_runs, "chain_hash", lambda parent, content: 5)
     keys = BlockKeys()
     req = trace_request(128, (1, 2), 64)
-    req.extend_block_keys(keys, req.seqs[0], 16)
+    keys.extend_to(req, req.seqs[0], 16)
     assert keys.hashes == [5, 6, 7, 8, 5, 6, 7, 8]
 
 

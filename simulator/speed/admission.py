@@ -65,7 +65,7 @@ class MemoKVAdmission(KVAdmission):
             keys = self._keys[seq.seq_id] = BlockKeys()
         bs = self._bm.block_size
         if len(keys) < seq.num_tokens // bs:
-            req.extend_block_keys(keys, seq, bs)
+            keys.extend_to(req, seq, bs)
         return keys
 
     def forget(self, req: Request) -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from operator import is_
 from typing import Hashable, Iterable, Sequence
 
-from servelab.request import RegionOffset, region_offsets   # the keys Request.block_contents makes
+from servelab.request import Request, RegionOffset, region_offsets   # the keys Request.block_contents makes
+from servelab.request import Sequence as Sequence_
 
 from . import prefix_runs
 
@@ -53,6 +54,18 @@ class BlockKeys(Sequence):
     def of(cls, contents: Sequence[Hashable]) -> "BlockKeys":
         """`contents` itself if it is a BlockKeys, else its keys hashed (the plain path)."""
         return contents if type(contents) is cls else cls(contents)
+
+    def extend_to(self, req: Request, seq: Sequence_, block_size: int) -> None:
+        """Extend these keys (`seq`'s, `req.block_contents` from 0) to the sequence's full
+        blocks: the same keys and hashes as `extend(req.block_contents(...))`, a region of
+        trace hashes laid out in bulk (`Request.region_layout`). O(new blocks), in C but
+        for one step per region."""
+        start = len(self.keys)
+        layout = req.region_layout(seq, block_size, start)
+        if layout is not None:
+            self.extend_regions(*layout)
+        elif start < seq.num_tokens // block_size:
+            self.extend(req.block_contents(seq, block_size, start))
 
     def extend(self, keys: Iterable[Hashable]) -> None:
         """Append keys of the blocks that follow, hashing them onto the chain (region
