@@ -7,9 +7,10 @@ partly filled. Blocks carry reference counts: `fork` shares a parent's blocks, a
 first write into a shared partial block copies it (copy-on-write). With prefix caching,
 computed full blocks enter a `PrefixCache` (prefix_cache.py) and later sequences with
 the same prefix reuse them; unreferenced cached blocks stay until the free list is
-empty, least recently used first (then to the host tier, host_tier.py, if any). Sequences swap as a
-group to a CPU pool and back. Free blocks are a stack, and a sequence's blocks go back
-last first, so its tail is evicted before its head (what other prompts share).
+empty, least recently used first (then to the host tier, host_tier.py, if any).
+Sequences swap as a group to a CPU pool and back (swap.py). Free blocks are a stack, and
+a sequence's blocks go back last first, so its tail is evicted before its head (what
+other prompts share).
 
 Costs: O(blocks involved) per call; `usage` and `check_invariants` walk every table.
 A mutating call checks first and raises `BlockManagerError`, changing nothing.
@@ -17,11 +18,11 @@ A mutating call checks first and raises `BlockManagerError`, changing nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Sequence
 
-from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
-                   check_size, unique_ids)
+from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_size
 from .host_tier import HostTier
+from .swap import Swapping
 from .prefix_cache import Hit, PrefixCache, chain_hashes
 from .registry import register_block_manager
 
@@ -43,7 +44,7 @@ class _Seq:
     num_loaded: int = 0               # prefix hits loaded from the host tier
 
 
-class PagedBlockManager(BlockManager):
+class PagedBlockManager(Swapping, BlockManager):
     """Paged blocks with reference counts, prefix caching, copy-on-write and swap.
 
     `watermark_blocks` stay free when admitting (`allocate`, `swap_in`) so running
@@ -267,86 +268,6 @@ class PagedBlockManager(BlockManager):
                 self._cpu_refs[b] -= 1
                 if not self._cpu_refs[b]:
                     self._cpu_free.append(b)
-
-    # ------------------------------------------------------------------ swapping
-    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        group = self._group("can_swap_out", seq_ids, on_gpu=True)
-        return len(self._group_blocks(group)) <= len(self._cpu_free)
-
-    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """A block shared inside the group moves once and stays shared on the CPU; one
-        also held outside the group stays on the GPU for the others. The group's chains
-        restart: its blocks are committed again after swap-in."""
-        group = self._group("swap_out", seq_ids, on_gpu=True)
-        moving = self._group_blocks(group)
-        if len(moving) > len(self._cpu_free):
-            raise BlockManagerError(f"swap_out: needs {len(moving)} CPU blocks, "
-                                    f"{len(self._cpu_free)} free")
-        mapping = {}
-        for gpu_block, refs in moving.items():
-            mapping[gpu_block] = self._cpu_free.pop()
-            self._cpu_refs[mapping[gpu_block]] = refs
-            self._refs[gpu_block] -= refs
-        for gpu_block in reversed(moving):
-            if not self._refs[gpu_block]:
-                self._unreferenced(gpu_block)
-        for seq in group:
-            seq.blocks = [mapping[b] for b in seq.blocks]
-            seq.on_gpu = False
-            seq.num_committed, seq.last_entry_id, seq.chain_broken = 0, 0, False
-        return list(mapping.items())
-
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
-        group = self._group("can_swap_in", seq_ids, on_gpu=False)
-        return self._swap_in_status(len(self._group_blocks(group)))
-
-    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        group = self._group("swap_in", seq_ids, on_gpu=False)
-        moving = self._group_blocks(group)
-        status = self._swap_in_status(len(moving))
-        if status is not _OK:
-            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
-                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
-                                    f"watermark {self.watermark_blocks}")
-        mapping = dict(zip(moving, self._take(len(moving))))
-        for cpu_block, refs in moving.items():
-            self._refs[mapping[cpu_block]] = refs
-            self._cpu_refs[cpu_block] -= refs
-            if not self._cpu_refs[cpu_block]:
-                self._cpu_free.append(cpu_block)
-        for seq in group:
-            seq.blocks = [mapping[b] for b in seq.blocks]
-            seq.on_gpu = True
-        return list(mapping.items())
-
-    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
-        """Like admission the watermark stays free, unless nothing else holds GPU
-        blocks: then waiting could not help."""
-        if num_blocks > self.num_gpu_blocks:
-            return _NEVER
-        free = self.num_free_blocks
-        if free - num_blocks >= self.watermark_blocks:
-            return _OK
-        return _OK if num_blocks <= free and self.num_used_blocks == 0 else _LATER
-
-    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_Seq]:
-        group = []
-        for seq_id in unique_ids(op, seq_ids):
-            seq = self._seq(op, seq_id)
-            if seq.on_gpu != on_gpu:
-                where = "swapped out" if on_gpu else "not swapped out"
-                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
-            group.append(seq)
-        return group
-
-    @staticmethod
-    def _group_blocks(group: list[_Seq]) -> dict[int, int]:
-        """Distinct blocks of the group, first seen first -> references inside it."""
-        refs: dict[int, int] = {}
-        for seq in group:
-            for b in seq.blocks:
-                refs[b] = refs.get(b, 0) + 1
-        return refs
 
     # ------------------------------------------------------------------ queries
     def block_table(self, seq_id: Hashable) -> list[int]:
