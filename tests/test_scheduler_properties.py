@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import CacheConfig, SchedulerConfig
+from servelab.memory import block_manager_names
 from servelab.policies import PriorityPolicy
 from servelab.request import Request
 
@@ -127,14 +128,18 @@ def test_batched_decodes_decide_as_one_by_one(w, stop_every, fast_forward):
 
 
 @SETTINGS
-@given(workloads(), st.sampled_from([None, 5]), st.booleans(), st.booleans())
-def test_speed_layer_decides_as_the_plain_scheduler(w, stop_every, batched, fast_forward):
-    """The simulator's scheduler (simulator/speed: batched decodes, memos of refused
-    admissions and preemptions, block keys built once, the fast-forward) decides as the
-    plain scheduler the real backend runs: every step (without fast-forward), every
-    record, every running sequence's lengths after each step and the block manager's
-    statistics are the same."""
+@given(workloads(), st.sampled_from([None, 5]), st.booleans(), st.booleans(),
+       st.sampled_from(block_manager_names()))
+def test_speed_layer_decides_as_the_plain_scheduler(w, stop_every, batched, fast_forward, manager):
+    """The simulator's scheduler and block manager (simulator/speed: batched decodes,
+    memos of refused admissions and preemptions, block keys built once, the prefix cache
+    in runs, the fast-forward) decide as the plain ones the real backend runs, for every
+    registered block manager (the policies are drawn from their registry too): every step
+    (without fast-forward), every record, every running sequence's lengths after each
+    step and the block manager's statistics are the same."""
     reqs, sched, cache, policy, options = w
+    if manager != "paged":   # a reservation baseline: no prefix cache to tier
+        cache = replace(cache, block_manager=manager, num_host_blocks=0)
     real = stop_every is not None
     fast_forward = fast_forward and not real   # a fast-forward draws no tokens, stops none
     states = {True: [], False: []}
