@@ -81,6 +81,29 @@ def check_size(owner: str, name: str, value: object, lo: int) -> int:
     return value
 
 
+def check_pool(owner: str, block_size: object, num_gpu_blocks: object, num_cpu_blocks: object,
+               watermark_blocks: object) -> None:
+    """A block manager's constructor checks of its pools, one line each (ValueError)."""
+    check_size(owner, "block_size", block_size, 1)
+    check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
+    check_size(owner, "num_cpu_blocks", num_cpu_blocks, 0)
+    check_size(owner, "watermark_blocks", watermark_blocks, 0)
+    if watermark_blocks >= num_gpu_blocks:
+        raise ValueError(f"{owner}: watermark_blocks ({watermark_blocks}) must be below "
+                         f"num_gpu_blocks ({num_gpu_blocks})")
+
+
+def check_prefix_options(owner: str, enable_prefix_caching: object, num_host_blocks: object) -> None:
+    """A paged manager's constructor checks of its prefix-cache options (ValueError)."""
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
+                         f"got {enable_prefix_caching!r}")
+    check_size(owner, "num_host_blocks", num_host_blocks, 0)
+    if num_host_blocks and not enable_prefix_caching:
+        raise ValueError(f"{owner}: a host tier ({num_host_blocks} blocks) holds prefix-cache "
+                         "blocks and needs enable_prefix_caching")
+
+
 def check_count(op: str, name: str, value: object, lo: int) -> None:
     """Method argument check: an int >= lo, else BlockManagerError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
 from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
-                   check_size, unique_ids)
+                   check_pool, check_size, unique_ids)
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
@@ -143,14 +143,10 @@ class ContiguousBlockManager(BlockManager):
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  mode: str = "max", max_model_len: int, watermark_blocks: int = 0) -> None:
         owner = type(self).__name__
-        self.block_size = check_size(owner, "block_size", block_size, 1)
-        self.num_gpu_blocks = check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
-        self.num_cpu_blocks = check_size(owner, "num_cpu_blocks", num_cpu_blocks, 0)
+        check_pool(owner, block_size, num_gpu_blocks, num_cpu_blocks, watermark_blocks)
         self.max_model_len = check_size(owner, "max_model_len", max_model_len, 1)
-        self.watermark_blocks = check_size(owner, "watermark_blocks", watermark_blocks, 0)
-        if watermark_blocks >= num_gpu_blocks:
-            raise ValueError(f"{owner}: watermark_blocks ({watermark_blocks}) must be below "
-                             f"num_gpu_blocks ({num_gpu_blocks})")
+        self.block_size, self.num_gpu_blocks, self.num_cpu_blocks = block_size, num_gpu_blocks, num_cpu_blocks
+        self.watermark_blocks = watermark_blocks
         if mode not in MODES:
             raise ValueError(f"{owner}: mode must be one of {MODES}, got {mode!r}")
         self.mode = mode

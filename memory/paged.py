@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_size
+from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_pool,
+                   check_prefix_options)
 from .host_tier import HostTier
 from .swap import Swapping
 from .prefix_cache import Hit, PrefixCache, chain_hashes
@@ -55,20 +56,10 @@ class PagedBlockManager(Swapping, BlockManager):
                  watermark_blocks: int = 0, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0) -> None:
         owner = type(self).__name__
-        self.block_size = check_size(owner, "block_size", block_size, 1)
-        self.num_gpu_blocks = check_size(owner, "num_gpu_blocks", num_gpu_blocks, 1)
-        self.num_cpu_blocks = check_size(owner, "num_cpu_blocks", num_cpu_blocks, 0)
-        self.watermark_blocks = check_size(owner, "watermark_blocks", watermark_blocks, 0)
-        if watermark_blocks >= num_gpu_blocks:
-            raise ValueError(f"{owner}: watermark_blocks ({watermark_blocks}) must be below "
-                             f"num_gpu_blocks ({num_gpu_blocks})")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"{owner}: enable_prefix_caching must be a bool, "
-                             f"got {enable_prefix_caching!r}")
-        self.num_host_blocks = check_size(owner, "num_host_blocks", num_host_blocks, 0)
-        if num_host_blocks and not enable_prefix_caching:
-            raise ValueError(f"{owner}: a host tier ({num_host_blocks} blocks) holds prefix-cache "
-                             "blocks and needs enable_prefix_caching")
+        check_pool(owner, block_size, num_gpu_blocks, num_cpu_blocks, watermark_blocks)
+        check_prefix_options(owner, enable_prefix_caching, num_host_blocks)
+        self.block_size, self.num_gpu_blocks, self.num_cpu_blocks = block_size, num_gpu_blocks, num_cpu_blocks
+        self.watermark_blocks, self.num_host_blocks = watermark_blocks, num_host_blocks
         self._seqs: dict[Hashable, _Seq] = {}
         self._free = list(range(num_gpu_blocks - 1, -1, -1))   # block 0 is taken first
         self._refs = [0] * num_gpu_blocks
