@@ -22,7 +22,7 @@ import abc
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 from servelab.options import positive_float
 from servelab.registry import Registry
@@ -175,11 +175,14 @@ class Policy(abc.ABC):
 
     reorders_running: ClassVar[bool] = False
     """Does `may_preempt_for` of a running request change as it draws tokens (mlfq's
-    demotion)? Then a `preemptive` instance says how long it stays as it is
-    (`tokens_until_preemptible`): the simulator's fast-forward ends its runs there, and
-    the scheduler's memory of a waiting head it found no victim for ends there too.
-    (Victim order may change freely: nothing is preempted within a run of plain decode
-    steps.)"""
+    demotion)? Such a policy may also say how long it stays as it is,
+    `tokens_until_preemptible(heads, running)`: how many more tokens every one of
+    `running` may draw (one per decode step) before `may_preempt_for(head, r)` could first
+    hold for one of the waiting `heads` and one `r` of them (0 if it may hold now). The
+    simulator's speed layer reads it by name (`simulator/speed/scheduler.py`): its
+    fast-forward ends its runs there, and its memory of a waiting head it found no victim
+    for ends there too; without it, neither is used while requests wait. (Victim order may
+    change freely: nothing is preempted within a run of plain decode steps.)"""
 
     order_moves: ClassVar[bool] = False
     """Can `peek` return another request as time passes or service is charged, with no
@@ -290,14 +293,6 @@ class Policy(abc.ABC):
         under a policy that declares `reorders_running`: the scheduler remembers a head
         no running request may be preempted for until then."""
         return False
-
-    def tokens_until_preemptible(self, heads: list[Request], running: Iterable[Request]) -> int:
-        """Asked of a preemptive policy that declares `reorders_running`, while requests
-        wait: how many more tokens every one of `running` may draw (one per decode step)
-        before `may_preempt_for(head, r)` could first hold for one of the waiting `heads`
-        (those `peek` could return meanwhile) and one `r` of them; 0 if it may hold now."""
-        raise NotImplementedError(f"{type(self).__qualname__} declares reorders_running "
-                                  "but does not say when its running requests reorder")
 
     # --- accounting ----------------------------------------------------------------
     def on_service(self, req: Request, prefill_tokens: int, output_tokens: int) -> None:

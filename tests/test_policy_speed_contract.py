@@ -213,3 +213,32 @@ def test_the_fast_forward_steps_aside_for_a_moving_order_it_cannot_follow():
         [t for t in stepped if t <= last_admitted]
     lone = simulate(make_requests(spec[:1]), sched, cache, _Alternating(), fast_forward=True)
     assert lone.fast_forwarded == 28
+
+
+class _SinkingPriority(PriorityPolicy):
+    """Preemptive priority whose running requests become preemptible once they have drawn
+    8 tokens, and that does not say when (no `tokens_until_preemptible`)."""
+
+    reorders_running = True
+
+    def may_preempt_for(self, head, running):
+        return running.num_output_tokens >= 8 or super().may_preempt_for(head, running)
+
+
+def test_the_fast_forward_steps_aside_for_a_reordering_policy_that_cannot_say_when():
+    """A long request runs; a lower-priority one that does not fit arrives and may
+    preempt it only once it has drawn 8 tokens. The simulator's scheduler may neither
+    skip steps nor keep its memory of the refusal past that point without being told
+    when it comes: it steps one by one while the head waits, and decides as the plain
+    scheduler does."""
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, chunked_prefill=None,
+                            max_model_len=512)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=10, watermark=0.0)
+    spec = [(0.0, 96, 40, {"priority": 0}), (0.02, 96, 4, {"priority": 1})]
+    options = dict(preemptive=True)
+    fast = simulate(make_requests(spec), sched, cache, _SinkingPriority(**options), fast_forward=True)
+    plain = simulate(make_requests(spec), sched, cache, _SinkingPriority(**options), plain=True)
+    _assert_same(fast, plain, fast_forward=True)
+    preempted = next(o.now for o in plain.outputs if o.preempted)
+    assert [o.now for o in plain.outputs if 0.02 <= o.now <= preempted] == \
+        [o.now for o in fast.outputs if 0.02 <= o.now <= preempted]

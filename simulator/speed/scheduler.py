@@ -27,6 +27,7 @@ Requests are current whenever the scheduler shows them: to a policy, or through
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 from servelab.config import SchedulerConfig
 from servelab.memory.base import BlockManager
@@ -40,7 +41,7 @@ from servelab.request import Request
 from .admission import MemoKVAdmission
 from .decode_batch import DecodeBatch
 
-__all__ = ["BatchingScheduler", "waiting_candidates"]
+__all__ = ["BatchingScheduler", "tokens_until_preemptible", "waiting_candidates"]
 
 
 def waiting_candidates(policy: Policy, now: float) -> list[Request] | None:
@@ -53,6 +54,17 @@ def waiting_candidates(policy: Policy, now: float) -> list[Request] | None:
         return [head] if head is not None else []
     candidates = getattr(policy, "candidates", None)
     return candidates(now) if candidates is not None else None
+
+
+def tokens_until_preemptible(policy: Policy, heads: list[Request], running: Iterable[Request]) -> float:
+    """How many more tokens every running request may draw before one of the waiting
+    `heads` may preempt one of them: unbounded under a policy whose `may_preempt_for`
+    does not change as requests draw tokens; what a policy that `reorders_running` says
+    (`tokens_until_preemptible`, policies/base.py), or 0 if it cannot say."""
+    if not policy.reorders_running:
+        return math.inf
+    until = getattr(policy, "tokens_until_preemptible", None)
+    return until(heads, running) if until is not None else 0
 
 
 class _Refusals:
@@ -134,9 +146,7 @@ class BatchingScheduler(Scheduler):
             return []
         victims = super()._victims_for(head)
         if not victims:
-            policy = self.policy
-            tokens = (policy.tokens_until_preemptible([head], self.running.values())
-                      if policy.reorders_running else math.inf)
+            tokens = tokens_until_preemptible(self.policy, [head], self.running.values())
             self._refusals.remember(head, self._next_admit, tokens)
         return victims
 
@@ -202,7 +212,7 @@ class BatchingScheduler(Scheduler):
                                   lambda num_seqs: self._admits_while_decoding(candidates, num_seqs))
         if k > 0 and self._may_preempt and policy.reorders_running and candidates:
             # the run ends before a running request sinks to where a waiting one may preempt it
-            k = min(k, policy.tokens_until_preemptible(candidates, self.running.values()))
+            k = min(k, tokens_until_preemptible(policy, candidates, self.running.values()))
         return k
 
     def advance_decodes(self, num_steps: int) -> None:
