@@ -80,7 +80,7 @@ def cheapest_step_s(num_steps: int = 20_000) -> float:
     the simulator's whole stack: Replica.run, engine_step, the simulated executor."""
     from servelab.config import CacheConfig, SchedulerConfig
     from servelab.models import load_model_spec
-    from servelab.policies import build_scheduler
+    from servelab.simulator.speed import build_scheduler
     from servelab.request import Request
     from servelab.simulator.cost_model import CostModel
     from servelab.simulator.engine import Cluster

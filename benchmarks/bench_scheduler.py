@@ -14,7 +14,7 @@ import time
 
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.outputs import StepResult
-from servelab.policies import build_scheduler
+from servelab.simulator.speed import build_scheduler   # the simulator's scheduler
 from servelab.request import Request
 
 
