@@ -166,8 +166,8 @@ class Policy(abc.ABC):
 
     charges_service: ClassVar[bool] = False
     """Does `on_service` account each step's service (fair share)? Only then does the
-    scheduler call it — every step, for every scheduled request — which also keeps it
-    from batching decodes and a fast-forward run from passing an arrival."""
+    scheduler call it — every step, for every scheduled request — which also keeps the
+    simulator from batching decodes and a fast-forward run from passing an arrival."""
 
     reads_prefix_cache: ClassVar[bool] = False
     """Does the waiting order depend on what the prefix cache holds (lpm)? Only then does
@@ -290,8 +290,8 @@ class Policy(abc.ABC):
         only of a policy that declares `preemptive`; every request it is shown is
         current. The answer depends on the two requests alone (not on the time or on
         other requests), and changes while `head` waits only as `running` draws tokens,
-        under a policy that declares `reorders_running`: the scheduler remembers a head
-        no running request may be preempted for until then."""
+        under a policy that declares `reorders_running` (the simulator's scheduler
+        remembers a head no running request may be preempted for until then)."""
         return False
 
     # --- accounting ----------------------------------------------------------------

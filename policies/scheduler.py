@@ -229,8 +229,7 @@ class Scheduler(SpeculativeSteps):
     def _schedule_running(self, now, out, step: StepBudget, prefill) -> None:
         """Schedule running requests; `prefill` selects those still prefilling (True),
         decoding (False) or both (None). A sequence that cannot get its next slot makes
-        the scheduler preempt from the end of the order — possibly the request itself.
-        The batch takes its members' part first, or hands them back to be listed."""
+        the scheduler preempt from the end of the order — possibly the request itself."""
         bm = self.bm
         order = self._step_order(step, prefill, out)
         end = len(order)
