@@ -104,6 +104,30 @@ def check_prefix_options(owner: str, enable_prefix_caching: object, num_host_blo
                          "blocks and needs enable_prefix_caching")
 
 
+def swap_in_status(manager: BlockManager, num_blocks: int) -> AllocStatus:
+    """Can a swapped group of `num_blocks` distinct blocks come back to `manager`'s GPU?
+    Like admission, the watermark stays free, unless nothing else holds GPU blocks: then
+    waiting could not help, so LATER would never turn into OK. The one rule of every
+    paged manager (memory/swap.py, simulator/speed/paged_swap.py)."""
+    if num_blocks > manager.num_gpu_blocks:
+        return AllocStatus.NEVER
+    free = manager.num_free_blocks
+    if free - num_blocks >= manager.watermark_blocks:
+        return AllocStatus.OK
+    if num_blocks <= free and manager.num_used_blocks == 0:
+        return AllocStatus.OK
+    return AllocStatus.LATER
+
+
+def require_swap_in_room(manager: BlockManager, num_blocks: int) -> None:
+    """Raise BlockManagerError unless `swap_in_status` says OK."""
+    status = swap_in_status(manager, num_blocks)
+    if status is not AllocStatus.OK:
+        raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs {num_blocks} "
+                                f"blocks, {manager.num_free_blocks} free, watermark "
+                                f"{manager.watermark_blocks}")
+
+
 def check_count(op: str, name: str, value: object, lo: int) -> None:
     """Method argument check: an int >= lo, else BlockManagerError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from itertools import repeat
 from typing import TYPE_CHECKING, Hashable, Iterable
 
-from servelab.memory.base import AllocStatus, BlockManagerError, unique_ids
+from servelab.memory.base import (AllocStatus, BlockManagerError, require_swap_in_room, swap_in_status,
+                                  unique_ids)
 
 if TYPE_CHECKING:
     from .paged import _SeqBlocks
-
-_OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
 
 
 class PagedSwapping:
@@ -91,17 +90,13 @@ class PagedSwapping:
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
         group = self._group("can_swap_in", seq_ids, on_gpu=False)
-        return self._swap_in_status(len(self._group_blocks(group)))
+        return swap_in_status(self, len(self._group_blocks(group)))
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """O(blocks of the group); sharing inside the group is kept, as in swap_out."""
         group = self._group("swap_in", seq_ids, on_gpu=False)
         moving = self._group_blocks(group)
-        status = self._swap_in_status(len(moving))
-        if status is not _OK:
-            raise BlockManagerError(f"swap_in: no GPU room ({status.value}): needs "
-                                    f"{len(moving)} blocks, {self.num_free_blocks} free, "
-                                    f"watermark {self.watermark_blocks}")
+        require_swap_in_room(self, len(moving))
         gpu_blocks = self._take(len(moving))
         refcount = self._refcount
         cpu_refcount = self._cpu_refcount
@@ -121,18 +116,6 @@ class PagedSwapping:
             seq.on_gpu = True
             seq.forked = seq.forked or shared
         return list(mapping.items())
-
-    def _swap_in_status(self, num_blocks: int) -> AllocStatus:
-        """Like admission, the watermark stays free, unless nothing else holds GPU
-        blocks: then waiting could not help, so LATER would never turn into OK."""
-        if num_blocks > self.num_gpu_blocks:
-            return _NEVER
-        free = self.num_free_blocks
-        if free - num_blocks >= self.watermark_blocks:
-            return _OK
-        if num_blocks <= free and self.num_used_blocks == 0:
-            return _OK
-        return _LATER
 
     def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_SeqBlocks]:
         group = []
