@@ -49,6 +49,15 @@ class EnginePreset:
     (vLLM: "GPUs like H100 and MI300x"); None: the same as `batch` everywhere."""
     batch: tuple[int, int]
     """(max_num_batched_tokens, max_num_seqs) elsewhere, and where the device is unknown."""
+    async_scheduling: bool = False
+    """The engine schedules the next batch while the current one runs, so a request that
+    arrives during a step waits one more step (`simulator/async_scheduling.py`). vLLM
+    turns it on by default from 0.14 where nothing incompatible is configured
+    (`VllmConfig.__post_init__`, `vllm/config/vllm.py`; vLLM PR #27614, listed in its
+    "Async Scheduling Plan", issue #27679; PR #31998 of 2026-01-08 extends the default
+    to EAGLE/MTP speculation, saying it was already on otherwise). The recorded vLLM
+    0.19 run in `../shared/real-runs/.../RTX4090/Llama-3.1-8B` resolves
+    `scheduler_config.async_scheduling: true` without the flag being given."""
 
     def batch_defaults(self, device_memory_bytes: int, device_name: str) -> tuple[int, int]:
         """vLLM's `EngineArgs.get_batch_defaults` for the OpenAI API server (`vllm serve`):
@@ -67,7 +76,7 @@ class EnginePreset:
                 "enable_prefix_caching": self.enable_prefix_caching,
                 "watermark": self.watermark, "preemption": self.preemption,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "async_scheduling": self.async_scheduling}
 
     def describe(self) -> str:
         return f"{self.name} ({self.description})"
@@ -78,11 +87,11 @@ def _vllm(version: str) -> EnginePreset:
     return EnginePreset(
         name=f"vllm-{major_minor}", engine_version=version,
         description=f"vLLM {major_minor} V1 defaults: one prefill may take the whole token budget, "
-                    "prefix caching on, recompute preemption, no watermark; priced by kernels "
-                    f"measured inside vLLM {version}",
+                    "prefix caching on, recompute preemption, no watermark, asynchronous "
+                    f"scheduling; priced by kernels measured inside vLLM {version}",
         chunked_prefill=BUDGET, enable_prefix_caching=True, watermark=0.0,
         preemption="recompute", gpu_memory_utilization=0.9, block_size=16,
-        large_gpu_batch=(8192, 1024), batch=(2048, 256))
+        large_gpu_batch=(8192, 1024), batch=(2048, 256), async_scheduling=True)
 
 
 SERVELAB = EnginePreset(

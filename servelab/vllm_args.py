@@ -105,6 +105,8 @@ _SWITCHES: dict[str, dict] = {
     "--enable-chunked-prefill": {},   # V1 always chunks prefills
     "--no-enable-chunked-prefill": {"chunked_prefill": "off"},
     "--enable-expert-parallel": {"_expert_parallel": True},
+    "--async-scheduling": {"async_scheduling": True},
+    "--no-async-scheduling": {"async_scheduling": False},
 }
 _APPROXIMATED = {
     "--enforce-eager": "the kernel profiles price CUDA-graph execution; eager mode's extra "
@@ -114,13 +116,11 @@ _APPROXIMATED = {
     "--max-num-partial-prefills": "not modelled: servelab lets every waiting prefill fill the "
                                   "budget in order",
     "--max-long-partial-prefills": "not modelled",
-    "--async-scheduling": "not modelled: each step's CPU time is the profile's step overhead",
-    "--no-async-scheduling": "not modelled: each step's CPU time is the profile's step overhead",
     "--compilation-config": "not modelled: the kernel profiles price the engine's default "
                             "compilation",
     "-O": "not modelled: the kernel profiles price the engine's default compilation",
 }
-_NOTE_SWITCHES = frozenset({"--enforce-eager", "--async-scheduling", "--no-async-scheduling"})
+_NOTE_SWITCHES = frozenset({"--enforce-eager"})
 """Approximated flags that take no value."""
 _UNSUPPORTED = {
     "--speculative-config": "speculative decoding is not modelled yet (issue 36)",

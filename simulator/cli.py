@@ -101,6 +101,11 @@ def register(subparsers) -> None:
                    help="how arrivals are spread over replicas (default %(default)s)")
     c.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="simulate every decode step one by one (slower; same results)")
+    c.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="each engine schedules a step ahead (vLLM's --async-scheduling): a "
+                        "request arriving during a step waits one more (default: the engine's; "
+                        "on under the vLLM presets, except with --pp above 1, disaggregated "
+                        "pools, or --speculative draft/ngram, where vLLM turns it off)")
     from servelab.simulator.disaggregation import add_disaggregation_arguments
     add_disaggregation_arguments(p)   # --prefill-replicas, --decode-replicas, --kv-link, ...
     p.set_defaults(func=_cmd_simulate)
@@ -134,6 +139,7 @@ def config_from_args(args: argparse.Namespace):
                              device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)
     cache = opts.cache
     with user_errors():
+        disaggregation = disaggregation_from_args(args)
         return SimulationConfig(
             trace=_absolute_if_file(args.trace),
             trace_dir=os.path.abspath(trace_dir_from(args.trace_dir)) if args.trace in DATASETS else None,
@@ -153,7 +159,22 @@ def config_from_args(args: argparse.Namespace):
             kv_offload_gb=opts.kv_offload_gb,
             replicas=replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
-            disaggregation=disaggregation_from_args(args))
+            async_scheduling=_async_scheduling(args, opts, disaggregation is not None),
+            disaggregation=disaggregation)
+
+
+def _async_scheduling(args: argparse.Namespace, opts, disaggregated: bool) -> bool:
+    """--async-scheduling, or the engine's default: vLLM turns it on unless something it
+    cannot run with is configured. Of those servelab models: pipeline stages (vLLM 0.14;
+    supported later, but servelab's pipelined engine does not model the lag) and a
+    speculative proposer other than EAGLE or MTP (vLLM PR #31998, `vllm/config/vllm.py`);
+    a disaggregated pool's engines are not modelled with it either."""
+    given = getattr(args, "async_scheduling", None)
+    if given is not None:
+        return given
+    spec = opts.scheduler.speculative
+    return opts.engine.async_scheduling and getattr(args, "pp", 1) == 1 and not disaggregated \
+        and (not spec.enabled or spec.method in ("eagle", "mtp"))
 
 
 def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
@@ -261,7 +282,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"servelab simulate: error: {describe_check_failure(problem, out)}", file=sys.stderr)
         return 1
-    print(f"engine {config.engine or 'servelab'}; kernels priced by {sim.profile_line}")
+    lag = ", asynchronous scheduling" if config.async_scheduling else ""
+    print(f"engine {config.engine or 'servelab'}{lag}; kernels priced by {sim.profile_line}")
     print(format_summary(result, out, args.output_format))
     if result.disaggregation is not None:   # a prefill and a decode pool
         from servelab.simulator.disaggregated_run import describe

@@ -141,6 +141,8 @@ class DataParallelGroup:
         env, ranks = self.env, self.ranks
         while True:
             now = env.now
+            for rank in ranks:
+                rank.boundary()   # after a fast-forward run (asynchronous scheduling)
             plans = [rank.scheduler.schedule(now) for rank in ranks]
             if all(plan.is_empty for plan in plans):
                 for rank, plan in zip(ranks, plans):
@@ -165,17 +167,19 @@ class DataParallelGroup:
                     continue
                 step = self._step(rank, plan, dataclasses.replace(result, duration_s=duration), now)
                 rank.steps.append(step.step)
+                rank.launched()
                 steps.append((rank, step))
             yield env.timeout(duration)   # NORMAL priority: arrivals at its end come first
             prefill_continues = False
             for rank, step in steps:
+                rank.boundary()
                 if step.records:
                     rank.publish(step.records)
                 prefill_continues |= step.output.scheduled.prefill_continues()
             if self.fast_forward and not prefill_continues:
                 run = self._decode_run(env.now)
                 if run is not None:
-                    yield env.timeout(run)
+                    yield env.timeout(run)   # its working ranks launched it
 
     def step_duration(self, shapes: Sequence[BatchShape | None],
                       prices: Sequence[float | None]) -> float:
@@ -212,6 +216,8 @@ class DataParallelGroup:
         ranks, cost = self.ranks, self.cost_model
         bound, working = MAX_RUN_STEPS, []
         for i, rank in enumerate(ranks):
+            if rank.lag is not None and rank.lag.queued:
+                return None   # they join the next step but one: a run of one step at most
             sched = rank.scheduler
             if not sched.has_unfinished():
                 if rank.outstanding:
@@ -259,6 +265,7 @@ class DataParallelGroup:
         duration = float(ends[k - 1])
         for i, shape in working:
             ranks[i].apply_decode_run(now, k, duration, shape)
+            ranks[i].launched()
         busy = {i for i, _ in working}
         for i in range(len(ranks)):
             if i not in busy:

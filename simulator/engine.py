@@ -46,6 +46,7 @@ from servelab.policies import Scheduler
 from servelab.record_table import RecordLog, RecordTable
 from servelab.records import RequestRecord, StepRecord
 from servelab.request import Request
+from servelab.simulator.async_scheduling import AsyncScheduling
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.executor import SimulatedExecutor
 from servelab.simulator.router import Router
@@ -106,7 +107,8 @@ class Replica:
     """
 
     def __init__(self, env: Environment, index: int, scheduler: Scheduler, cost_model: CostModel,
-                 feed: ArrivalFeed, *, fast_forward: bool = True, executor=None) -> None:
+                 feed: ArrivalFeed, *, fast_forward: bool = True, executor=None,
+                 async_scheduling: bool = False) -> None:
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -118,11 +120,17 @@ class Replica:
         self.records = RecordLog(RequestRecord)   # kept as columns: a long run's records
         self.steps = RecordLog(StepRecord)        # would otherwise dominate its memory
         self._wake: Event | None = None
+        self.lag = AsyncScheduling() if async_scheduling else None
+        """The arrivals vLLM's asynchronous scheduling keeps back a step (None: off)."""
 
     def submit(self, req: Request) -> None:
         """A request arrives now (it may be rejected at once; its record then comes out
-        of the next engine step). Wakes the engine if it sleeps."""
+        of the next engine step). Wakes the engine if it sleeps. Under asynchronous
+        scheduling, a request that arrives while a step runs is kept back (`lag`)."""
         self.outstanding += 1
+        lag = self.lag
+        if lag is not None and lag.hold(req):
+            return
         self.scheduler.add_request(req, self.env.now)
         wake = self._wake
         if wake is not None:
@@ -140,32 +148,60 @@ class Replica:
         self.outstanding -= len(records)
         self.records.extend(records)
 
+    def launched(self) -> None:
+        """A step, or a fast-forward run, starts: under asynchronous scheduling, arrivals
+        now wait for its end."""
+        if self.lag is not None:
+            self.lag.step_started()
+
+    def boundary(self) -> None:
+        """The step or run in flight has ended (a no-op otherwise): under asynchronous
+        scheduling, the requests queued at the previous boundary join the scheduler."""
+        lag = self.lag
+        if lag is not None and lag.in_step:
+            self._admit(lag.step_ended())
+
+    def _admit(self, requests: list[Request]) -> None:
+        now, scheduler = self.env.now, self.scheduler
+        for req in requests:
+            scheduler.add_request(req, now)
+
     def run(self) -> Iterator[Event]:
         """The engine process: the shared engine loop, with this replica as its driver."""
         return engine_loop(self.scheduler, self.executor, self)
 
     # --- the engine loop's driver (servelab.engine.EngineDriver) ----------------------
     def step_time(self) -> float:
+        if self.lag is not None:
+            self.boundary()   # after a fast-forward run
         return self.env.now
 
     def ran(self, step: EngineStep) -> Event:
         """Sleep the step's duration."""
         self.steps.append(step.step)
+        if self.lag is not None:
+            self.lag.step_started()
         return PriorityTimeout(self.env, step.result.duration_s, NORMAL)
 
     def finished(self, step: EngineStep) -> Event | None:
         """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
+        if self.lag is not None:
+            self.boundary()
         if step.records:
             self.publish(step.records)
         # a prompt still prefilling runs again next step: no decode run can start
         if self.fast_forward and not step.output.scheduled.prefill_continues():
             duration = self._decode_run(self.env.now)
             if duration is not None:
+                self.launched()
                 return PriorityTimeout(self.env, duration, NORMAL)
         return None
 
     def ran_nothing(self, step: EngineStep) -> None:
         self.publish(step.records)
+        lag = self.lag
+        if lag is not None and lag.keeps_any:   # no batch in flight: none waits for one
+            self._admit(lag.nothing_in_flight())
 
     def idle(self) -> tuple[Event]:
         """Sleep until an arrival wakes us (a replica waits for ever after the last)."""
@@ -179,6 +215,9 @@ class Replica:
         Its steps.csv row holds the per-step token counts, the context sum of the run's
         first step and the blocks in use at its end (the run's peak)."""
         sched = self.scheduler
+        lag = self.lag
+        if lag is not None and lag.queued:
+            return None   # they join the next step but one: a run of one step at most
         k = sched.decode_run_bound(now, MAX_RUN_STEPS)
         if k < 2:
             return None
@@ -198,7 +237,8 @@ class Replica:
         else:
             # Steps that start before the next arrival cannot see it: the run takes those
             # ending by then and the one under way when it comes (unless that one would
-            # start at the arrival itself, which then joins it).
+            # start at the arrival itself, which then joins it). Under asynchronous
+            # scheduling the arrival is then queued at the run's end, as at a step's.
             k, duration = cost.decode_run_until(shape, k, budget)
         if k < 2:
             return None
@@ -241,11 +281,15 @@ class Cluster:
     (`simulator/data_parallel.py`) instead of each by its own engine loop; `groups` lists
     them (empty otherwise). The cost model must have that many ranks
     (`CostModel.data_parallel_ranks`).
+
+    `async_scheduling`: every engine schedules a step ahead, as vLLM's asynchronous
+    scheduling does (`simulator/async_scheduling.py`).
     """
 
     def __init__(self, schedulers: Sequence[Scheduler], cost_model: CostModel, router: Router,
                  requests: Sequence[Request], *, fast_forward: bool = True,
-                 executors: Sequence | None = None, lock_step_ranks: int = 1) -> None:
+                 executors: Sequence | None = None, lock_step_ranks: int = 1,
+                 async_scheduling: bool = False) -> None:
         if not schedulers:
             raise ValueError("a cluster needs at least one replica")
         if len(schedulers) != router.num_replicas:
@@ -266,7 +310,8 @@ class Cluster:
         upfront = None if n == 1 else router.assign_upfront(requests)
         feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
         self.replicas = [Replica(env, i, s, cost_model, feeds[i], fast_forward=fast_forward,
-                                 executor=None if executors is None else executors[i])
+                                 executor=None if executors is None else executors[i],
+                                 async_scheduling=async_scheduling)
                          for i, s in enumerate(schedulers)]
         if n == 1:
             env.process(arrival_process(env, requests, self.replicas[0].submit, feeds[0]))

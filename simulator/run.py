@@ -118,6 +118,11 @@ class SimulationConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     fast_forward: bool = True
+    async_scheduling: bool = False
+    """Each engine schedules a step ahead, as vLLM's asynchronous scheduling does: a request
+    that arrives while a step runs waits one more step (`simulator/async_scheduling.py`).
+    The vLLM presets turn it on (`servelab.engines`); not modelled with pipeline stages or
+    disaggregated pools."""
     # --- disaggregated prefill/decode (simulator/disaggregation.py) ----------------------
     disaggregation: DisaggregationConfig | None = None
     """A prefill pool and a decode pool joined by a KV link, in place of `replicas`
@@ -170,7 +175,7 @@ class SimulationConfig:
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        for name in ("download", "prefix_caching", "fast_forward"):
+        for name in ("download", "prefix_caching", "fast_forward", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy_options, dict) or not all(isinstance(k, str) for k in self.policy_options):
@@ -183,6 +188,10 @@ class SimulationConfig:
         make_policy(self.policy, **self.policy_options)   # unknown policy or bad options: ValueError
         if self.disaggregation is not None:
             check_disaggregation(self)
+        if self.async_scheduling and (self.pp > 1 or self.disaggregation is not None):
+            raise ValueError(f"{o}.async_scheduling with "
+                             f"{'pipeline stages (pp > 1)' if self.pp > 1 else 'disaggregated pools'} "
+                             "is not modelled: their engines keep batches in flight their own way")
 
     @property
     def tenant_weights(self) -> dict[str, float] | None:
@@ -193,7 +202,7 @@ class SimulationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("kv_offload_gb", "engine"):   # so that configs without them read as before
+        for name in ("kv_offload_gb", "engine", "async_scheduling"):   # so that configs without them read as before
             if not out[name]:
                 del out[name]
         for name, default in (("ep", 1), ("expert_load", "balanced"), ("pp", 1)):   # likewise
@@ -414,7 +423,8 @@ class Simulation:
         # the data-parallel ranks of a mixture-of-experts deployment step in lock-step
         self.cluster = Cluster(schedulers, cost, make_router(c.router, c.replicas), requests,
                                fast_forward=c.fast_forward, executors=self.speculators,
-                               lock_step_ranks=cost.data_parallel_ranks)
+                               lock_step_ranks=cost.data_parallel_ranks,
+                               async_scheduling=c.async_scheduling)
 
     def _speculators(self, trace, model, cost) -> list:
         """One speculating executor per replica (`simulator/speculation.py`), with each

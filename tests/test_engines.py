@@ -86,10 +86,10 @@ def _config(path) -> dict:
 def test_simulate_mirrors_the_engine_and_says_which_kernels_price_it(tmp_path, capsys):
     assert main(["simulate", "--num-requests", "20", "--out", str(tmp_path / "v")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("engine vllm-0.24; kernels priced by ")
+    assert out.startswith("engine vllm-0.24, asynchronous scheduling; kernels priced by ")
     config = _config(tmp_path / "v")
     c, cost = config["config"], config["derived"]["cost_model"]
-    assert c["engine"] == "vllm-0.24"
+    assert c["engine"] == "vllm-0.24" and c["async_scheduling"] is True
     assert (c["scheduler"]["max_num_seqs"], c["scheduler"]["max_num_batched_tokens"]) == (1024, 8192)
     assert c["scheduler"]["chunked_prefill"] == 8192
     assert (c["prefix_caching"], c["watermark"]) == (True, 0.0)
@@ -100,6 +100,36 @@ def test_simulate_mirrors_the_engine_and_says_which_kernels_price_it(tmp_path, c
     c = _config(tmp_path / "s")["config"]
     assert "engine" not in c or c["engine"] == "servelab"
     assert (c["scheduler"]["chunked_prefill"], c["prefix_caching"], c["watermark"]) == (512, False, 0.01)
+    assert "async_scheduling" not in c          # off, and configs without it read as before
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], True),                                            # the vLLM preset's default
+    (["--no-async-scheduling"], False),
+    (["--engine", "servelab"], False),
+    (["--engine", "servelab", "--async-scheduling"], True),
+    (["--vllm-args=--no-async-scheduling"], False),
+    (["--pp", "2"], False),                                # vLLM 0.14 turns it off with PP
+    (["--speculative", "ngram"], False),                   # and with proposers other than EAGLE/MTP
+    (["--speculative", "eagle"], True),
+    (["--prefill-replicas", "1", "--decode-replicas", "1"], False),
+])
+def test_async_scheduling_follows_the_engine_unless_given(extra, expected):
+    from servelab.cli import build_parser
+    from servelab.simulator.cli import config_from_args
+
+    args = build_parser().parse_args(["simulate", "--out", "unused", *extra])
+    if args.vllm_args:
+        from servelab.simulator.cli import with_vllm_args
+        args = with_vllm_args(args)
+    assert config_from_args(args).async_scheduling is expected
+
+
+def test_async_scheduling_where_it_is_not_modelled_is_one_line(tmp_path, capsys):
+    assert main(["simulate", "--pp", "2", "--async-scheduling", "--out", str(tmp_path / "r")]) == 2
+    assert not (tmp_path / "r").exists()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--async-scheduling with pipeline stages (pp > 1) is not modelled" in err
 
 
 def test_simulate_reads_a_vllm_command_line(tmp_path, capsys):

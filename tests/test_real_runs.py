@@ -158,6 +158,7 @@ def test_engine_config_is_vllm_defaults_overridden_by_the_run(tmp_path):
     assert s.max_model_len == 131072                       # the model's, as vLLM derives it
     assert (c.kv_blocks, c.block_size, c.gpu_memory_utilization, c.prefix_caching) == \
         (777, 32, 0.8, False)
+    assert c.async_scheduling is True                      # vLLM 0.19's default
     bare = vllm_engine_config(load_recorded_run(write_run(tmp_path / "runs" / "b", [row(0, 1.0)])),
                               "llama-3.1-8b", "rtx-4090", "t.csv")
     assert (bare.kv_blocks, bare.block_size, bare.prefix_caching, bare.gpu_memory_utilization) == \
@@ -190,6 +191,25 @@ def _tiny_runs(tmp_path: Path) -> tuple[Path, Path]:
     moe = write_run(tmp_path / "RTX4090" / "moe", rows[:2], model="Qwen/Qwen3-30B-A3B",
                     enable_expert_parallel=True)
     return run, moe
+
+
+def test_simulated_latencies_count_from_the_step_boundary_that_queued_the_request():
+    """vLLM queues a request between steps; the replay's request is queued at the first
+    step its replica starts at or after its arrival (the arrival itself if idle)."""
+    from types import SimpleNamespace as NS
+
+    from servelab.validation.real_runs import _queued_at
+
+    class Log(list):
+        def table(self):
+            return self
+
+    steps = Log([NS(start_s=0.0), NS(start_s=0.5), NS(start_s=0.9), NS(start_s=4.0)])
+    records = Log([NS(request_id=0, arrival_s=0.0), NS(request_id=1, arrival_s=0.2),
+                   NS(request_id=2, arrival_s=0.9), NS(request_id=3, arrival_s=9.0)])
+    other = NS(steps=Log([NS(start_s=0.3)]), records=Log([NS(request_id=4, arrival_s=0.2)]))
+    assert _queued_at([NS(steps=steps, records=records), other]) == \
+        {0: 0.0, 1: 0.5, 2: 0.9, 3: 9.0, 4: 0.3}
 
 
 def test_replay_matches_requests_one_to_one(tmp_path):

@@ -25,7 +25,7 @@ CHANGED = {
     "policy_options": {"max_wait_s": 5.0}, "block_size": 32, "kv_blocks": 300, "cpu_kv_blocks": 10,
     "block_manager": "contiguous-max", "prefix_caching": True, "watermark": 0.02, "replicas": 2,
     "router": "least-outstanding", "slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0, "fast_forward": False,
-    "kv_offload_gb": 4.0, "ep": 2, "expert_load": "power-law:1.2",
+    "kv_offload_gb": 4.0, "ep": 2, "expert_load": "power-law:1.2", "async_scheduling": True,
     "disaggregation": DisaggregationConfig(PoolConfig(replicas=2), PoolConfig(replicas=1)),
 }
 #: Fields whose change needs another one changed too (a CPU tier needs prefix caching;

@@ -19,7 +19,8 @@ are ordered queued <= scheduled <= first token <= last token, which is what make
 end-to-end latency. Metrics are taken on the engine's clock, as the README says and as
 LLMServingSim does: TTFT = first_token − queued, E2E = last_token − queued, TPOT =
 (E2E − TTFT) / (output − 1). The replay's arrivals are `queued_ts` relative to the first
-request; how far they drift from the client's `arrival_time` is reported.
+request; how far they drift from the client's `arrival_time` is reported. The simulated
+side is measured likewise from when its engine queued each request (`_queued_at`).
 """
 from __future__ import annotations
 
@@ -354,14 +355,37 @@ def replay_run(run: RecordedRun, calibration: str | None = None, **overrides: An
     real = {"ttft": np.array([r.ttft_ms for r in run.requests]),
             "tpot": np.array([nan if r.tpot_ms is None else r.tpot_ms for r in run.requests]),
             "e2el": np.array([r.e2el_ms for r in run.requests])}
-    sim = {m: np.array([nan if getattr(r, f"{m}_ms") is None else getattr(r, f"{m}_ms")
-                        for r in records]) for m in LATENCIES}
+    queued = _queued_at(simulation.cluster.replicas)
+    since = [queued.get(r.request_id, r.arrival_s) for r in records]
+    sim = {"ttft": np.array([nan if r.first_token_s is None else (r.first_token_s - q) * 1e3
+                             for r, q in zip(records, since)]),
+           "tpot": np.array([nan if r.tpot_ms is None else r.tpot_ms for r in records]),
+           "e2el": np.array([nan if r.status != "finished" else (r.finish_s - q) * 1e3
+                             for r, q in zip(records, since)])}
     return Replay(run, config, {**result.derived, "formula_kv_blocks": formula}, real, sim,
                   {m: error_metrics(real[m], sim[m]) for m in LATENCIES},
                   sum(r.status != "finished" for r in records),
                   sum(r.num_preemptions for r in records),
                   _timeline([r.steps.table() for r in simulation.cluster.replicas]),
                   simulation.cost_model)
+
+
+def _queued_at(replicas) -> dict[int, float]:
+    """Request id -> when its engine queued it: the first step start at or after its
+    arrival on the replica that served it (the step boundary that took it in; the arrival
+    itself when the engine was idle, as it then starts a step at once). The recorded
+    runs measure latencies from the engine's `queued_ts`, which vLLM's engine core takes
+    between steps when it drains its input queue (`EngineCore._process_input_queue`,
+    `vllm/v1/engine/core.py`); the replay's arrivals are those times, which fall inside
+    the simulated engine's steps, so its latencies are measured from its own boundary
+    that queued each request, as the real ones are."""
+    queued = {}
+    for replica in replicas:
+        starts = np.array([s.start_s for s in replica.steps.table()])
+        for rec in replica.records.table():
+            i = int(np.searchsorted(starts, rec.arrival_s, side="left"))
+            queued[rec.request_id] = float(starts[i]) if i < len(starts) else rec.arrival_s
+    return queued
 
 
 def _timeline(replica_steps) -> dict[str, np.ndarray]:

@@ -77,7 +77,8 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, command: str,
 def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
     """The same run replayed with one thing changed, to show what moves the error: the bare
     roofline instead of the profile; the KV capacity servelab derives instead of the
-    recorded one (or 10% fewer blocks when none was recorded); the first, cold request
+    recorded one (or 10% fewer blocks when none was recorded); without asynchronous
+    scheduling (which vLLM 0.19 runs by default); the first, cold request
     left out of the figures; for a data-parallel EP run, the EP exchange priced otherwise
     (`_exchange_variant`). Each: latency -> `error_metrics`; a variant the simulator
     refuses is left out."""
@@ -94,6 +95,9 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
     if rp.cost_model.shapes.experts is not None:
         changes["skewed expert load (--expert-load power-law:1.2)"] = \
             (calibration, {"expert_load": "power-law:1.2"})
+    if rp.config.async_scheduling:
+        changes["synchronous scheduling (--no-async-scheduling)"] = \
+            (calibration, {"async_scheduling": False})
     out = {"as replayed": rp.errors}
     with tempfile.TemporaryDirectory(prefix="servelab-real-run-profile-") as tmp:
         exchange = _exchange_variant(rp)
@@ -219,8 +223,9 @@ def _setup_line(rp: Replay) -> str:
             f"{c.kv_dtype} KV; engine `{c.engine}`: max_num_seqs {s.max_num_seqs}, "
             f"max_num_batched_tokens {s.max_num_batched_tokens}, prefill chunk "
             f"{s.chunked_prefill}, {s.preemption} preemption, watermark {c.watermark:g}, "
-            f"prefix caching {'on' if c.prefix_caching else 'off'}, block size {c.block_size}, "
-            f"gpu_memory_utilization {c.gpu_memory_utilization:g}, max_model_len "
+            f"prefix caching {'on' if c.prefix_caching else 'off'}, "
+            f"{'asynchronous' if c.async_scheduling else 'synchronous'} scheduling, "
+            f"block size {c.block_size}, gpu_memory_utilization {c.gpu_memory_utilization:g}, max_model_len "
             f"{s.max_model_len:,}; {kv}. Profile `{cost['calibration']}` "
             f"({cost.get('calibration_source', '')}); step overhead "
             f"{cost['step_overhead_s'] * 1e3:.2f} ms.")
@@ -257,7 +262,12 @@ def render(runs: Sequence[RecordedRun], replays: Sequence[Replay], skipped: dict
         "the config of the engine that served them: vLLM 0.19's defaults (`--engine "
         "vllm-0.19`) overridden by the run's engine kwargs and recorded KV-cache block. "
         "Latencies are taken on the engine's clock (TTFT = first token − queued, E2E = last "
-        "token − queued, TPOT = (E2E − TTFT) / (output − 1)), as LLMServingSim does. "
+        "token − queued, TPOT = (E2E − TTFT) / (output − 1)), as LLMServingSim does; vLLM "
+        "queues a request between two steps, so servelab's side is measured from the step "
+        "boundary at which its engine queued the request (the arrival itself when the engine "
+        "was idle). vLLM 0.19 schedules asynchronously (`async_scheduling`, on by default): "
+        "a request queued while a batch is in flight waits one more step, and so it does in "
+        "the replay (`simulator/async_scheduling.py`). "
         "*MAPE* is the mean absolute per-request error, *signed median* the median "
         "per-request error (positive: simulated slower); distribution rows compare the "
         "statistic of each side. *LLMServingSim* is that simulator's published error on the "
