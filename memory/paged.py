@@ -23,6 +23,7 @@ from typing import Hashable, Sequence
 from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_pool,
                    check_prefix_options)
 from .host_tier import HostTier
+from .paged_checks import PagedChecks
 from .swap import Swapping
 from .prefix_cache import Hit, PrefixCache, chain_hashes
 from .registry import register_block_manager
@@ -45,7 +46,7 @@ class _Seq:
     num_loaded: int = 0               # prefix hits loaded from the host tier
 
 
-class PagedBlockManager(Swapping, BlockManager):
+class PagedBlockManager(Swapping, PagedChecks, BlockManager):
     """Paged blocks with reference counts, prefix caching, copy-on-write and swap.
 
     `watermark_blocks` stay free when admitting (`allocate`, `swap_in`) so running
@@ -357,46 +358,6 @@ class PagedBlockManager(Swapping, BlockManager):
                     fills[b] = min(self.block_size, seq.num_tokens - i * self.block_size)
         return fills
 
-    # ------------------------------------------------------------------ checks
-    def check_invariants(self) -> None:
-        bs = self.block_size
-        refs, cpu_refs = [0] * self.num_gpu_blocks, [0] * self.num_cpu_blocks
-        fills: dict[int, int] = {}
-        for seq_id, seq in self._seqs.items():
-            _require(seq.num_tokens >= 1 and len(seq.blocks) == -(-seq.num_tokens // bs),
-                     f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
-            _require(len(set(seq.blocks)) == len(seq.blocks), f"sequence {seq_id!r} holds a block twice")
-            _require(seq.num_committed <= min(len(seq.keys), seq.num_tokens // bs),
-                     f"sequence {seq_id!r} committed {seq.num_committed} blocks")
-            for i, b in enumerate(seq.blocks):
-                (refs if seq.on_gpu else cpu_refs)[b] += 1
-                if seq.on_gpu:
-                    fill = min(bs, seq.num_tokens - i * bs)
-                    _require(fills.setdefault(b, fill) == fill, f"sharers of block {b} disagree on its fill")
-        _require(refs == self._refs, "GPU reference counts differ from the block tables")
-        _require(cpu_refs == self._cpu_refs, "CPU reference counts differ from the block tables")
-        evictable = self.evictable_blocks()
-        for name, free, counts in (("GPU", self._free + evictable, refs), ("CPU", self._cpu_free, cpu_refs)):
-            _require(len(set(free)) == len(free), f"{name} free and evictable blocks repeat")
-            _require(all(counts[b] == 0 for b in free), f"a {name} block is both free and referenced")
-            _require(len(free) + sum(1 for r in counts if r) == len(counts),
-                     f"{name} blocks are neither free nor referenced")
-        if self._cache is not None:
-            entries = self._cache.entries()
-            _require(not set(self._free) & set(entries), "a free block is cached")
-            _require(set(evictable) == {b for b in entries if not refs[b]},
-                     "evictable blocks differ from the unreferenced cached ones")
-            _require(len({e.id for e in entries.values()}) == len(entries), "an entry id repeats")
-            for seq_id, seq in self._seqs.items():
-                if seq.on_gpu and seq.num_tokens % bs:
-                    _require(seq.blocks[-1] not in entries, f"sequence {seq_id!r}: partial block cached")
-        if self._host is not None:
-            self._host.check_invariants()
-            gpu_hashes = {e.hash for e in self._cache.entries().values()}
-            _require(not gpu_hashes & {e.hash for e in self._host.entries().values()},
-                     "a content is cached in both tiers")
-        _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
-
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading blocks two block tables share."""
@@ -404,11 +365,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < len(a) and n < len(b) and a[n] == b[n]:
         n += 1
     return n
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
 
 
 register_block_manager("paged", PagedBlockManager.from_config)
