@@ -141,9 +141,7 @@ class DataParallelGroup:
         env, ranks = self.env, self.ranks
         while True:
             now = env.now
-            for rank in ranks:
-                rank.boundary()   # after a fast-forward run (asynchronous scheduling)
-            plans = [rank.scheduler.schedule(now) for rank in ranks]
+            plans = [self._plan(rank, now) for rank in ranks]
             if all(plan.is_empty for plan in plans):
                 for rank, plan in zip(ranks, plans):
                     rank.ran_nothing(self._step(rank, plan, None, now))
@@ -180,6 +178,20 @@ class DataParallelGroup:
                 run = self._decode_run(env.now)
                 if run is not None:
                     yield env.timeout(run)   # its working ranks launched it
+
+    @staticmethod
+    def _plan(rank, now: float) -> SchedulerOutput:
+        """The rank's batch for the step starting `now`. Under asynchronous scheduling
+        (`simulator/async_scheduling.py`): after a fast-forward run, the requests queued
+        at the previous boundary join first; and a rank with nothing to run has no batch
+        in flight, so the requests it kept back join at once, as a lone replica's do."""
+        rank.boundary()
+        plan = rank.scheduler.schedule(now)
+        lag = rank.lag
+        if plan.is_empty and lag is not None and lag.keeps_any:
+            rank.ran_nothing(DataParallelGroup._step(rank, plan, None, now))
+            plan = rank.scheduler.schedule(now)
+        return plan
 
     def step_duration(self, shapes: Sequence[BatchShape | None],
                       prices: Sequence[float | None]) -> float:

@@ -67,6 +67,21 @@ def test_a_request_queued_when_nothing_is_in_flight_is_scheduled_at_once():
     assert second.scheduled_s == d0
 
 
+def test_a_lock_step_rank_with_nothing_in_flight_schedules_its_arrival_at_once():
+    """Round-robin: requests 0 and 2 go to rank 0, 1 and 3 to rank 1. Rank 1's request
+    finishes in the first step, so request 3, which arrived during it, runs in the next;
+    rank 0 still runs request 0, so request 2 waits a step more."""
+    reqs = [Request(0, 0.0, 64, 50), Request(1, 0.0, 64, 1), Request(2, 1e-4, 8, 5),
+            Request(3, 1e-4, 8, 5)]
+    c = cluster(reqs, lag=True, replicas=2, cost=TINY_EP2, lock_step=2, fast_forward=False)
+    c.run()
+    r = {rec.request_id: rec for rec in c.request_records()}
+    boundary = r[1].finish_s
+    assert r[0].scheduled_s == r[1].scheduled_s == 0.0
+    assert r[3].scheduled_s == boundary
+    assert r[2].scheduled_s > boundary
+
+
 def test_the_keeper_hands_back_requests_at_the_right_boundary():
     lag = AsyncScheduling()
     a, b, c = (Request(i, 0.0, 8, 2) for i in range(3))
