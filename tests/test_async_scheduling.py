@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_data_parallel import ROWS, _trace   # traces of (gap, prompt, output) rows
+
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.outputs import BatchShape
 from servelab.request import Request
@@ -93,18 +95,6 @@ def test_the_keeper_hands_back_requests_at_the_right_boundary():
     assert lag.hold(c)
     assert lag.step_ended() == [a, b] and lag.queued == [c]
     assert lag.nothing_in_flight() == [c] and not lag.keeps_any
-
-
-ROWS = st.lists(st.tuples(st.sampled_from([0.0, 0.002, 0.01, 0.05, 0.3]),
-                          st.integers(1, 900), st.integers(1, 40)), min_size=1, max_size=14)
-
-
-def _trace(rows) -> list[Request]:
-    t, reqs = 0.0, []
-    for i, (gap, prompt, out) in enumerate(rows):
-        t += gap
-        reqs.append(Request(i, t, prompt, out))
-    return reqs
 
 
 def _same_records(fast: Cluster, slow: Cluster) -> None:
