@@ -24,9 +24,11 @@ scheduled, which the owner adds to its scheduler with the boundary's time.
 Not modelled: the batch formed a step early also decides preemptions and finishes a
 step early (vLLM skips a request whose output is certain to be complete, so with known
 output lengths no step is wasted); and the CPU time the overlap hides stays in the
-profile's fitted step overhead. Pipeline stages and disaggregated pools run without the
-lag (their engines keep batches in flight their own way; `SimulationConfig` refuses it
-there).
+profile's fitted step overhead. Pipeline stages run without the lag (their virtual
+engines keep batches in flight their own way; `SimulationConfig` refuses it there).
+Disaggregated pools run it: vLLM does not turn it off for a KV connector, and a decode
+replica's import, submitted when its KV has arrived, waits for a boundary like any
+arrival.
 """
 from __future__ import annotations
 

@@ -104,8 +104,8 @@ def register(subparsers) -> None:
     c.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="each engine schedules a step ahead (vLLM's --async-scheduling): a "
                         "request arriving during a step waits one more (default: the engine's; "
-                        "on under the vLLM presets, except with --pp above 1, disaggregated "
-                        "pools, or --speculative draft/ngram, where vLLM turns it off)")
+                        "on under the vLLM presets, except with --pp above 1 or --speculative "
+                        "draft/ngram, where vLLM 0.14 turns it off)")
     from servelab.simulator.disaggregation import add_disaggregation_arguments
     add_disaggregation_arguments(p)   # --prefill-replicas, --decode-replicas, --kv-link, ...
     p.set_defaults(func=_cmd_simulate)
@@ -159,21 +159,21 @@ def config_from_args(args: argparse.Namespace):
             kv_offload_gb=opts.kv_offload_gb,
             replicas=replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
-            async_scheduling=_async_scheduling(args, opts, disaggregation is not None),
+            async_scheduling=_async_scheduling(args, opts),
             disaggregation=disaggregation)
 
 
-def _async_scheduling(args: argparse.Namespace, opts, disaggregated: bool) -> bool:
+def _async_scheduling(args: argparse.Namespace, opts) -> bool:
     """--async-scheduling, or the engine's default: vLLM turns it on unless something it
-    cannot run with is configured. Of those servelab models: pipeline stages (vLLM 0.14;
-    supported later, but servelab's pipelined engine does not model the lag) and a
-    speculative proposer other than EAGLE or MTP (vLLM PR #31998, `vllm/config/vllm.py`);
-    a disaggregated pool's engines are not modelled with it either."""
+    cannot run with is configured (`VllmConfig.__post_init__`, `vllm/config/vllm.py`). Of
+    those servelab models: pipeline stages (vLLM 0.14; supported later, but servelab's
+    pipelined engine does not model the lag) and a speculative proposer other than EAGLE
+    or MTP (vLLM PR #31998). A KV connector is not among them: disaggregated pools run it."""
     given = getattr(args, "async_scheduling", None)
     if given is not None:
         return given
     spec = opts.scheduler.speculative
-    return opts.engine.async_scheduling and getattr(args, "pp", 1) == 1 and not disaggregated \
+    return opts.engine.async_scheduling and getattr(args, "pp", 1) == 1 \
         and (not spec.enabled or spec.method in ("eagle", "mtp"))
 
 

@@ -62,10 +62,12 @@ class PrefillReplica(Replica):
     """A replica of the prefill pool: hands finished prefills to the cluster, and waits
     for a release rather than step while only held blocks keep its queue out."""
 
-    def __init__(self, env, index, scheduler, cost_model, feed, cluster) -> None:
+    def __init__(self, env, index, scheduler, cost_model, feed, cluster, *,
+                 async_scheduling: bool = False) -> None:
         if not isinstance(scheduler.bm, HeldKV):
             raise ValueError("a prefill replica's scheduler must hold its blocks through a HeldKV")
-        super().__init__(env, index, scheduler, cost_model, feed, fast_forward=False)
+        super().__init__(env, index, scheduler, cost_model, feed, fast_forward=False,
+                         async_scheduling=async_scheduling)
         self.cluster = cluster
         self.held: HeldKV = scheduler.bm
         self._released: Event | None = None
@@ -126,8 +128,10 @@ class DecodeReplica(Replica):
     tried again (its finished or preempted requests may have freed some); its next step
     starts after the imports delivered at the same instant."""
 
-    def __init__(self, env, index, scheduler, cost_model, feed, cluster) -> None:
-        super().__init__(env, index, scheduler, cost_model, feed, fast_forward=False)
+    def __init__(self, env, index, scheduler, cost_model, feed, cluster, *,
+                 async_scheduling: bool = False) -> None:
+        super().__init__(env, index, scheduler, cost_model, feed, fast_forward=False,
+                         async_scheduling=async_scheduling)
         self.cluster = cluster
         self.imports: list[Request] = []
         """Requests submitted here, some of which may still wait to be admitted."""
@@ -148,11 +152,16 @@ class DecodeReplica(Replica):
     def has_preempted_waiting(self) -> bool:
         """Does a request other than a not-yet-admitted import wait here (one preempted
         by recompute, which needs free memory)? O(imports kept)."""
+        lag = self.lag
+        held = {id(r) for r in lag.queued + lag.arrived} if lag is not None and lag.keeps_any \
+            else None   # imports asynchronous scheduling keeps back: not in the scheduler yet
         waiting = self.scheduler.num_waiting
         if not waiting:
-            self.imports.clear()
+            self.imports = [r for r in self.imports if id(r) in held] if held else []
             return False
         self.imports = [r for r in self.imports if r.status is RequestStatus.WAITING]
+        if held:
+            return waiting > sum(1 for r in self.imports if id(r) not in held)
         return waiting > len(self.imports)
 
 
@@ -170,7 +179,7 @@ class DisaggregatedCluster:
                  decode: Sequence[Scheduler], decode_cost: CostModel, router: Router,
                  requests: Sequence[Request], *, link: LinkSpec, kv_transfer: str,
                  kv_bytes_per_token: int, num_layers: int, lanes: int,
-                 keep_token_times: bool = False) -> None:
+                 keep_token_times: bool = False, async_scheduling: bool = False) -> None:
         if len(prefill) != router.num_replicas:
             raise ValueError(f"router is for {router.num_replicas} replicas, got {len(prefill)}")
         if not decode:
@@ -190,9 +199,10 @@ class DisaggregatedCluster:
         n = len(prefill)
         upfront = None if n == 1 else router.assign_upfront(requests)
         feeds = [ArrivalFeed() for _ in range(n)] if upfront is not None else [ArrivalFeed()] * n
-        self.prefill = [PrefillReplica(env, i, s, prefill_cost, feeds[i], self) for i, s in enumerate(prefill)]
-        self.decode = [DecodeReplica(env, i, s, decode_cost, ArrivalFeed(), self)
-                       for i, s in enumerate(decode)]
+        self.prefill = [PrefillReplica(env, i, s, prefill_cost, feeds[i], self,
+                                       async_scheduling=async_scheduling) for i, s in enumerate(prefill)]
+        self.decode = [DecodeReplica(env, i, s, decode_cost, ArrivalFeed(), self,
+                                     async_scheduling=async_scheduling) for i, s in enumerate(decode)]
         self.links = [Resource(env, capacity=1) for _ in prefill]
         self._originals: dict[int, Request] = {}
         """Requests in their prefill, by id: what their decode part is made from."""

@@ -163,7 +163,8 @@ class DisaggregatedSimulation(Simulation):
         self.cluster = DisaggregatedCluster(
             prefill_schedulers, p.cost, decode_schedulers, q.cost, make_router(c.router, p.replicas),
             requests, link=self.link, kv_transfer=d.kv_transfer,
-            kv_bytes_per_token=self.kv_bytes_per_token, num_layers=model.num_layers, lanes=self.lanes)
+            kv_bytes_per_token=self.kv_bytes_per_token, num_layers=model.num_layers, lanes=self.lanes,
+            async_scheduling=c.async_scheduling)
 
     def derived(self) -> dict[str, Any]:
         link, d = self.link, self.config.disaggregation

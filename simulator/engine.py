@@ -185,8 +185,11 @@ class Replica:
 
     def finished(self, step: EngineStep) -> Event | None:
         """Publish the step's records; maybe fast-forward (sleeping the run's duration)."""
-        if self.lag is not None:
+        lag = self.lag
+        if lag is not None:
             self.boundary()
+            if lag.keeps_any and not self.scheduler.has_unfinished():
+                self._admit(lag.nothing_in_flight())   # no batch formed behind this step
         if step.records:
             self.publish(step.records)
         # a prompt still prefilling runs again next step: no decode run can start

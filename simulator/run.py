@@ -121,8 +121,7 @@ class SimulationConfig:
     async_scheduling: bool = False
     """Each engine schedules a step ahead, as vLLM's asynchronous scheduling does: a request
     that arrives while a step runs waits one more step (`simulator/async_scheduling.py`).
-    The vLLM presets turn it on (`servelab.engines`); not modelled with pipeline stages or
-    disaggregated pools."""
+    The vLLM presets turn it on (`servelab.engines`); not modelled with pipeline stages."""
     # --- disaggregated prefill/decode (simulator/disaggregation.py) ----------------------
     disaggregation: DisaggregationConfig | None = None
     """A prefill pool and a decode pool joined by a KV link, in place of `replicas`
@@ -188,10 +187,9 @@ class SimulationConfig:
         make_policy(self.policy, **self.policy_options)   # unknown policy or bad options: ValueError
         if self.disaggregation is not None:
             check_disaggregation(self)
-        if self.async_scheduling and (self.pp > 1 or self.disaggregation is not None):
-            raise ValueError(f"{o}.async_scheduling with "
-                             f"{'pipeline stages (pp > 1)' if self.pp > 1 else 'disaggregated pools'} "
-                             "is not modelled: their engines keep batches in flight their own way")
+        if self.async_scheduling and self.pp > 1:
+            raise ValueError(f"{o}.async_scheduling with pipeline stages (pp > 1) is not "
+                             "modelled: their virtual engines keep batches in flight their own way")
 
     @property
     def tenant_weights(self) -> dict[str, float] | None:

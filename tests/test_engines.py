@@ -112,7 +112,7 @@ def test_simulate_mirrors_the_engine_and_says_which_kernels_price_it(tmp_path, c
     (["--pp", "2"], False),                                # vLLM 0.14 turns it off with PP
     (["--speculative", "ngram"], False),                   # and with proposers other than EAGLE/MTP
     (["--speculative", "eagle"], True),
-    (["--prefill-replicas", "1", "--decode-replicas", "1"], False),
+    (["--prefill-replicas", "1", "--decode-replicas", "1"], True),   # a KV connector keeps it
 ])
 def test_async_scheduling_follows_the_engine_unless_given(extra, expected):
     from servelab.cli import build_parser
