@@ -286,7 +286,8 @@ def _results(grid, found, traces, n: int, n_ds: int) -> str:
              f"(median {s['prompt_p50']:.0f}), outputs {s['output_mean']:.0f} (median "
              f"{s['output_p50']:.0f}). Poisson arrivals, seed 0, the first N requests of the cut "
              "table; FCFS; servelab's default engine (vLLM V1 defaults: chunked prefill, 2,048 "
-             f"batched tokens on an A100); KV over `{LINK}`. Capacities are `servelab capacity`'s "
+             "batched tokens on an A100, asynchronous scheduling in every pool); KV over "
+             f"`{LINK}`. Capacities are `servelab capacity`'s "
              "(the highest rate that held, the first that broke within 2 % above it), divided by "
              f"{GPUS} GPUs.", "",
              f"![SLO attainment, p90 TTFT and p90 TPOT against the rate per GPU](distserve/attainment.png)", "",

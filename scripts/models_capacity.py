@@ -271,8 +271,13 @@ def _deepseek(rows: dict) -> str:
         both = (f"{'TP8' if hi is tp8 else 'EP8'} meets the SLO up to {hi['rate']:g} req/s, "
                 f"{'EP8' if hi is tp8 else 'TP8'} up to {lo['rate'] or 0:g} (it misses "
                 f"{_first_miss(lo).split(': ', 1)[1]} at {lo['broke']['rate']:g})")
-    kv_note = ("changes nothing in the answer" if kv8["rate"] == tp8["rate"]
-               else f"moves the answer to {kv8['rate'] or 0:g} req/s")
+    kv_note = "changes nothing in the answer: KV is not what binds at these rates"
+    if kv8["rate"] != tp8["rate"]:
+        kv_note = f"moves the answer to {kv8['rate'] or 0:g} req/s"
+        bf16 = next((p for p in tp8["points"] if p["rate"] == kv8["rate"]), None)
+        if kv8["answer"] is not None and bf16 is not None:   # which SLO sits at the edge there
+            kv_note += (f", where its p99 TPOT is {kv8['answer']['summary']['p99_tpot_ms']:.1f} ms "
+                        f"against the BF16 cache's {bf16['summary']['p99_tpot_ms']:.1f} ms")
     return f"""- **DeepSeek-V3 on 8 × H200 in FP8, TP8 against EP8.** {both}; they peak at
   {peak(tp8):.3g} and {peak(ep8):.3g} req/s. At {common:g} req/s {lower} has the lower p99 TTFT ({_ms(a['p99_ttft_ms'])} for TP8,
   {_ms(b['p99_ttft_ms'])} for EP8) and p99 TPOT is {a['p99_tpot_ms']:.0f} against {b['p99_tpot_ms']:.0f} ms. EP8 holds
@@ -280,7 +285,7 @@ def _deepseek(rows: dict) -> str:
   MLA's latent is not split by TP, so TP8 stores it 8 times); its eight ranks step in lock-step, so a rank's decode step lasts as long as the slowest
   rank's, a prefill chunk on any of the eight included, and every MoE layer runs over all
   eight ranks' tokens with an all-gather before and a reduce-scatter after. An FP8 KV
-  cache ({kv8['kv_tokens'] / 1e6:.2f} M tokens) {kv_note}: KV is not what binds at these rates. Priced with the
+  cache ({kv8['kv_tokens'] / 1e6:.2f} M tokens) {kv_note}. Priced with the
   vLLM 0.14 engine's profile (`--engine vllm-0.14`): the vLLM 0.24 H100 FP8 fused-MoE fit
   sits at its memory-efficiency bound (0.2, [moe-mla.md](moe-mla.md)) and would make every
   DeepSeek step stream its experts at a fifth of HBM bandwidth; neither fit is of the

@@ -202,6 +202,41 @@ def _figure(results: dict, rows: dict) -> Figure:
     return fig
 
 
+COST_STEP_SECTION = """## Pricing one step: `servelab cost step --pp`
+
+`servelab cost step --pp N` prices one step of a pipelined replica the way the simulator
+does (`simulator/pricing.py` builds the run's `PipelineLayout`): each stage's time, the
+slowest stage, each send between stages with its link, and the step's end for a lone
+batch passing idle stages (`StageTimeline.run_step`: the stages' times plus the sends).
+With pp batches in flight the slowest stage paces the replica: one step per its time. The
+op table sums each kernel over the stages (every layer once; the embedding and step
+overhead from the first stage, the LM head from the last). `--points FILE.csv` takes a
+`pp` column like the other flags. Like every `cost` command it prices with the GPU's catalog
+profile; `--engine-version 0.24.0` picks the profile `simulate`'s default preset
+(`vllm-0.24`) runs with.
+
+```
+$ servelab cost step --gpu h100-sxm --model llama-3.1-70b --tp 4 --pp 3 --decode 64:2000
+22.0772 ms  one step of llama-3.1-70b (tp=4, pp=3, 80 layers, 64 tokens) on h100-sxm (calibration: h100-sxm, vLLM 0.14.0); per layer 0.2593 ms
+  stage 0 (layers 0-26): 8.0049 ms  <- slowest
+  stage 1 (layers 27-53): 7.0016 ms
+  stage 2 (layers 54-79): 7.0168 ms
+  send 0 -> 1 over h100-sxm NVLink x4: 0.0198 ms
+  send 1 -> 2 over ib-400g x4: 0.0341 ms
+  a lone batch: stages + sends = 22.0772 ms; with 3 batches in flight the slowest stage paces the replica, one step per 8.0049 ms; ...
+```
+
+(Stage 0 is the slowest here because it carries the step's 1 ms engine overhead; the
+second send crosses nodes, GPUs 8-11 being on the second node.) A layout the simulator
+refuses is refused in one line, by the same checks: `--pp` above the model's layers, a
+stage whose weights do not fit its GPUs ("raise pp or tp, or use fp8 weights"), and `--pp`
+with data-parallel expert parallelism (`--dp`, or `--ep` above `--tp`). vLLM needs no
+divisibility of the layers by pp (its split gives the remainder to the earlier stages), so
+none is asked here.
+"""
+"""The hand-written section on `servelab cost step --pp` (its example is that command's output)."""
+
+
 def _document(rows: dict, refusals: dict, num_requests: int) -> str:
     ds = [rows[k] for k in ("ds-h200-tp8", "ds-h100-tp8-pp2")]
     llama = [rows[k] for k in ("llama-fp8-tp1", "llama-bf16-tp2", "llama-bf16-pp2")]
@@ -268,6 +303,7 @@ a replica as tp x pp GPUs. Pipeline parallelism is simulation-only: `servelab ru
   parallelism with `--pp` above 1 (each refused in one line, as is a `--pp` above the model's
   layers).
 
+{COST_STEP_SECTION}
 ## Capacity answers
 
 Made by `bash scripts/parallelism.sh`: for each layout, `{command}` (the embedded default

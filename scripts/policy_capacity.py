@@ -37,17 +37,25 @@ TENANTS = ("interactive", "batch")
 
 
 def _capacity(out: Path, num_requests: int, policies: str, *extra: str) -> dict:
-    if not (out / "capacity.json").exists():
-        servelab(["capacity", *COMMON, "--policies", policies, "--rates", "20,24,28",
-                  "--num-requests", str(num_requests), *extra, "--out", str(out)])
+    """The search, always asked of `servelab capacity`: it reuses the points under `out`
+    whose config is the one asked for, and simulates the others."""
+    servelab(["capacity", *COMMON, "--policies", policies, "--rates", "20,24,28",
+              "--num-requests", str(num_requests), *extra, "--out", str(out), "--force"])
     return json.loads((out / "capacity.json").read_text())
 
 
 def _at(out: Path, num_requests: int, variant: str, rate: float) -> dict:
+    """One run, from `out` when it was simulated with the same config before."""
+    from servelab.cli import build_parser
+    from servelab.simulator.cli import config_from_args
+
     run = out / f"{variant}_r{rate:g}"
-    if not (run / "summary.json").exists():
-        servelab(["simulate", *COMMON, *VARIANTS[variant], "--rate", str(rate),
-                  "--num-requests", str(num_requests), "--out", str(run), "--force"])
+    argv = ["simulate", *COMMON, *VARIANTS[variant], "--rate", str(rate),
+            "--num-requests", str(num_requests), "--out", str(run), "--force"]
+    config = config_from_args(build_parser().parse_args(argv)).to_dict()
+    if not (run / "summary.json").exists() or \
+            json.loads((run / "config.json").read_text())["config"] != config:
+        servelab(argv)
     return json.loads((run / "summary.json").read_text())
 
 
