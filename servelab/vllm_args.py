@@ -123,8 +123,10 @@ _APPROXIMATED = {
 _NOTE_SWITCHES = frozenset({"--enforce-eager"})
 """Approximated flags that take no value."""
 _UNSUPPORTED = {
-    "--speculative-config": "speculative decoding is not modelled yet (issue 36)",
-    "--kv-transfer-config": "disaggregated prefill/decode is not modelled yet (issue 35)",
+    "--speculative-config": "its JSON is not read: give servelab's --speculative "
+                            "draft:MODEL|ngram|eagle|mtp and --num-speculative-tokens K",
+    "--kv-transfer-config": "a KV connector's JSON is not read: a disaggregated deployment is "
+                            "servelab's --prefill-replicas N --decode-replicas M (--kv-link L)",
     "--cpu-offload-gb": "weight offload to the CPU is not modelled",
     "--kv-offloading-size": "use servelab's --kv-offload-gb (a CPU tier of the prefix cache)",
     "--decode-context-parallel-size": "context parallelism is not modelled",
