@@ -51,7 +51,8 @@ def test_approximated_flags_give_one_note_each():
 
 
 @pytest.mark.parametrize("line, message", [
-    ("--speculative-config '{\"num_speculative_tokens\": 3}'", "speculative decoding"),
+    ("--speculative-config '{\"num_speculative_tokens\": 3}'", "give servelab's --speculative"),
+    ("--kv-transfer-config '{}'", "--prefill-replicas N --decode-replicas M"),
     ("--frobnicate 3", "--frobnicate: not a vLLM flag servelab knows; it reads"),
     ("--max-num-seqs", "--max-num-seqs: expects a value"),
     ("--max-num-seqs many", "expected an integer, got 'many'"),
