@@ -19,6 +19,10 @@ instant, in trace order. In floats `now + (t - now)` may be `t` less one ulp, an
 request released then would be scheduled before its own arrival time: the arrival process
 waits that ulp too (`arrival_process`).
 
+Asynchronous scheduling (vLLM's default; `simulator/async_scheduling.py`): a request that
+arrives while a step runs is kept back (`Replica.lag`) and joins the scheduler at the
+boundary after that step's end, unless the engine then has nothing in flight.
+
 Fast-forward. After each step the engine asks the scheduler how many of the next steps
 are certain to be plain decode steps (`decode_run_bound`); if at least 2, it cuts that to
 the steps that start before the next arrival this replica can receive (those that end by
