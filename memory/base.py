@@ -119,6 +119,13 @@ def swap_in_status(manager: BlockManager, num_blocks: int) -> AllocStatus:
     return AllocStatus.LATER
 
 
+def invariant(condition: bool, message: str) -> None:
+    """One check of a block manager's `check_invariants`: AssertionError with `message`
+    when `condition` is false (not an `assert`, which `python -O` strips)."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def require_swap_in_room(manager: BlockManager, num_blocks: int) -> None:
     """Raise BlockManagerError unless `swap_in_status` says OK."""
     status = swap_in_status(manager, num_blocks)

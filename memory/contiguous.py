@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
 from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
-                   check_pool, check_size, unique_ids)
+                   check_pool, check_size, unique_ids, invariant)
 from .registry import register_block_manager
 
 _OK, _LATER, _NEVER = AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER
@@ -110,10 +110,10 @@ class Extents:
     def check(self, name: str) -> None:
         runs = list(zip(self.starts, self.lengths))
         for (s0, n0), (s1, _) in zip(runs, runs[1:]):
-            _require(s0 + n0 < s1, f"{name} free extents overlap or touch: {runs}")
-        _require(all(n > 0 for _, n in runs) and all(0 <= s and s + n <= self.size for s, n in runs),
+            invariant(s0 + n0 < s1, f"{name} free extents overlap or touch: {runs}")
+        invariant(all(n > 0 for _, n in runs) and all(0 <= s and s + n <= self.size for s, n in runs),
                  f"{name} free extents out of range: {runs}")
-        _require(sum(self.lengths) == self.num_free, f"{name} free count is off")
+        invariant(sum(self.lengths) == self.num_free, f"{name} free count is off")
 
 
 @dataclass(slots=True, eq=False)
@@ -458,28 +458,23 @@ class ContiguousBlockManager(BlockManager):
             runs = sorted((r.start, r.num_blocks) for r in holders if r.on_gpu == on_gpu)
             runs += list(zip(extents.starts, extents.lengths))
             runs.sort()
-            _require(sum(n for _, n in runs) == extents.size,
+            invariant(sum(n for _, n in runs) == extents.size,
                      f"{pool}: reserved + free blocks != {extents.size}")
             for (s0, n0), (s1, _) in zip(runs, runs[1:]):
-                _require(s0 + n0 <= s1, f"{pool}: reservations or free runs overlap at block {s1}")
+                invariant(s0 + n0 <= s1, f"{pool}: reservations or free runs overlap at block {s1}")
         for res, seqs in holders.items():
-            _require(res.refcount == len(seqs),
+            invariant(res.refcount == len(seqs),
                      f"reservation at {res.start} has refcount {res.refcount}, {len(seqs)} holders")
-            _require(len({s.num_tokens for s in seqs}) == 1,
+            invariant(len({s.num_tokens for s in seqs}) == 1,
                      f"sharers of the reservation at {res.start} disagree on their length")
-            _require(all(1 <= s.num_tokens <= res.num_blocks * self.block_size for s in seqs),
+            invariant(all(1 <= s.num_tokens <= res.num_blocks * self.block_size for s in seqs),
                      f"a sequence outgrew its reservation at {res.start}")
             if res.on_gpu:
                 slots += seqs[0].num_tokens
-        _require(slots == self._slots_used, f"slot count {self._slots_used} != {slots}")
+        invariant(slots == self._slots_used, f"slot count {self._slots_used} != {slots}")
 
 
 for _mode in MODES:
     register_block_manager(f"contiguous-{_mode}",
                            functools.partial(ContiguousBlockManager.from_config, mode=_mode))
 del _mode
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

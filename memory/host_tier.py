@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable
 
+from .base import invariant
 from .prefix_cache import Entry
 
 __all__ = ["HostTier"]
@@ -123,13 +124,13 @@ class HostTier:
         and LRU name exactly the cached blocks."""
         cached = set(self._entries)
         pools = sorted(self._free) + sorted(self._pending_free) + sorted(cached)
-        _require(sorted(pools) == list(range(self.num_blocks)), "host blocks are lost or doubled")
-        _require(set(self._lru) == cached, "host LRU differs from the cached blocks")
-        _require({e.hash: b for b, e in self._entries.items()} == self._by_hash,
+        invariant(sorted(pools) == list(range(self.num_blocks)), "host blocks are lost or doubled")
+        invariant(set(self._lru) == cached, "host LRU differs from the cached blocks")
+        invariant({e.hash: b for b, e in self._entries.items()} == self._by_hash,
                  "host hash index differs from the entries")
-        _require(set(self._offloads) <= cached | set(self._pending_free),
+        invariant(set(self._offloads) <= cached | set(self._pending_free),
                  "an offload targets a free host block")
-        _require(set(self._loads.values()) <= set(self._pending_free),
+        invariant(set(self._loads.values()) <= set(self._pending_free),
                  "a load reads a host block not waiting for it")
 
     def _forget(self, block: int) -> Entry:
@@ -137,8 +138,3 @@ class HostTier:
         del self._by_hash[entry.hash]
         self._lru.pop(block, None)
         return entry
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

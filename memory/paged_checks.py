@@ -2,6 +2,8 @@
 from the manager it checks: tests call it after every operation; serving never does."""
 from __future__ import annotations
 
+from .base import invariant
+
 __all__ = ["PagedChecks"]
 
 
@@ -17,41 +19,36 @@ class PagedChecks:
         refs, cpu_refs = [0] * self.num_gpu_blocks, [0] * self.num_cpu_blocks
         fills: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
-            _require(seq.num_tokens >= 1 and len(seq.blocks) == -(-seq.num_tokens // bs),
+            invariant(seq.num_tokens >= 1 and len(seq.blocks) == -(-seq.num_tokens // bs),
                      f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
-            _require(len(set(seq.blocks)) == len(seq.blocks), f"sequence {seq_id!r} holds a block twice")
-            _require(seq.num_committed <= min(len(seq.keys), seq.num_tokens // bs),
+            invariant(len(set(seq.blocks)) == len(seq.blocks), f"sequence {seq_id!r} holds a block twice")
+            invariant(seq.num_committed <= min(len(seq.keys), seq.num_tokens // bs),
                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
             for i, b in enumerate(seq.blocks):
                 (refs if seq.on_gpu else cpu_refs)[b] += 1
                 if seq.on_gpu:
                     fill = min(bs, seq.num_tokens - i * bs)
-                    _require(fills.setdefault(b, fill) == fill, f"sharers of block {b} disagree on its fill")
-        _require(refs == self._refs, "GPU reference counts differ from the block tables")
-        _require(cpu_refs == self._cpu_refs, "CPU reference counts differ from the block tables")
+                    invariant(fills.setdefault(b, fill) == fill, f"sharers of block {b} disagree on its fill")
+        invariant(refs == self._refs, "GPU reference counts differ from the block tables")
+        invariant(cpu_refs == self._cpu_refs, "CPU reference counts differ from the block tables")
         evictable = self.evictable_blocks()
         for name, free, counts in (("GPU", self._free + evictable, refs), ("CPU", self._cpu_free, cpu_refs)):
-            _require(len(set(free)) == len(free), f"{name} free and evictable blocks repeat")
-            _require(all(counts[b] == 0 for b in free), f"a {name} block is both free and referenced")
-            _require(len(free) + sum(1 for r in counts if r) == len(counts),
+            invariant(len(set(free)) == len(free), f"{name} free and evictable blocks repeat")
+            invariant(all(counts[b] == 0 for b in free), f"a {name} block is both free and referenced")
+            invariant(len(free) + sum(1 for r in counts if r) == len(counts),
                      f"{name} blocks are neither free nor referenced")
         if self._cache is not None:
             entries = self._cache.entries()
-            _require(not set(self._free) & set(entries), "a free block is cached")
-            _require(set(evictable) == {b for b in entries if not refs[b]},
+            invariant(not set(self._free) & set(entries), "a free block is cached")
+            invariant(set(evictable) == {b for b in entries if not refs[b]},
                      "evictable blocks differ from the unreferenced cached ones")
-            _require(len({e.id for e in entries.values()}) == len(entries), "an entry id repeats")
+            invariant(len({e.id for e in entries.values()}) == len(entries), "an entry id repeats")
             for seq_id, seq in self._seqs.items():
                 if seq.on_gpu and seq.num_tokens % bs:
-                    _require(seq.blocks[-1] not in entries, f"sequence {seq_id!r}: partial block cached")
+                    invariant(seq.blocks[-1] not in entries, f"sequence {seq_id!r}: partial block cached")
         if self._host is not None:
             self._host.check_invariants()
             gpu_hashes = {e.hash for e in self._cache.entries().values()}
-            _require(not gpu_hashes & {e.hash for e in self._host.entries().values()},
+            invariant(not gpu_hashes & {e.hash for e in self._host.entries().values()},
                      "a content is cached in both tiers")
-        _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+        invariant(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")

@@ -171,8 +171,3 @@ class PrefixCache:
         entry = self._entries.pop(block)
         del self._by_hash[entry.hash]
         return entry
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -69,6 +69,7 @@ from bisect import bisect_left
 from collections import Counter, deque
 from typing import Hashable, NamedTuple, Sequence
 
+from servelab.memory.base import invariant
 from servelab.outputs import BlockPairs
 
 from .prefix_runs import Entries, agree, index_run, unindex_run
@@ -532,43 +533,38 @@ class HostTier:
         of every GPU entry; under a hash collision, other content may share a hash across
         tiers)."""
         runs = self._runs()
-        _require(len(self._lru) - len(runs) == self._num_dead, "host LRU: dead run count is off")
-        _require(len(set(map(id, runs))) == len(runs), "host LRU lists a run twice")
+        invariant(len(self._lru) - len(runs) == self._num_dead, "host LRU: dead run count is off")
+        invariant(len(set(map(id, runs))) == len(runs), "host LRU lists a run twice")
         cached = self.lru_blocks()
-        _require(len(cached) == self._num_cached, f"host tier counts {self._num_cached} entries, "
+        invariant(len(cached) == self._num_cached, f"host tier counts {self._num_cached} entries, "
                                                   f"its runs hold {len(cached)}")
         indexed = []
         for h, first in self.heads.items():
             r = first
             while r is not None:
-                _require(r.key == h == r.hashes[r.lo], f"{r} is indexed under {h}")
+                invariant(r.key == h == r.hashes[r.lo], f"{r} is indexed under {h}")
                 indexed.append(r)
                 r = r.same
-        _require(sorted(map(id, indexed)) == sorted(map(id, runs)),
+        invariant(sorted(map(id, indexed)) == sorted(map(id, runs)),
                  "the host index and the host runs disagree")
         at = Counter(r.lo for r in runs)
-        _require(at == Counter(self._head_at) and self._head_positions == sorted(at),
+        invariant(at == Counter(self._head_at) and self._head_positions == sorted(at),
                  "the chain positions of the host runs' first entries are off")
         free, pending, held = set(self._free), set(self._pending_free), set(cached)
-        _require(len(free) == len(self._free), "host free list holds a block twice")
-        _require(len(held) == len(cached), "a host block holds two entries")
-        _require(not (free & held or pending & held or free & pending),
+        invariant(len(free) == len(self._free), "host free list holds a block twice")
+        invariant(len(held) == len(cached), "a host block holds two entries")
+        invariant(not (free & held or pending & held or free & pending),
                  "a host block is both free (or waiting to be) and holding an entry")
-        _require(len(free) + len(pending) + len(held) == self.num_blocks,
+        invariant(len(free) + len(pending) + len(held) == self.num_blocks,
                  f"host blocks: {len(free)} free + {len(pending)} pending + "
                  f"{len(held)} cached != {self.num_blocks}")
         targets = [h for _, h in self.pending_offloads()]
-        _require(len(set(targets)) == len(targets), "two pending offloads into one host block")
-        _require(set(targets) <= held | pending,   # pending: loaded after it
+        invariant(len(set(targets)) == len(targets), "two pending offloads into one host block")
+        invariant(set(targets) <= held | pending,   # pending: loaded after it
                  "a pending offload targets a host block without an entry")
-        _require(set(self._loads.values()) == pending,
+        invariant(set(self._loads.values()) == pending,
                  "pending loads and host blocks waiting to be free disagree")
         for r in runs:
             for k in range(r.lo, r.hi):
-                _require((r.hashes[k], r.parent_of(k), r.contents[k]) not in gpu_entries,
+                invariant((r.hashes[k], r.parent_of(k), r.contents[k]) not in gpu_entries,
                          f"hash {r.hashes[k]} is cached on the GPU and on the host")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

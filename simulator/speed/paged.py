@@ -44,7 +44,7 @@ from operator import itemgetter
 from typing import Hashable, Sequence
 
 from servelab.memory.base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
-                                  check_pool, check_prefix_options)
+                                  check_pool, check_prefix_options, invariant)
 from .block_keys import BlockKeys
 from .host_runs import HostTier
 from .later_memo import LaterMemos
@@ -598,23 +598,23 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         fill: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             blocks = seq.blocks
-            _require(seq.num_tokens >= 1 and len(blocks) == -(-seq.num_tokens // bs),
+            invariant(seq.num_tokens >= 1 and len(blocks) == -(-seq.num_tokens // bs),
                      f"sequence {seq_id!r}: {len(blocks)} blocks for {seq.num_tokens} tokens")
-            _require(len(set(blocks)) == len(blocks), f"sequence {seq_id!r} holds a block twice")
+            invariant(len(set(blocks)) == len(blocks), f"sequence {seq_id!r} holds a block twice")
             counts = refs if seq.on_gpu else cpu_refs
             for i, b in enumerate(blocks):
                 counts[b] += 1
                 if seq.on_gpu:
                     f = bs if i < len(blocks) - 1 else seq.num_tokens - i * bs
-                    _require(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
-            _require(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
+                    invariant(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
+            invariant(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
-            _require(seq.on_gpu or not seq.spans, f"swapped sequence {seq_id!r} holds cache entries")
-        _require([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
+            invariant(seq.on_gpu or not seq.spans, f"swapped sequence {seq_id!r} holds cache entries")
+        invariant([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
                  "GPU reference counts differ from the block tables")
-        _require(self._extra_refs == sum(r - 1 for r in refs if r > 1),
+        invariant(self._extra_refs == sum(r - 1 for r in refs if r > 1),
                  f"extra reference total {self._extra_refs} differs from the block tables")
-        _require(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
+        invariant(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
         _check_pool("GPU", self._free, refs)
         _check_pool("CPU", self._cpu_free, cpu_refs)
         used = sum(1 for r in refs if r)
@@ -622,30 +622,30 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         if self._cache is not None:
             in_cache = self._cache.check_invariants(refs)
             cached = self._cache.num_evictable
-            _require(not set(self._free) & set(self._cache.evictable_blocks()),
+            invariant(not set(self._free) & set(self._cache.evictable_blocks()),
                      "a block is both free and evictable")
-            _require(not any(b in in_cache for b in self._free), "a free block is cached")
+            invariant(not any(b in in_cache for b in self._free), "a free block is cached")
             for seq_id, seq in self._seqs.items():
                 if seq.on_gpu:
                     self._check_spans(seq_id, seq, in_cache)
         if self._host is not None:
             self._host.check_invariants({(run.hashes[k], run.parent_of(k), run.contents[k])
                                          for run, k in in_cache.values()})
-            _require(not set(self._cache.entry_ids()) & set(self._host.entry_ids()),
+            invariant(not set(self._cache.entry_ids()) & set(self._host.entry_ids()),
                      "an entry is in both tiers")
-        _require(used + len(self._free) + cached == self.num_gpu_blocks,
+        invariant(used + len(self._free) + cached == self.num_gpu_blocks,
                  f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
         cpu_used = sum(1 for r in cpu_refs if r)
-        _require(cpu_used + len(self._cpu_free) == self.num_cpu_blocks,
+        invariant(cpu_used + len(self._cpu_free) == self.num_cpu_blocks,
                  f"CPU used {cpu_used} + free {len(self._cpu_free)} != {self.num_cpu_blocks}")
-        _require(sum(fill.values()) == self._slots_used,
+        invariant(sum(fill.values()) == self._slots_used,
                  f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
-        _require(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
+        invariant(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
         if self._later is not None:
             for keys, num_tokens in self._later.valid():
                 if self.num_free_blocks <= self._later.free_then(keys):
                     status = self._admission(-(-num_tokens // bs), self._match(num_tokens, keys))
-                    _require(status is _LATER, f"a kept LATER answer is {status.value} now")
+                    invariant(status is _LATER, f"a kept LATER answer is {status.value} now")
 
 
     def _check_spans(self, seq_id: Hashable, seq: _SeqBlocks, in_cache: dict) -> None:
@@ -653,26 +653,21 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         last block is not cached."""
         named = []
         for run, a, b in seq.spans:
-            _require(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
-            _require(seq.blocks[a:b] == run.blocks[a:b],
+            invariant(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
+            invariant(seq.blocks[a:b] == run.blocks[a:b],
                      f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
             named += range(a, b)
-        _require(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
+        invariant(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
         held = [i for i, b in enumerate(seq.blocks) if b in in_cache]
-        _require(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")
+        invariant(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")
         if seq.num_tokens % self.block_size:
-            _require(seq.blocks[-1] not in in_cache,
+            invariant(seq.blocks[-1] not in in_cache,
                      f"sequence {seq_id!r}: partial block {seq.blocks[-1]} is cached")
 
 
 
 
 def _check_pool(name: str, free: list[int], refs: list[int]) -> None:
-    _require(len(set(free)) == len(free), f"{name} free list holds a block twice")
+    invariant(len(set(free)) == len(free), f"{name} free list holds a block twice")
     for b in free:
-        _require(refs[b] == 0, f"{name} block {b} is both free and referenced")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+        invariant(refs[b] == 0, f"{name} block {b} is both free and referenced")

@@ -38,6 +38,8 @@ from itertools import compress, count, repeat
 from operator import ne
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
+from servelab.memory.base import invariant
+
 if TYPE_CHECKING:
     from .block_keys import BlockKeys
     from .host_runs import HostTier
@@ -761,52 +763,47 @@ class PrefixCache:
         cached: dict[int, tuple[Run, int]] = {}
         ids = []
         for run in self._runs:
-            _require(run.lo < run.hi, f"{run} is empty but listed")
-            _require(run.lo <= run.ev <= run.hi, f"{run}: ev outside the view")
+            invariant(run.lo < run.hi, f"{run} is empty but listed")
+            invariant(run.lo <= run.ev <= run.hi, f"{run}: ev outside the view")
             for k in range(run.lo, run.hi):
                 b = run.blocks[k]
-                _require(b not in cached, f"block {b} is cached twice")
+                invariant(b not in cached, f"block {b} is cached twice")
                 cached[b] = (run, k)
                 ids.append(run.id0 + k)
-                _require((refcounts[b] > 0) == (k < run.ev),
+                invariant((refcounts[b] > 0) == (k < run.ev),
                          f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
-                _require(k == run.lo or refcounts[b] <= refcounts[run.blocks[k - 1]],
+                invariant(k == run.lo or refcounts[b] <= refcounts[run.blocks[k - 1]],
                          f"{run}: entry {k} has more holders than the entry before it")
-            _require(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
+            invariant(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
             covered = [k for s in run.segs for k in range(s.a, s.b)]
-            _require(covered == list(range(run.ev, run.hi)),
+            invariant(covered == list(range(run.ev, run.hi)),
                      f"{run}: stretches cover {covered}, not {run.ev}..{run.hi - 1}")
-            _require(all(s.run is run and s.a < s.b for s in run.segs), f"{run}: a stretch is stale")
+            invariant(all(s.run is run and s.a < s.b for s in run.segs), f"{run}: a stretch is stale")
         indexed = []
         for h, first in self.heads.items():
             r = first
             while r is not None:
-                _require(r.key == h, f"{r} is indexed under {h}, not its key {r.key}")
+                invariant(r.key == h, f"{r} is indexed under {h}, not its key {r.key}")
                 indexed.append(r)
                 r = r.same
-        _require(len(indexed) == len(self._runs) and set(indexed) == set(self._runs),
+        invariant(len(indexed) == len(self._runs) and set(indexed) == set(self._runs),
                  "the index and the views disagree")
         at = Counter(r.lo for r in self._runs)
-        _require(at == Counter(self._head_at) and self._head_positions == sorted(at),
+        invariant(at == Counter(self._head_at) and self._head_positions == sorted(at),
                  "the chain positions of the views' first entries are off")
         held = Counter((run.hashes[k], run.parent_of(k), run.contents[k]) for run, k in cached.values())
-        _require(held.most_common(1)[0][1] == 1 if held else True,
+        invariant(held.most_common(1)[0][1] == 1 if held else True,
                  "the same content under the same parent is cached twice")
-        _require(len(set(ids)) == len(ids) and all(i < self._next_entry_id for i in ids),
+        invariant(len(set(ids)) == len(ids) and all(i < self._next_entry_id for i in ids),
                  "cache entry ids are not unique")
         live = [s for s in self._lru if s.a < s.b]
-        _require(len(self._lru) - len(live) == self._num_dead, "dead stretch count is off")
-        _require(sorted(map(id, live)) == sorted(id(s) for r in self._runs for s in r.segs),
+        invariant(len(self._lru) - len(live) == self._num_dead, "dead stretch count is off")
+        invariant(sorted(map(id, live)) == sorted(id(s) for r in self._runs for s in r.segs),
                  "the LRU order and the runs' stretches disagree")
         place = {id(s): n for n, s in enumerate(live)}
         for r in self._runs:   # a run's stretches: higher entries parked earlier
             order = [place[id(s)] for s in r.segs]
-            _require(order == sorted(order, reverse=True), f"{r}: stretches out of LRU order")
-        _require(sum(s.b - s.a for s in live) == self._num_evictable, "evictable count is off")
+            invariant(order == sorted(order, reverse=True), f"{r}: stretches out of LRU order")
+        invariant(sum(s.b - s.a for s in live) == self._num_evictable, "evictable count is off")
         return cached
 
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
