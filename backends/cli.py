@@ -203,6 +203,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = run_real(config, out, force=args.force)
     except RunSetupError as exc:
         raise CLIError(str(exc)) from None
+    if opts.engine is not None and opts.engine.async_scheduling:
+        print(f"servelab run: note: {opts.engine.name} schedules asynchronously (a request "
+              "arriving during a step waits one step more); this engine steps synchronously, "
+              "as `servelab simulate --no-async-scheduling` does", file=sys.stderr)
     s = result.summary
     hits = ""
     if s.get("prefix_cache_hit_rate") is not None:

@@ -270,7 +270,7 @@ def run_cli(*args: str) -> int:
     return main(["run", "--device", "cpu", *args])
 
 
-def test_cli_writes_a_complete_run_directory(tmp_path):
+def test_cli_writes_a_complete_run_directory(tmp_path, capsys):
     from servelab.reports import SUMMARY_KEYS
     from servelab.reports.runio import read_json, read_requests, read_steps
 
@@ -280,6 +280,8 @@ def test_cli_writes_a_complete_run_directory(tmp_path):
     assert run_cli("--model", "tiny-llama", "--trace", str(trace), "--out", str(out),
                    "--block-size", "4", "--kv-blocks", "12", "--policy", "fair",
                    "--tenant-weights", "a=2,b=1", "--seed", "5", "--no-prefix-caching") == 0
+    # the default engine is vLLM's, which schedules asynchronously; this one does not
+    assert "note: vllm-0.24 schedules asynchronously" in capsys.readouterr().err
     assert {p.name for p in out.iterdir()} == {"config.json", "summary.json", "requests.csv",
                                                "steps.csv", "outputs.jsonl"}
     summary = read_json(out / "summary.json")
