@@ -46,7 +46,56 @@ class _Seq:
     num_loaded: int = 0               # prefix hits loaded from the host tier
 
 
-class PagedBlockManager(Swapping, PagedChecks, BlockManager):
+class PagedCommon:
+    """What both paged managers share, the plain one and the speed layer's
+    (simulator/speed/paged.py): the constructor from a `CacheConfig`, and the queries
+    answered from the sequence table (`_seqs`: seq id -> an entry with `blocks`,
+    `num_tokens`, `on_gpu`), the free list (`_free`) and the prefix cache (`_cache`, None
+    when off, with `num_evictable` and `evictable_blocks()`)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_config(cls, cache, max_model_len: int):
+        """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
+        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
+                   watermark_blocks=cache.watermark_blocks,
+                   enable_prefix_caching=cache.enable_prefix_caching,
+                   num_host_blocks=cache.num_host_blocks)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._seq("block_table", seq_id).blocks)
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return not self._seq("is_swapped", seq_id).on_gpu
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Token slots the sequence holds."""
+        return self._seq("num_tokens", seq_id).num_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_gpu_blocks - self.num_free_blocks
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached blocks nobody references, least recently used (next evicted) first."""
+        return self._cache.evictable_blocks() if self._cache is not None else []
+
+    def _seq(self, op: str, seq_id: Hashable):
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
+        return seq
+
+
+class PagedBlockManager(Swapping, PagedChecks, PagedCommon, BlockManager):
     """Paged blocks with reference counts, prefix caching, copy-on-write and swap.
 
     `watermark_blocks` stay free when admitting (`allocate`, `swap_in`) so running
@@ -70,14 +119,6 @@ class PagedBlockManager(Swapping, PagedChecks, BlockManager):
         self._cache = PrefixCache(self._host) if enable_prefix_caching else None
         self._prefix_queries = 0
         self._prefix_hits = 0
-
-    @classmethod
-    def from_config(cls, cache, max_model_len: int) -> PagedBlockManager:
-        """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
-        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
-                   watermark_blocks=cache.watermark_blocks,
-                   enable_prefix_caching=cache.enable_prefix_caching,
-                   num_host_blocks=cache.num_host_blocks)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
@@ -262,30 +303,6 @@ class PagedBlockManager(Swapping, PagedChecks, BlockManager):
                     self._cpu_free.append(b)
 
     # ------------------------------------------------------------------ queries
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seq("block_table", seq_id).blocks)
-
-    def has_seq(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return not self._seq("is_swapped", seq_id).on_gpu
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        return self._seq("num_tokens", seq_id).num_tokens
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_gpu_blocks - self.num_free_blocks
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached blocks nobody references, least recently used (next evicted) first."""
-        return self._cache.evictable_blocks() if self._cache is not None else []
-
     def usage(self) -> BlockUsage:
         """O(blocks held): token slots are counted from the block tables."""
         cached = self._cache.num_evictable if self._cache is not None else 0
@@ -304,11 +321,6 @@ class PagedBlockManager(Swapping, PagedChecks, BlockManager):
             host_loaded_blocks=host.loaded if host is not None else 0)
 
     # ------------------------------------------------------------------ internals
-    def _seq(self, op: str, seq_id: Hashable) -> _Seq:
-        if seq_id not in self._seqs:
-            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        return self._seqs[seq_id]
-
     def _gpu_seq(self, op: str, seq_id: Hashable) -> _Seq:
         if not self._seq(op, seq_id).on_gpu:
             raise BlockManagerError(f"{op}: sequence {seq_id!r} is swapped out")

@@ -18,7 +18,10 @@ __all__ = ["Swapping"]
 
 
 class Swapping:
-    """`can_swap_out`, `swap_out`, `can_swap_in`, `swap_in` of `PagedBlockManager`."""
+    """`can_swap_out`, `swap_out`, `can_swap_in`, `swap_in` of `PagedBlockManager` (the
+    speed layer's `PagedSwapping` keeps the checks and moves blocks its own way)."""
+
+    __slots__ = ()
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group("can_swap_out", seq_ids, on_gpu=True)

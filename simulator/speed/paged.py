@@ -45,6 +45,7 @@ from typing import Hashable, Sequence
 
 from servelab.memory.base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
                                   check_pool, check_prefix_options, invariant)
+from servelab.memory.paged import PagedCommon
 from .block_keys import BlockKeys
 from .host_runs import HostTier
 from .later_memo import LaterMemos
@@ -87,7 +88,7 @@ class _SeqBlocks:
     block's count."""
 
 
-class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
+class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager):
     """Paged KV-cache blocks with reference counts, prefix caching, copy-on-write and swap.
 
     `watermark_blocks` is kept free when admitting new sequences (`allocate`,
@@ -137,14 +138,6 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
         """The host-memory tier of the prefix cache (see host_runs.py), or None."""
         if self._host is not None:
             self._cache.host = self._host
-
-    @classmethod
-    def from_config(cls, cache, max_model_len: int) -> RunPagedBlockManager:
-        """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
-        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
-                   watermark_blocks=cache.watermark_blocks,
-                   enable_prefix_caching=cache.enable_prefix_caching,
-                   num_host_blocks=cache.num_host_blocks)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, num_tokens: int, block_contents: Sequence[Hashable] = (), *,
@@ -373,36 +366,11 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
                     cpu_free.append(b)
 
     # ------------------------------------------------------------------ queries
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seq("block_table", seq_id).blocks)
-
-    def has_seq(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return not self._seq("is_swapped", seq_id).on_gpu
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Token slots the sequence holds."""
-        return self._seq("num_tokens", seq_id).num_tokens
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
-
     @property
     def num_free_blocks_without_offload(self) -> int:
         """With a host tier, taking an evictable block copies it to the host: only the
         free list is free of copies. Without one, every free block."""
         return len(self._free) if self._host is not None else self.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_gpu_blocks - self.num_free_blocks
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached blocks nobody references, least recently used (next evicted) first."""
-        return self._cache.evictable_blocks() if self._cache is not None else []
 
     def evictable_hashes(self) -> list[int]:
         """The chain hashes of `evictable_blocks()`, in the same order: what is cached
@@ -428,12 +396,6 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, BlockManager):
             host_loaded_blocks=self._host.loaded if self._host is not None else 0)
 
     # ------------------------------------------------------------------ internals
-    def _seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        return seq
-
     def _gpu_seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:

@@ -10,21 +10,18 @@ from __future__ import annotations
 from itertools import repeat
 from typing import TYPE_CHECKING, Hashable, Iterable
 
-from servelab.memory.base import (AllocStatus, BlockManagerError, require_swap_in_room, swap_in_status,
-                                  unique_ids)
+from servelab.memory.base import BlockManagerError, require_swap_in_room
+from servelab.memory.swap import Swapping
 
 if TYPE_CHECKING:
     from .paged import _SeqBlocks
 
 
-class PagedSwapping:
-    """Group swap-out and swap-in of a paged manager."""
+class PagedSwapping(Swapping):
+    """Group swap-out and swap-in of a paged manager: the plain `Swapping`'s checks and
+    groups (memory/swap.py), with blocks moved and prefix entries kept run by run."""
 
     __slots__ = ()
-
-    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        group = self._group("can_swap_out", seq_ids, on_gpu=True)
-        return len(self._group_blocks(group)) <= len(self._cpu_free)
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """O(blocks of the group). A block shared inside the group moves once and
@@ -88,10 +85,6 @@ class PagedSwapping:
         if pieces:
             self._cache.park([tuple(p) for p in pieces])
 
-    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> AllocStatus:
-        group = self._group("can_swap_in", seq_ids, on_gpu=False)
-        return swap_in_status(self, len(self._group_blocks(group)))
-
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """O(blocks of the group); sharing inside the group is kept, as in swap_out."""
         group = self._group("swap_in", seq_ids, on_gpu=False)
@@ -116,18 +109,6 @@ class PagedSwapping:
             seq.on_gpu = True
             seq.forked = seq.forked or shared
         return list(mapping.items())
-
-    def _group(self, op: str, seq_ids: Iterable[Hashable], *, on_gpu: bool) -> list[_SeqBlocks]:
-        group = []
-        for seq_id in unique_ids(op, seq_ids):
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-            if seq.on_gpu != on_gpu:
-                where = "swapped out" if on_gpu else "not swapped out"
-                raise BlockManagerError(f"{op}: sequence {seq_id!r} is {where}")
-            group.append(seq)
-        return group
 
     def _group_blocks(self, group: list[_SeqBlocks]) -> dict[int, tuple[int, int]]:
         """Distinct blocks of the group in first-seen order -> (references inside the
