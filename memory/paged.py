@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from .base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count, check_pool,
-                   check_prefix_options)
+from .base import AllocStatus, BlockManager, BlockManagerError, check_count, check_pool, check_prefix_options
 from .host_tier import HostTier
 from .paged_checks import PagedChecks
+from .paged_common import PagedCommon
 from .swap import Swapping
 from .prefix_cache import Hit, PrefixCache, chain_hashes
 from .registry import register_block_manager
@@ -44,55 +44,6 @@ class _Seq:
     last_entry_id: int = 0
     chain_broken: bool = False        # no block from num_committed on is committed
     num_loaded: int = 0               # prefix hits loaded from the host tier
-
-
-class PagedCommon:
-    """What both paged managers share, the plain one and the speed layer's
-    (simulator/speed/paged.py): the constructor from a `CacheConfig`, and the queries
-    answered from the sequence table (`_seqs`: seq id -> an entry with `blocks`,
-    `num_tokens`, `on_gpu`), the free list (`_free`) and the prefix cache (`_cache`, None
-    when off, with `num_evictable` and `evictable_blocks()`)."""
-
-    __slots__ = ()
-
-    @classmethod
-    def from_config(cls, cache, max_model_len: int):
-        """The manager a `CacheConfig` describes (`max_model_len` is not needed)."""
-        return cls(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
-                   watermark_blocks=cache.watermark_blocks,
-                   enable_prefix_caching=cache.enable_prefix_caching,
-                   num_host_blocks=cache.num_host_blocks)
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seq("block_table", seq_id).blocks)
-
-    def has_seq(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return not self._seq("is_swapped", seq_id).on_gpu
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Token slots the sequence holds."""
-        return self._seq("num_tokens", seq_id).num_tokens
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_gpu_blocks - self.num_free_blocks
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached blocks nobody references, least recently used (next evicted) first."""
-        return self._cache.evictable_blocks() if self._cache is not None else []
-
-    def _seq(self, op: str, seq_id: Hashable):
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        return seq
 
 
 class PagedBlockManager(Swapping, PagedChecks, PagedCommon, BlockManager):
@@ -302,30 +253,7 @@ class PagedBlockManager(Swapping, PagedChecks, PagedCommon, BlockManager):
                 if not self._cpu_refs[b]:
                     self._cpu_free.append(b)
 
-    # ------------------------------------------------------------------ queries
-    def usage(self) -> BlockUsage:
-        """O(blocks held): token slots are counted from the block tables."""
-        cached = self._cache.num_evictable if self._cache is not None else 0
-        used = self.num_gpu_blocks - len(self._free) - cached
-        host = self._host
-        return BlockUsage(
-            num_total_blocks=self.num_gpu_blocks, num_used_blocks=used,
-            num_free_blocks=len(self._free), num_cached_blocks=cached,
-            token_slots_used=sum(self._fills().values()), token_slots_allocated=used * self.block_size,
-            reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
-            num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
-            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits,
-            num_host_total_blocks=self.num_host_blocks,
-            num_host_cached_blocks=host.num_cached if host is not None else 0,
-            host_offloaded_blocks=host.offloaded if host is not None else 0,
-            host_loaded_blocks=host.loaded if host is not None else 0)
-
     # ------------------------------------------------------------------ internals
-    def _gpu_seq(self, op: str, seq_id: Hashable) -> _Seq:
-        if not self._seq(op, seq_id).on_gpu:
-            raise BlockManagerError(f"{op}: sequence {seq_id!r} is swapped out")
-        return self._seqs[seq_id]
-
     def _match(self, num_tokens: int, block_contents: Sequence[Hashable]) -> tuple[list[Hit], int]:
         """Cached leading blocks, never all of the tokens: at least the last token is
         computed, since the next token is sampled from its output. O(keys) to hash."""
@@ -360,6 +288,9 @@ class PagedBlockManager(Swapping, PagedChecks, PagedCommon, BlockManager):
             self._cache.park(block)
         else:
             self._free.append(block)
+
+    def _token_slots_used(self) -> int:
+        return sum(self._fills().values())
 
     def _fills(self) -> dict[int, int]:
         """Referenced GPU block -> token slots filled (sharers agree)."""

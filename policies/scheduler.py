@@ -6,32 +6,21 @@ which running requests are preempted, and which waiting requests are admitted; t
 executor runs that; `update(output, result)` advances the requests. The scheduler is
 pure: it never reads a clock or a random source, so the same calls give the same outputs.
 
-Step composition (SchedulerConfig.step_composition):
+Step composition (SchedulerConfig.step_composition): decode_first (Sarathi-Serve's
+stall-free batching: running requests first, waiting ones admitted into what is left) or
+prefill_first (vLLM v0 without chunking: a step with prefill work holds only prefills).
 
-- decode_first (Sarathi-Serve's stall-free batching): every running request gets its
-  decode token (or its next prefill chunk) first; waiting requests are admitted into
-  the budget that is left.
-- prefill_first (vLLM v0 without chunking): if any prefill work can be scheduled, the
-  step holds only prefills; decodes run in steps with no prefill.
+An arrival passes the admission stage first (policies/admission_control.py: tenant limits
+and rates, shedding by tier). A request is admitted only if its whole prompt (after a
+recompute preemption, prompt + generated tokens) gets blocks (`KVAdmission`); decodes
+append one slot per step. When a running sequence cannot get its slot, the policy's victim
+is preempted (policies/preempting.py) by recompute or swap (policies/preemption.py); a
+step that preempted anything admits nothing new and swaps nothing in.
 
-Admission control: every arrival passes the admission stage first
-(`policies/admission_control.py`, when `SchedulerConfig.admission` has a rule): per-tenant
-queue limits and rates, and shedding by tier; a refused request is rejected with its
-reason, before the policy sees it.
-
-Memory: a request is admitted only if its whole prompt (or, after a recompute
-preemption, prompt + generated tokens) gets blocks (`KVAdmission`); decodes append one
-slot per step. When a running sequence cannot get its slot, the policy's victim is
-preempted (`policies/preempting.py`), its outcome chosen by the preemption mode
-(`policies/preemption.py`): recompute
-(free the KV, back to the waiting queue) or swap (KV to the CPU pool). A step that
-preempted anything admits nothing new and swaps nothing in.
-
-This is the plain scheduler: every decision is made here, request by request, and the
-real backend runs it. The simulator runs its speed-layer subclass,
-`simulator/speed/scheduler.py` `BatchingScheduler`, which advances plain decodes in bulk
-and fast-forwards runs of decode steps in closed form while deciding exactly as this one
-does (tests/test_scheduler_properties.py). The few methods it overrides are marked
+This is the plain scheduler, which the real backend runs. The simulator runs its
+speed-layer subclass, simulator/speed/scheduler.py `BatchingScheduler`, which advances
+plain decodes in bulk and fast-forwards runs of decode steps while deciding exactly as
+this one does (tests/test_scheduler_properties.py); the methods it overrides are marked
 "speed layer hook" below.
 """
 from __future__ import annotations
@@ -43,6 +32,7 @@ from servelab.policies.admission import KVAdmission
 from servelab.policies.admission_control import AdmissionControl
 from servelab.policies.base import Policy, SchedulerError
 from servelab.policies.budget import StepBudget
+from servelab.policies.kv_imports import KVImports
 from servelab.policies.lookahead import SpeculativeSteps
 from servelab.policies.preempting import Preempting
 from servelab.policies.preemption import make_preemption
@@ -52,10 +42,11 @@ from servelab.request import Request, RequestStatus, Sequence
 __all__ = ["Scheduler", "SchedulerError"]
 
 
-class Scheduler(Preempting, SpeculativeSteps):
+class Scheduler(Preempting, SpeculativeSteps, KVImports):
     """Continuous batching over a block manager, ordered by a policy (preemption and
     swap-in: `Preempting`, policies/preempting.py; a speculating engine's verify steps:
-    `SpeculativeSteps`, policies/lookahead.py).
+    `SpeculativeSteps`, policies/lookahead.py; requests whose KV was imported:
+    `KVImports`, policies/kv_imports.py).
 
     `emit_block_tables=True` fills SchedulerOutput.block_tables (the real backend needs
     them; the simulator does not, and copying tables costs O(blocks) per sequence).
@@ -323,18 +314,7 @@ class Scheduler(Preempting, SpeculativeSteps):
             if status is AllocStatus.LATER and (self._running or self.swapped):
                 return
             if status is AllocStatus.LATER and self._imports:
-                # nothing runs, and imports waiting behind the head hold the memory it
-                # needs: they need none, so they start first and free it when they end
-                for rid in sorted(self._imports):
-                    imported = self._requests[rid]
-                    live = sum(1 for s in imported.seqs if not s.finished)
-                    if live > seats or step.tokens <= 0 or step.seqs <= 0 \
-                            or step.plan(imported, allocated=False) is None:
-                        return
-                    kv.allocate(imported)   # OK: its blocks are held already
-                    policy.remove(imported)
-                    self._start(imported, now, step)
-                    seats -= live
+                self._start_imports(now, step, seats)   # they hold what the head needs
                 return
             if status is not AllocStatus.OK:
                 # NEVER, or LATER with nothing running that could free memory.

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Hashable, Sequence
 
-from servelab.memory.base import (AllocStatus, BlockManager, BlockManagerError, BlockUsage, check_count,
+from servelab.memory.base import (AllocStatus, BlockManager, BlockManagerError, check_count,
                                   check_pool, check_prefix_options, invariant)
-from servelab.memory.paged import PagedCommon
+from servelab.memory.paged_common import PagedCommon
 from .block_keys import BlockKeys
 from .host_runs import HostTier
 from .later_memo import LaterMemos
@@ -380,30 +380,10 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
         cached = self._cache.cached()
         return [run.hashes[k] for run, k in map(cached.__getitem__, self.evictable_blocks())]
 
-    def usage(self) -> BlockUsage:
-        cached = self._cache.num_evictable if self._cache is not None else 0
-        used = self.num_gpu_blocks - len(self._free) - cached
-        return BlockUsage(
-            num_total_blocks=self.num_gpu_blocks, num_used_blocks=used,
-            num_free_blocks=len(self._free), num_cached_blocks=cached,
-            token_slots_used=self._slots_used, token_slots_allocated=used * self.block_size,
-            reserved_unused_slots=0, num_cpu_total_blocks=self.num_cpu_blocks,
-            num_cpu_used_blocks=self.num_cpu_blocks - len(self._cpu_free),
-            prefix_queries=self._prefix_queries, prefix_hits=self._prefix_hits,
-            num_host_total_blocks=self.num_host_blocks,
-            num_host_cached_blocks=self._host.num_cached if self._host is not None else 0,
-            host_offloaded_blocks=self._host.offloaded if self._host is not None else 0,
-            host_loaded_blocks=self._host.loaded if self._host is not None else 0)
+    def _token_slots_used(self) -> int:
+        return self._slots_used
 
     # ------------------------------------------------------------------ internals
-    def _gpu_seq(self, op: str, seq_id: Hashable) -> _SeqBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise BlockManagerError(f"{op}: unknown sequence {seq_id!r}")
-        if not seq.on_gpu:
-            raise BlockManagerError(f"{op}: sequence {seq_id!r} is swapped out")
-        return seq
-
     def _match(self, num_tokens: int, block_contents: Sequence[Hashable]) -> PrefixMatch:
         """Cached leading blocks, never all of the tokens: at least the last token is
         computed, since the next token is sampled from its output."""
