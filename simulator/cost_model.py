@@ -626,7 +626,8 @@ class CostModel:
             flops = 2.0 * pairs * per_expert
             nbytes = (active * per_expert * DTYPE_BYTES[dtype]
                       + pairs * (2 * x.hidden + 3 * x.width) * (1 if w8a8 else ACT_BYTES))
-            compute = flops / (g.peak_flops("fp8" if w8a8 else "bf16") * p.compute_eff)
+            eff = float(K.moe.layer_compute_eff(p, g, dtype, x.experts, x.ep, x.width))
+            compute = flops / (g.peak_flops("fp8" if w8a8 else "bf16") * eff)
             memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
             return flops, nbytes, _bound(compute, memory, p.floor_s)
         if name in ("ep_dispatch", "ep_combine"):

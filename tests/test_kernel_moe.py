@@ -186,9 +186,11 @@ def test_h100_moe_fit_reproduces_held_out_rows_within_the_target(h100_tables):
     assert overall["n"] > 3000 and overall["mape_pct"] <= 15.0
     assert overall["mape_pct"] == pytest.approx(packaged("h100-sxm").fit_stats["moe.heldout_mape_pct"],
                                                 abs=0.01)
-    # the bands the fit meets: many experts, any EP, any batch (tuned Mixtral configs miss)
+    # bands the fit meets: many experts, any EP, any batch; and Mixtral's at large batches,
+    # whose tuned configs (kernels.moe.VLLM_TUNED_MOE) missed by 52-68% without their own rate
     for band in ("tokens 1-32, experts > 160, EP 1", "tokens 33-512, experts > 160, EP 1",
-                 "tokens 513-4096, experts 17-160, EP 2-8", "tokens > 4096, experts > 160, EP 2-8"):
+                 "tokens 513-4096, experts 17-160, EP 2-8", "tokens > 4096, experts > 160, EP 2-8",
+                 "tokens 513-4096, experts <= 16, EP 1", "tokens > 4096, experts <= 16, EP 1"):
         assert fit.stats[band]["mape_pct"] <= 15.0, band
     bare = judge(FAMILIES["moe"], family_table(h100_tables, FAMILIES["moe"]), H100,
                  K.MoEParams(), holdout_mask(family_table(h100_tables, FAMILIES["moe"]), 0.3, 0))

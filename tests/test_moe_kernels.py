@@ -129,8 +129,61 @@ def test_profiles_from_before_the_new_fields_read_as_before():
     data = {k: v for k, v in p.to_dict().items() if k not in K.MoEParams._added}
     old = K.MoEParams.from_dict(data, "test")
     assert old.small_stream_rows == 0 and old.l2_fraction == 0
+    assert old.tuned_compute_eff == 0 and old.width_knee == 0
     with pytest.raises(ValueError, match="small_stream_rows must be 0 or one of"):
         replace(K.MoEParams(), small_stream_rows=20.0)
+
+
+# --- tuned kernel configs and wide experts ----------------------------------------------------
+
+
+def test_vllm_tuned_configs_are_looked_up_per_gpu_dtype_and_layer_shape():
+    """Mixtral 8x7B at TP 2 (8 experts of width 7,168 per GPU) has an H100 config; at TP 1
+    (14,336) it has none in BF16 but one in FP8; the B200 has none; EP divides the experts."""
+    assert M.vllm_tuned("h100-sxm", "bf16", 8, 1, 7168)
+    assert not M.vllm_tuned("h100-sxm", "bf16", 8, 1, 14336)
+    assert M.vllm_tuned("h100-sxm", "fp8", 8, 1, 14336)
+    assert not M.vllm_tuned("b200", "bf16", 8, 1, 7168)
+    assert M.vllm_tuned("a100-80gb", "bf16", 8, 8, 14336)          # one expert per GPU
+    rows = M.vllm_tuned("a100-80gb", "bf16", np.array([8, 8, 256]), np.array([1, 2, 32]),
+                        np.array([3584.0, 3584.0, 2048.0]))
+    assert rows.tolist() == [True, False, True]
+
+
+def test_tuned_layers_take_their_own_compute_efficiency_at_large_batches():
+    p = replace(K.MoEParams(), compute_eff=0.3, small_tile_rows=16.0, large_tile_rows=64.0)
+    fast = replace(p, tuned_compute_eff=0.6)
+    big = 65536                                           # compute-bound: time ~ 1 / efficiency
+    tuned = [K.moe_experts_time(big, 4096, 14336, 8, 2, H100, q, tp=2) for q in (p, fast)]
+    assert tuned[1] == pytest.approx(tuned[0] / 2, rel=0.02)
+    untuned = [K.moe_experts_time(big, 4096, 14336, 8, 2, H100, q) for q in (p, fast)]
+    assert untuned[0] == untuned[1]
+    on_b200 = [K.moe_experts_time(big, 4096, 14336, 8, 2, get_gpu("b200"), q, tp=2)
+               for q in (p, fast)]
+    assert on_b200[0] == on_b200[1]
+    with pytest.raises(ValueError, match="tuned_compute_eff must be 0"):
+        replace(p, tuned_compute_eff=1.5)
+
+
+def test_wide_untuned_experts_lose_compute_efficiency_by_the_knee():
+    p = replace(K.MoEParams(), compute_eff=0.5, small_tile_rows=16.0, large_tile_rows=64.0)
+    knee = replace(p, width_knee=14336.0)
+    plain, slow = (K.moe_experts_time(65536, 4096, 14336, 8, 2, get_gpu("b200"), q)
+                   for q in (p, knee))
+    assert slow == pytest.approx(2 * plain, rel=0.02)     # width = knee: half the rate
+    tuned = replace(knee, tuned_compute_eff=0.5)          # a tuned layer keeps its own rate
+    assert K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, tuned, tp=2) == pytest.approx(
+        K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, p, tp=2))
+
+
+def test_packaged_a100_prices_tuned_mixtral_layers_faster_per_flop():
+    """Measured on A100 (vLLM 0.14): 8 experts of width 7,168 per GPU (tuned) run at about
+    twice the compute rate of width 14,336 (untuned) at 16k tokens (docs/moe-mla.md)."""
+    p = packaged("a100-80gb").kernels.moe
+    assert p.tuned_compute_eff > 1.3 * p.compute_eff
+    tp1 = K.moe_experts_time(16384, 4096, 14336, 8, 2, A100, p)
+    tp2 = K.moe_experts_time(16384, 4096, 14336, 8, 2, A100, p, tp=2)
+    assert tp2 < 0.4 * tp1
 
 
 # --- MLA: the eager launch floor ---------------------------------------------------------------

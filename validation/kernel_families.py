@@ -221,16 +221,24 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "small_tile_eff": (0.05, 1.0, 0.5), "memory_eff": (0.2, 1.0, 0.8),
                "overlap": (1.0, 20.0, 3.0), "combine_traffic": (1e-3, 50.0, 1.0),
                "quant_elem_s": (1e-15, 1e-9, 1e-11), "l2_fraction": (0.05, 2.0, 0.5),
-               "l2_gain": (1.0, 20.0, 2.0)}
+               "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
+               "width_knee": (256.0, 1e6, 16384.0)}
 
 
 def _moe_family(name: str, dtype: str) -> Family:
     fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
-    other = dict(GROUPED_GEMM_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
+    other = dict(GROUPED_GEMM_MOE, tuned_compute_eff=0.0,   # vLLM's Triton configs: not its
+                 **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
+
+    def triton(gpu: GPUSpec) -> dict:
+        """The Triton kernel's settings; no tuned-config efficiency where vLLM has none."""
+        tuned = K.moe.VLLM_TUNED_MOE.get((gpu.name, dtype))
+        return dict(fixed, **({} if tuned else {"tuned_compute_eff": 0.0}))
+
     return Family(
         name, "moe", lambda t: t["dtype"] == dtype, _MOE_FITTED,
         lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
-        fixed=lambda gpu: dict(fixed), alternatives=lambda gpu: (dict(other),),
+        fixed=triton, alternatives=lambda gpu: (dict(other),),
         starts=({}, {"compute_eff": 0.7, "small_tile_eff": 0.9, "overlap": 1.5}),
         size_axes=("tokens",), prepare=moe_load_columns)
 

@@ -14,7 +14,8 @@ The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
     memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
 
 combined by a soft maximum, plus a floor, the top-k combine over every pair of the step and,
-for FP8 (W8A8), the activation quantisation. At small batches the weights of each activated
+for FP8 (W8A8), the activation quantisation. Layers vLLM ships a tuned config for run at
+their own compute efficiency, and wide experts at a lower one (`VLLM_TUNED_MOE`). At small batches the weights of each activated
 expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
 once per group of tiles that run together (`small_stream_rows`, `large_stream_rows`: vLLM's
 small-batch config runs 16-row tiles one after another, GROUP_SIZE_M = 1, so an expert with
@@ -257,6 +258,47 @@ def _trim(counts: np.ndarray, excess: int) -> None:
         counts[j if counts[j] > 0 else int(np.argmax(counts))] -= 1
 
 
+# ------------------------------------------------------------------- tuned kernel configs
+
+
+VLLM_TUNED_MOE: dict[tuple[str, str], frozenset[tuple[int, int]]] = {
+    ("a100-80gb", "bf16"): frozenset({(1, 14336), (8, 7168), (8, 4096), (8, 3584), (8, 2048),
+                                      (8, 1792)}),
+    ("h100-sxm", "bf16"): frozenset({(8, 7168), (8, 4096), (8, 3584), (8, 2048), (8, 1792)}),
+    ("h100-sxm", "fp8"): frozenset({(8, 14336), (8, 8192), (8, 7168), (8, 4096), (8, 3584),
+                                    (8, 2048)}),
+    ("h200", "bf16"): frozenset({(8, 14336), (8, 7168), (8, 4096), (8, 3584), (8, 2048),
+                                 (8, 1792)}),
+    ("h200", "fp8"): frozenset({(8, 14336), (8, 7168)}),
+}
+"""(catalog GPU, dtype) -> the few-expert layer shapes (experts per GPU E, expert width per
+GPU N) for which vLLM ships a tuned Triton fused-MoE config: the files
+`vllm/model_executor/layers/fused_moe/configs/E=<E>,N=<N>,device_name=<GPU>[,dtype=fp8_w8a8].json`
+(device names NVIDIA_A100-SXM4-80GB, NVIDIA_H100_80GB_HBM3, NVIDIA_H200) in
+vllm-project/vllm, looked up one by one for the Mixtral-shaped layers (E <= 16) of
+aiconfigurator's tables; B200, L40S and the RTX PRO 6000 have none of them. The public index
+read lists vLLM's history, not one release: Mixtral's configs are long-standing, so they are
+taken as present in every engine version modelled here. Without such a file vLLM runs
+`get_default_config`'s tiles; with one, larger tiles per batch size, and on A100 and H100
+those layers measure up to twice the compute rate of untuned ones at large batches
+(`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes). Separately, on B200
+(vLLM 0.24, FlashInfer's TRT-LLM kernel for the few-expert rows) the compute rate falls as
+experts widen, about -40% at 14,336-16,384 per GPU against widths up to 3,584:
+`MoEParams.width_knee` prices that in an empirical form fitted per profile
+(docs/moe-mla.md). Many-expert layers were not looked up: their fit absorbs whatever configs
+they have."""
+
+
+def vllm_tuned(gpu_name: str, dtype: str, experts, ep, inter_gpu):
+    """Whether vLLM has a tuned config for these layers on this GPU (broadcasts)."""
+    shapes = VLLM_TUNED_MOE.get((gpu_name, dtype))
+    if not shapes:
+        return False
+    local = np.rint(np.asarray(experts, dtype=np.float64) / np.asarray(ep, dtype=np.float64))
+    code = local * 1e6 + np.rint(np.asarray(inter_gpu, dtype=np.float64))
+    return np.isin(code, [e * 1e6 + n for e, n in shapes])
+
+
 # ------------------------------------------------------------------------------- kernel
 
 
@@ -303,12 +345,22 @@ class MoEParams(_Params):
     every layer's weights from HBM, so the simulator never applies it."""
     l2_gain: float = 1.0
     """How much faster than HBM those L2-resident weights are read."""
+    tuned_compute_eff: float = 0.0
+    """`compute_eff` of the layers vLLM ships a tuned kernel config for on this GPU
+    (`VLLM_TUNED_MOE`); 0: they run as fast as the others."""
+    width_knee: float = 0.0
+    """Expert width per GPU (inter/TP) at which the untuned kernel's compute efficiency
+    has halved: it is divided by 1 + width/knee (see `VLLM_TUNED_MOE`); 0: no fall."""
 
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff")
-    _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain")
+    _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
+              "tuned_compute_eff", "width_knee")
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.tuned_compute_eff > 1:
+            raise ValueError(f"MoEParams.tuned_compute_eff must be 0 (no tuned configs) or a "
+                             f"fraction of peak in (0, 1], got {self.tuned_compute_eff!r}")
         for name in ("small_tile_rows", "large_tile_rows"):
             if getattr(self, name) not in TILE_ROWS:
                 raise ValueError(f"MoEParams.{name} must be one of "
@@ -360,7 +412,8 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         naive = (np.asarray(ep) == 1) & (t * topk * p.naive_sparsity <= experts)
         active, tiles = np.where(naive, pairs, active), np.where(naive, pairs, tiles)
         passes = np.where(naive, pairs, passes)
-    eff = p.compute_eff * np.where(rows < 64, p.small_tile_eff, 1.0)
+    eff = layer_compute_eff(p, gpu, dtype, experts, ep, inter_gpu) \
+        * np.where(rows < 64, p.small_tile_eff, 1.0)
     compute = tiles * rows * 2.0 * per_expert / (gpu.peak_flops("fp8" if w8a8 else "bf16") * eff)
     bw = gpu.hbm_bandwidth_gbps * 1e9
     weights = passes * per_expert * weight_bytes
@@ -377,6 +430,17 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     combine = p.combine_traffic * t * topk * (4.0 * hidden + 6.0 * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
+
+
+def layer_compute_eff(p: MoEParams, gpu: GPUSpec, dtype: str, experts, ep, inter_gpu):
+    """The fraction of peak a layer's full tiles reach: `tuned_compute_eff` where vLLM has
+    a tuned config for it, else `compute_eff`, lowered for wide experts (`width_knee`)."""
+    eff = p.compute_eff
+    if p.width_knee:
+        eff = eff / (1.0 + np.asarray(inter_gpu, dtype=np.float64) / p.width_knee)
+    if p.tuned_compute_eff:
+        eff = np.where(vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu), p.tuned_compute_eff, eff)
+    return eff
 
 
 def _passes(stats, stream_rows: float):
