@@ -11,11 +11,12 @@ from .base import BlockManagerError, BlockUsage
 class PagedCommon:
     """What both paged managers share, the plain one and the speed layer's
     (simulator/speed/paged.py): the constructor from a `CacheConfig`, and the queries
-    answered from the sequence table (`_seqs`: seq id -> an entry with `blocks`,
-    `num_tokens`, `on_gpu`), the free lists (`_free`, `_cpu_free`), the prefix cache
-    (`_cache`, None when off, with `num_evictable` and `evictable_blocks()`), the host tier
-    (`_host`, None when off) and the prefix counters; each says how many token slots its
-    tables fill (`_token_slots_used`)."""
+    answered from their state: the pool sizes (`block_size`, `num_gpu_blocks`,
+    `num_cpu_blocks`, `num_host_blocks`), the sequence table (`_seqs`: seq id -> an entry
+    with `blocks`, `num_tokens`, `on_gpu`), the free lists (`_free`, `_cpu_free`), the
+    prefix cache (`_cache`, None when off, with `num_evictable` and `evictable_blocks()`),
+    the host tier (`_host`, None when off) and the prefix counters (`_prefix_queries`,
+    `_prefix_hits`)."""
 
     __slots__ = ()
 
@@ -52,7 +53,12 @@ class PagedCommon:
         """Cached blocks nobody references, least recently used (next evicted) first."""
         return self._cache.evictable_blocks() if self._cache is not None else []
 
+    def _token_slots_used(self) -> int:
+        """Token slots the GPU block tables fill (each manager counts them its own way)."""
+        raise NotImplementedError
+
     def usage(self) -> BlockUsage:
+        """O(1), plus what `_token_slots_used` costs (the plain manager walks its tables)."""
         cached = self._cache.num_evictable if self._cache is not None else 0
         used = self.num_gpu_blocks - len(self._free) - cached
         host = self._host

@@ -171,9 +171,38 @@ def test_wide_untuned_experts_lose_compute_efficiency_by_the_knee():
     plain, slow = (K.moe_experts_time(65536, 4096, 14336, 8, 2, get_gpu("b200"), q)
                    for q in (p, knee))
     assert slow == pytest.approx(2 * plain, rel=0.02)     # width = knee: half the rate
+    half = K.moe_experts_time(65536, 4096, 14336, 8, 2, get_gpu("b200"), knee, tp=2)
+    assert half == pytest.approx(1.5 * K.moe_experts_time(65536, 4096, 14336, 8, 2,
+                                                          get_gpu("b200"), p, tp=2), rel=0.02)
     tuned = replace(knee, tuned_compute_eff=0.5)          # a tuned layer keeps its own rate
     assert K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, tuned, tp=2) == pytest.approx(
         K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, p, tp=2))
+
+
+def test_the_fit_gives_tuned_layers_their_own_rate_only_where_vllm_has_tuned_configs():
+    """The Triton path fits tuned_compute_eff on A100 and H100 and pins it at 0 (no tuned
+    configs) elsewhere; the grouped-GEMM libraries never read vLLM's configs."""
+    from servelab.validation.kernel_families import FAMILIES
+    for family in ("moe", "moe_fp8"):
+        fam = FAMILIES[family]
+        for name in ("b200", "l40s", "rtx-pro-6000"):
+            assert fam.fixed(get_gpu(name))["tuned_compute_eff"] == 0.0, (family, name)
+        assert "tuned_compute_eff" not in fam.fixed(H100), family
+        for other in fam.alternatives(H100):
+            assert other["tuned_compute_eff"] == 0.0
+    assert "tuned_compute_eff" not in FAMILIES["moe"].fixed(A100)
+    assert FAMILIES["moe_fp8"].fixed(A100)["tuned_compute_eff"] == 0.0   # weight-only FP8
+    assert M.vllm_tuned("b200", "bf16", np.array([8, 8]), 1, 7168.0).tolist() == [False, False]
+
+
+def test_a_layers_efficiency_is_the_tuned_rate_or_the_width_lowered_one():
+    """What the step time and the cost breakdown both divide by (`layer_compute_eff`), on
+    the packaged H100 profile: Mixtral at TP 2 (tuned) and TP 1 (untuned)."""
+    p = packaged("h100-sxm").kernels.moe
+    tuned = M.layer_compute_eff(p, H100, "bf16", 8, 1, 7168)
+    untuned = M.layer_compute_eff(p, H100, "bf16", 8, 1, 14336)
+    assert tuned == pytest.approx(p.tuned_compute_eff)
+    assert untuned == pytest.approx(p.compute_eff / (1 + 14336 / p.width_knee))
 
 
 def test_packaged_a100_prices_tuned_mixtral_layers_faster_per_flop():

@@ -227,7 +227,8 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
 
 def _moe_family(name: str, dtype: str) -> Family:
     fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
-    other = dict(GROUPED_GEMM_MOE, tuned_compute_eff=0.0,   # vLLM's Triton configs: not its
+    # the grouped-GEMM libraries do not read vLLM's tuned Triton configs
+    other = dict(GROUPED_GEMM_MOE, tuned_compute_eff=0.0,
                  **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
 
     def triton(gpu: GPUSpec) -> dict:

@@ -10,12 +10,13 @@ the pairs of the others; tensor parallelism (TP) splits every expert's inter dim
 
 The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
 
-    compute = tiles x tile_rows x 2 x W / (peak x compute_eff)      W = 3 x hidden x inter/TP
+    compute = tiles x tile_rows x 2 x W / (peak x eff)      W = 3 x hidden x inter/TP
     memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
 
 combined by a soft maximum, plus a floor, the top-k combine over every pair of the step and,
-for FP8 (W8A8), the activation quantisation. Layers vLLM ships a tuned config for run at
-their own compute efficiency, and wide experts at a lower one (`VLLM_TUNED_MOE`). At small batches the weights of each activated
+for FP8 (W8A8), the activation quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
+ships a tuned kernel config for, else compute_eff / (1 + inter/TP / width_knee): untuned wide
+experts run at a lower rate (`VLLM_TUNED_MOE`). At small batches the weights of each activated
 expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
 once per group of tiles that run together (`small_stream_rows`, `large_stream_rows`: vLLM's
 small-batch config runs 16-row tiles one after another, GROUP_SIZE_M = 1, so an expert with
@@ -275,13 +276,16 @@ VLLM_TUNED_MOE: dict[tuple[str, str], frozenset[tuple[int, int]]] = {
 GPU N) for which vLLM ships a tuned Triton fused-MoE config: the files
 `vllm/model_executor/layers/fused_moe/configs/E=<E>,N=<N>,device_name=<GPU>[,dtype=fp8_w8a8].json`
 (device names NVIDIA_A100-SXM4-80GB, NVIDIA_H100_80GB_HBM3, NVIDIA_H200) in
-vllm-project/vllm, looked up one by one for the Mixtral-shaped layers (E <= 16) of
-aiconfigurator's tables; B200, L40S and the RTX PRO 6000 have none of them. The public index
+vllm-project/vllm, looked up one by one for the Mixtral-shaped layers (E <= 16) that
+aiconfigurator's tables measure; B200, L40S and the RTX PRO 6000 have none of them. vLLM
+has more few-expert files (e.g. A100 E=1 at N=1792, 3584 and 7168; H100 E=16, N=1792) whose
+shapes no table measures: they are not listed, so the model prices them as untuned. The public index
 read lists vLLM's history, not one release: Mixtral's configs are long-standing, so they are
 taken as present in every engine version modelled here. Without such a file vLLM runs
-`get_default_config`'s tiles; with one, larger tiles per batch size, and on A100 and H100
-those layers measure up to twice the compute rate of untuned ones at large batches
-(`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes). Separately, on B200
+`get_default_config`'s tiles; with one, larger tiles per batch size, and at large batches
+those layers measure about twice the compute rate of untuned ones on A100 and 2.5-3x on
+H100 (`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes; H200's shapes,
+(8, 14336) among them, are priced with the H100 fit it carries: unmeasured). Separately, on B200
 (vLLM 0.24, FlashInfer's TRT-LLM kernel for the few-expert rows) the compute rate falls as
 experts widen, about -40% at 14,336-16,384 per GPU against widths up to 3,584:
 `MoEParams.width_knee` prices that in an empirical form fitted per profile
@@ -289,11 +293,12 @@ experts widen, about -40% at 14,336-16,384 per GPU against widths up to 3,584:
 they have."""
 
 
-def vllm_tuned(gpu_name: str, dtype: str, experts, ep, inter_gpu):
-    """Whether vLLM has a tuned config for these layers on this GPU (broadcasts)."""
+def vllm_tuned(gpu_name: str, dtype: str, experts, ep, inter_gpu) -> np.ndarray:
+    """Whether vLLM has a tuned config for these layers on this GPU: a boolean array of
+    the broadcast shape of `experts`, `ep` and `inter_gpu`."""
     shapes = VLLM_TUNED_MOE.get((gpu_name, dtype))
     if not shapes:
-        return False
+        return np.zeros(np.broadcast(experts, ep, inter_gpu).shape, dtype=bool)
     local = np.rint(np.asarray(experts, dtype=np.float64) / np.asarray(ep, dtype=np.float64))
     code = local * 1e6 + np.rint(np.asarray(inter_gpu, dtype=np.float64))
     return np.isin(code, [e * 1e6 + n for e, n in shapes])
