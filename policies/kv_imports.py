@@ -4,12 +4,13 @@ Under disaggregated prefill/decode (simulator/disaggregation.py, backends/disagg
 a decode engine receives a request whose prompt a prefill engine computed: its importer
 (`land`, simulator/kv_handoff.py, in both executors) allocates the request's blocks in this
 engine's block manager, sets the computed tokens, and adds it to the scheduler, where it
-waits like any arrival but needs no free memory (`KVAdmission`, policies/admission.py). The scheduler notes such requests
-(`Scheduler._imports`) at `add_request`.
+waits like any arrival but needs no free memory (`KVAdmission`, policies/admission.py). The
+scheduler notes such requests (`Scheduler._imports`) at `add_request`.
 
 One case needs their own rule: when nothing runs or is swapped out and the policy's head
-waits for memory that only waiting imports hold, the head would wait forever. The imports then start first
-(`_start_imports`), in request-id order, and free their blocks when they end.
+waits for memory that only waiting imports hold, the head would wait forever. The imports
+then start first (`_start_imports`), in request-id order, and free their blocks when they
+end.
 
 The method here is part of `Scheduler` (policies/scheduler.py), kept apart because it is
 one idea of its own.

@@ -17,7 +17,8 @@ import numpy as np
 
 from servelab.simulator.calibration import packaged
 from servelab.simulator.gpus import get_gpu
-from servelab.validation.kernel_fit import DEFAULT_HOLDOUT, DEFAULT_SEED, FAMILIES, family_table, holdout_mask
+from servelab.validation.kernel_fit import (DEFAULT_HOLDOUT, DEFAULT_SEED, FAMILIES, family_table,
+                                            holdout_mask)
 from servelab.validation.measurements import load_measurements
 
 BANDS = ((32, "1-32"), (512, "33-512"), (4096, "513-4096"), (float("inf"), "> 4096"))

@@ -444,7 +444,8 @@ def layer_compute_eff(p: MoEParams, gpu: GPUSpec, dtype: str, experts, ep, inter
     if p.width_knee:
         eff = eff / (1.0 + np.asarray(inter_gpu, dtype=np.float64) / p.width_knee)
     if p.tuned_compute_eff:
-        eff = np.where(vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu), p.tuned_compute_eff, eff)
+        tuned = vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
+        eff = np.where(tuned, p.tuned_compute_eff, eff)
     return eff
 
 
