@@ -78,7 +78,7 @@ _GEMM_FITTED = {
     "split_k_s": (1e-8, 1e-5, 1e-6), "write_penalty": (0.5, 4.0, 1.2),
     "gemv_k_step_s": (1e-12, 2e-8, 5e-10), "wave_quantization": (1e-3, 1.0, 0.5),
     "l2_fraction": (0.05, 2.0, 0.7), "l2_gain": (1.0, 20.0, 2.0),
-    "quant_elem_s": (1e-14, 2e-10, 1e-11)}
+    "quant_elem_s": (1e-14, 2e-10, 1e-11), "quant_row_s": (1e-13, 1e-7, 1e-9)}
 
 
 def _gemm_starts(n: int) -> tuple[dict, ...]:
@@ -87,7 +87,10 @@ def _gemm_starts(n: int) -> tuple[dict, ...]:
     rng = np.random.default_rng(1)
     starts = [{}]
     for _ in range(n - 1):
-        start = {k: v[2] * float(np.exp(rng.normal(0, 0.4))) for k, v in _GEMM_FITTED.items()}
+        # quant_row_s came later and keeps its generic start, so the other parameters'
+        # draws stay those the packaged profiles were fitted from
+        start = {k: v[2] * float(np.exp(rng.normal(0, 0.4))) for k, v in _GEMM_FITTED.items()
+                 if k != "quant_row_s"}
         for name in ("compute_eff", "memory_eff", "wave_quantization"):
             start[name] = min(start[name], 0.99)
         starts.append(start)
@@ -293,7 +296,7 @@ FAMILIES: dict[str, Family] = {
         "gemm", "gemm", lambda t: t["dtype"] == "bf16", _GEMM_FITTED,
         lambda t, g, p: _gemm_predict(t, g, p, "bf16"),
         lambda t: _band(t["m"], (32, 512, 4096), M_BANDS), M_BANDS, size_axes=("m", "n", "k"),
-        fixed=lambda gpu: {"quant_elem_s": 0.0}, starts=_gemm_starts(3)),
+        fixed=lambda gpu: {"quant_elem_s": 0.0, "quant_row_s": 0.0}, starts=_gemm_starts(3)),
     "gemm_fp8": Family(
         "gemm_fp8", "gemm", lambda t: t["dtype"] == "fp8", _GEMM_FITTED,
         lambda t, g, p: _gemm_predict(t, g, p, "fp8"),
