@@ -182,6 +182,7 @@ def _moe(opts: dict) -> dict:
     # dispatch and combine: each token's hidden state to and from the GPUs of its experts
     a2a_bytes = t / ep * k * h * (1.0 if w8a8 else 2.0)
     a2a = 2.0 * float(K.alltoall_time(a2a_bytes, ep, gpu, profile.kernels.alltoall))
+    tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, dtype, e, ep, inter / tp))
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,
@@ -191,7 +192,9 @@ def _moe(opts: dict) -> dict:
             "experts_ms": _ms(experts), "alltoall_ms": _ms(a2a),
             "active_experts": round(active, 2), "pairs": round(pairs, 2),
             "weight_bytes": weight_bytes, "flops": flops, "compute_ms": _ms(compute),
-            "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory"}
+            "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory",
+            "vllm_tuned_config": tuned,
+            "compute_eff": round(float(K.moe.layer_compute_eff(p, gpu, dtype, e, ep, inter / tp)), 4)}
 
 
 def _mla(opts: dict) -> dict:
@@ -389,7 +392,11 @@ def describe(kind: str, r: dict) -> str:
                 f"pairs)\n"
                 f"  roofline of the experts: compute {r['compute_ms']:.4f} ms, weights "
                 f"{r['memory_ms']:.4f} ms ({r['bound']}-bound); EP dispatch + combine all-to-all "
-                f"{r['alltoall_ms']:.4f} ms (not included)")
+                f"{r['alltoall_ms']:.4f} ms (not included)\n"
+                f"  full tiles at {r['compute_eff']:.2f} of peak: "
+                + (f"vLLM ships a tuned kernel config for {r['experts'] // r['ep']} experts of "
+                   f"width {r['inter'] // r['tp']} on this GPU" if r["vllm_tuned_config"] else
+                   "no tuned vLLM kernel config priced for this layer on this GPU"))
     if kind == "mla":
         what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"
                 if r["phase"] == "prefill" else

@@ -268,6 +268,22 @@ def test_cost_moe_is_the_kernel_plus_the_router(capsys):
     assert "W8A8 FP8, power-law:1.2 load" in text
 
 
+def test_cost_moe_says_whether_the_layer_has_a_tuned_vllm_config(capsys):
+    """Mixtral 8x7B at TP 2 on H100 has vLLM's tuned config (E=8, N=7168) and runs at the
+    fit's tuned rate; at TP 1 it has none."""
+    mixtral = ("--gpu", "h100-sxm", "--tokens", 4096, "--hidden", 4096, "--inter", 14336,
+               "--experts", 8, "--topk", 2)
+    rc, out, err = cost(capsys, *mixtral, "--tp", 2, "--json")
+    assert rc == 0, err
+    tp2 = json.loads(out)
+    assert tp2["vllm_tuned_config"] and tp2["compute_eff"] == pytest.approx(
+        packaged("h100-sxm").kernels.moe.tuned_compute_eff, abs=1e-4)
+    rc, text, _ = cost(capsys, *mixtral)
+    assert rc == 0 and "no tuned vLLM kernel config priced for this layer" in text
+    rc, text, _ = cost(capsys, *mixtral, "--tp", 2)
+    assert "tuned kernel config for 8 experts of width 7168 on this GPU" in text
+
+
 def test_cost_moe_on_a100_fp8_says_weight_only(capsys):
     rc, out, _ = cost(capsys, "--gpu", "a100-80gb", "--tokens", 1, "--hidden", 4096, "--inter", 14336,
                       "--experts", 8, "--topk", 2, "--dtype", "fp8", "--json")
