@@ -272,23 +272,23 @@ VLLM_TUNED_MOE: dict[tuple[str, str], frozenset[tuple[int, int]]] = {
                                  (8, 1792)}),
     ("h200", "fp8"): frozenset({(8, 14336), (8, 7168)}),
 }
-"""(catalog GPU, dtype) -> the few-expert layer shapes (experts per GPU E, expert width per
-GPU N) for which vLLM ships a tuned Triton fused-MoE config: the files
+"""(catalog GPU, dtype) -> the few-expert layer shapes (experts per GPU E, expert width per GPU
+N) for which vLLM ships a tuned Triton fused-MoE config: the files
 `vllm/model_executor/layers/fused_moe/configs/E=<E>,N=<N>,device_name=<GPU>[,dtype=fp8_w8a8].json`
 (device names NVIDIA_A100-SXM4-80GB, NVIDIA_H100_80GB_HBM3, NVIDIA_H200) in
 vllm-project/vllm, looked up one by one for the Mixtral-shaped layers (E <= 16) that
-aiconfigurator's tables measure; B200, L40S and the RTX PRO 6000 have none of them. vLLM
-has more few-expert files (e.g. A100 E=1 at N=1792, 3584 and 7168; H100 E=16, N=1792) whose
-shapes no table measures: they are not listed, so the model prices them as untuned. The public index
-read lists vLLM's history, not one release: Mixtral's configs are long-standing, so they are
-taken as present in every engine version modelled here. Without such a file vLLM runs
-`get_default_config`'s tiles; with one, larger tiles per batch size, and at large batches
-those layers measure about twice the compute rate of untuned ones on A100 and 2.5-3x on
-H100 (`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes; H200's shapes,
-(8, 14336) among them, are priced with the H100 fit it carries: unmeasured). Separately, on B200
-(vLLM 0.24, FlashInfer's TRT-LLM kernel for the few-expert rows) the compute rate falls as
-experts widen, about -40% at 14,336-16,384 per GPU against widths up to 3,584:
-`MoEParams.width_knee` prices that in an empirical form fitted per profile
+aiconfigurator's tables measure; B200, L40S and the RTX PRO 6000 have none of them. vLLM has
+more few-expert files (e.g. A100 E=1 at N=1792, 3584 and 7168; H100 E=16, N=1792) whose
+shapes no table measures: they are not listed, so the model prices them as untuned. The
+public index read lists vLLM's history, not one release: Mixtral's configs are
+long-standing, so they are taken as present in every engine version modelled here. Without
+such a file vLLM runs `get_default_config`'s tiles; with one, larger tiles per batch size,
+and at large batches those layers measure about twice the compute rate of untuned ones on
+A100 and 2.5-3x on H100 (`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes;
+H200's shapes, (8, 14336) among them, are priced with the H100 fit it carries: unmeasured).
+Separately, on B200 (vLLM 0.24, FlashInfer's TRT-LLM kernel for the few-expert rows) the
+compute rate falls as experts widen, about -40% at 14,336-16,384 per GPU against widths up
+to 3,584: `MoEParams.width_knee` prices that in an empirical form fitted per profile
 (docs/moe-mla.md). Many-expert layers were not looked up: their fit absorbs whatever configs
 they have."""
 
