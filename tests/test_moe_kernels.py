@@ -205,6 +205,24 @@ def test_a_layers_efficiency_is_the_tuned_rate_or_the_width_lowered_one():
     assert untuned == pytest.approx(p.compute_eff / (1 + 14336 / p.width_knee))
 
 
+def test_the_shape_error_script_prints_the_held_out_rows_per_shape(monkeypatch, capsys):
+    """scripts/moe_shape_errors.py (docs/moe-mla.md reads the B200 misses from it): one
+    line per (shape, tokens band) with its held-out rows, median and MAPE."""
+    import runpy
+    from pathlib import Path
+    from _gpu_tables import real_measurements
+    script = Path(__file__).resolve().parents[1] / "scripts" / "moe_shape_errors.py"
+    monkeypatch.setattr("sys.argv", [str(script), "rtx-pro-6000.vllm-0.19",
+                                     "--measurements", str(real_measurements())])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("rtx-pro-6000.vllm-0.19 moe: held-out rows")
+    rows = [line.split() for line in lines[2:]]
+    assert len(rows) > 20
+    qwen = [r for r in rows if " ".join(r[:4]) == "(2048, 768, 128, 8)"]
+    assert qwen and all(int(r[-3]) > 0 and abs(float(r[-2])) < 100 for r in qwen)
+
+
 def test_packaged_a100_prices_tuned_mixtral_layers_faster_per_flop():
     """Measured on A100 (vLLM 0.14): 8 experts of width 7,168 per GPU (tuned) run at about
     twice the compute rate of width 14,336 (untuned) at 16k tokens (docs/moe-mla.md)."""
