@@ -104,8 +104,8 @@ class SweepRunner:
         self._stack: contextlib.ExitStack | None = None
         self._pool: ProcessPoolExecutor | None = None
         self._ray = None
-        self._stored: set[str] = set()
-        """Keys of the points asked of this runner that are stored (run or found done)."""
+        self._asked: dict[str, str] = {}
+        """Name -> key of every point asked of this runner (what an interruption counts)."""
 
     def __enter__(self) -> "SweepRunner":
         self.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -130,8 +130,11 @@ class SweepRunner:
             self._pool = self._ray = None
             self._stack.close()
         if interrupted:
+            # counted on disk once the workers are gone: a worker may have committed a point
+            # whose result the driver had not received yet
+            stored = sum(is_done(self.runs_dir / name, key) for name, key in self._asked.items())
             raise SweepInterrupted(
-                f"interrupted: {len(self._stored)} point(s) of this sweep are stored in "
+                f"interrupted: {stored} point(s) of this sweep are stored in "
                 f"{self.out_dir}; run the same command again to resume (points already stored "
                 "are not run again)") from None
 
@@ -141,10 +144,10 @@ class SweepRunner:
         _check_points(points)
         settled: dict[str, PointOutcome] = {}
 
+        self._asked.update((p.name, p.key) for p in points)
+
         def settle(outcome: PointOutcome) -> None:
             settled[outcome.point.key] = outcome
-            if outcome.status != "failed":
-                self._stored.add(outcome.point.key)
             if progress is not None:
                 progress(outcome, len(settled), len(points))
 

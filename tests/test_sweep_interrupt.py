@@ -62,3 +62,24 @@ def test_ctrl_c_stops_a_sweep_at_once_and_a_rerun_resumes(tmp_path):
     assert again.wait(timeout=600) == 0, err
     assert err.count("done before, skipped") == stored
     assert "[40/40]" in err and (out / "report.md").is_file()
+
+
+def test_an_interruption_counts_the_points_stored_on_disk(tmp_path, monkeypatch):
+    """A pool worker may commit a point whose result the driver has not received when
+    Ctrl-C arrives: the message counts what is on disk, as the rerun will skip it."""
+    from servelab.simulator.run import SimulationConfig
+    from servelab.sweeps import runner as R
+    from servelab.sweeps.sweep import RUNS_DIR, SweepPoint, commit_point
+
+    points = [SweepPoint(SimulationConfig(trace="default", num_requests=10, seed=s), (("seed", s),))
+              for s in range(3)]
+
+    def interrupted_pool(self, pending, settle):
+        commit_point(pending[0], self.runs_dir, lambda d: None)   # stored, never settled
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R.SweepRunner, "_run_on_pool", interrupted_pool)
+    with pytest.raises(R.SweepInterrupted, match=r"interrupted: 1 point\(s\) of this sweep"):
+        with R.SweepRunner(tmp_path / "cmp", workers=1) as runner:
+            runner.run(points)
+    assert sum(1 for d in (tmp_path / "cmp" / RUNS_DIR).iterdir() if not d.name.startswith(".")) == 1
