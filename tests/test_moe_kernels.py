@@ -206,17 +206,17 @@ def test_a_layers_efficiency_is_the_tuned_rate_or_the_width_lowered_one():
 
 
 def test_the_shape_error_script_prints_the_held_out_rows_per_shape(monkeypatch, capsys):
-    """scripts/moe_shape_errors.py (docs/moe-mla.md reads the B200 misses from it): one
+    """scripts/moe_shape_errors.py (docs/moe-mla.md reads the per-shape misses from it): one
     line per (shape, tokens band) with its held-out rows, median and MAPE."""
     import runpy
     from pathlib import Path
     from _gpu_tables import real_measurements
     script = Path(__file__).resolve().parents[1] / "scripts" / "moe_shape_errors.py"
-    monkeypatch.setattr("sys.argv", [str(script), "rtx-pro-6000.vllm-0.19",
-                                     "--measurements", str(real_measurements())])
+    tables = real_measurements() / "aiconfigurator-vllm-0.14.0" / "a100_sxm"   # the smallest
+    monkeypatch.setattr("sys.argv", [str(script), "a100-80gb", "--measurements", str(tables)])
     runpy.run_path(str(script), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("rtx-pro-6000.vllm-0.19 moe: held-out rows")
+    assert lines[0].startswith("a100-80gb moe: held-out rows")
     rows = [line.split() for line in lines[2:]]
     assert len(rows) > 20
     qwen = [r for r in rows if " ".join(r[:4]) == "(2048, 768, 128, 8)"]
