@@ -112,7 +112,7 @@ class Extents:
         for (s0, n0), (s1, _) in zip(runs, runs[1:]):
             invariant(s0 + n0 < s1, f"{name} free extents overlap or touch: {runs}")
         invariant(all(n > 0 for _, n in runs) and all(0 <= s and s + n <= self.size for s, n in runs),
-                 f"{name} free extents out of range: {runs}")
+                  f"{name} free extents out of range: {runs}")
         invariant(sum(self.lengths) == self.num_free, f"{name} free count is off")
 
 
@@ -459,16 +459,16 @@ class ContiguousBlockManager(BlockManager):
             runs += list(zip(extents.starts, extents.lengths))
             runs.sort()
             invariant(sum(n for _, n in runs) == extents.size,
-                     f"{pool}: reserved + free blocks != {extents.size}")
+                      f"{pool}: reserved + free blocks != {extents.size}")
             for (s0, n0), (s1, _) in zip(runs, runs[1:]):
                 invariant(s0 + n0 <= s1, f"{pool}: reservations or free runs overlap at block {s1}")
         for res, seqs in holders.items():
             invariant(res.refcount == len(seqs),
-                     f"reservation at {res.start} has refcount {res.refcount}, {len(seqs)} holders")
+                      f"reservation at {res.start} has refcount {res.refcount}, {len(seqs)} holders")
             invariant(len({s.num_tokens for s in seqs}) == 1,
-                     f"sharers of the reservation at {res.start} disagree on their length")
+                      f"sharers of the reservation at {res.start} disagree on their length")
             invariant(all(1 <= s.num_tokens <= res.num_blocks * self.block_size for s in seqs),
-                     f"a sequence outgrew its reservation at {res.start}")
+                      f"a sequence outgrew its reservation at {res.start}")
             if res.on_gpu:
                 slots += seqs[0].num_tokens
         invariant(slots == self._slots_used, f"slot count {self._slots_used} != {slots}")

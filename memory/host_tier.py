@@ -127,11 +127,11 @@ class HostTier:
         invariant(sorted(pools) == list(range(self.num_blocks)), "host blocks are lost or doubled")
         invariant(set(self._lru) == cached, "host LRU differs from the cached blocks")
         invariant({e.hash: b for b, e in self._entries.items()} == self._by_hash,
-                 "host hash index differs from the entries")
+                  "host hash index differs from the entries")
         invariant(set(self._offloads) <= cached | set(self._pending_free),
-                 "an offload targets a free host block")
+                  "an offload targets a free host block")
         invariant(set(self._loads.values()) <= set(self._pending_free),
-                 "a load reads a host block not waiting for it")
+                  "a load reads a host block not waiting for it")
 
     def _forget(self, block: int) -> Entry:
         entry = self._entries.pop(block)

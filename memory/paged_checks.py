@@ -20,10 +20,10 @@ class PagedChecks:
         fills: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             invariant(seq.num_tokens >= 1 and len(seq.blocks) == -(-seq.num_tokens // bs),
-                     f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
+                      f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
             invariant(len(set(seq.blocks)) == len(seq.blocks), f"sequence {seq_id!r} holds a block twice")
             invariant(seq.num_committed <= min(len(seq.keys), seq.num_tokens // bs),
-                     f"sequence {seq_id!r} committed {seq.num_committed} blocks")
+                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
             for i, b in enumerate(seq.blocks):
                 (refs if seq.on_gpu else cpu_refs)[b] += 1
                 if seq.on_gpu:
@@ -36,12 +36,12 @@ class PagedChecks:
             invariant(len(set(free)) == len(free), f"{name} free and evictable blocks repeat")
             invariant(all(counts[b] == 0 for b in free), f"a {name} block is both free and referenced")
             invariant(len(free) + sum(1 for r in counts if r) == len(counts),
-                     f"{name} blocks are neither free nor referenced")
+                      f"{name} blocks are neither free nor referenced")
         if self._cache is not None:
             entries = self._cache.entries()
             invariant(not set(self._free) & set(entries), "a free block is cached")
             invariant(set(evictable) == {b for b in entries if not refs[b]},
-                     "evictable blocks differ from the unreferenced cached ones")
+                      "evictable blocks differ from the unreferenced cached ones")
             invariant(len({e.id for e in entries.values()}) == len(entries), "an entry id repeats")
             for seq_id, seq in self._seqs.items():
                 if seq.on_gpu and seq.num_tokens % bs:
@@ -50,5 +50,5 @@ class PagedChecks:
             self._host.check_invariants()
             gpu_hashes = {e.hash for e in self._cache.entries().values()}
             invariant(not gpu_hashes & {e.hash for e in self._host.entries().values()},
-                     "a content is cached in both tiers")
+                      "a content is cached in both tiers")
         invariant(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")

@@ -546,25 +546,25 @@ class HostTier:
                 indexed.append(r)
                 r = r.same
         invariant(sorted(map(id, indexed)) == sorted(map(id, runs)),
-                 "the host index and the host runs disagree")
+                  "the host index and the host runs disagree")
         at = Counter(r.lo for r in runs)
         invariant(at == Counter(self._head_at) and self._head_positions == sorted(at),
-                 "the chain positions of the host runs' first entries are off")
+                  "the chain positions of the host runs' first entries are off")
         free, pending, held = set(self._free), set(self._pending_free), set(cached)
         invariant(len(free) == len(self._free), "host free list holds a block twice")
         invariant(len(held) == len(cached), "a host block holds two entries")
         invariant(not (free & held or pending & held or free & pending),
-                 "a host block is both free (or waiting to be) and holding an entry")
+                  "a host block is both free (or waiting to be) and holding an entry")
         invariant(len(free) + len(pending) + len(held) == self.num_blocks,
-                 f"host blocks: {len(free)} free + {len(pending)} pending + "
-                 f"{len(held)} cached != {self.num_blocks}")
+                  f"host blocks: {len(free)} free + {len(pending)} pending + "
+                  f"{len(held)} cached != {self.num_blocks}")
         targets = [h for _, h in self.pending_offloads()]
         invariant(len(set(targets)) == len(targets), "two pending offloads into one host block")
         invariant(set(targets) <= held | pending,   # pending: loaded after it
-                 "a pending offload targets a host block without an entry")
+                  "a pending offload targets a host block without an entry")
         invariant(set(self._loads.values()) == pending,
-                 "pending loads and host blocks waiting to be free disagree")
+                  "pending loads and host blocks waiting to be free disagree")
         for r in runs:
             for k in range(r.lo, r.hi):
                 invariant((r.hashes[k], r.parent_of(k), r.contents[k]) not in gpu_entries,
-                         f"hash {r.hashes[k]} is cached on the GPU and on the host")
+                          f"hash {r.hashes[k]} is cached on the GPU and on the host")

@@ -541,7 +541,7 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
         for seq_id, seq in self._seqs.items():
             blocks = seq.blocks
             invariant(seq.num_tokens >= 1 and len(blocks) == -(-seq.num_tokens // bs),
-                     f"sequence {seq_id!r}: {len(blocks)} blocks for {seq.num_tokens} tokens")
+                      f"sequence {seq_id!r}: {len(blocks)} blocks for {seq.num_tokens} tokens")
             invariant(len(set(blocks)) == len(blocks), f"sequence {seq_id!r} holds a block twice")
             counts = refs if seq.on_gpu else cpu_refs
             for i, b in enumerate(blocks):
@@ -550,12 +550,12 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
                     f = bs if i < len(blocks) - 1 else seq.num_tokens - i * bs
                     invariant(fill.setdefault(b, f) == f, f"sharers of block {b} disagree on its fill")
             invariant(seq.num_committed <= min(len(seq.contents), seq.num_tokens // bs),
-                     f"sequence {seq_id!r} committed {seq.num_committed} blocks")
+                      f"sequence {seq_id!r} committed {seq.num_committed} blocks")
             invariant(seq.on_gpu or not seq.spans, f"swapped sequence {seq_id!r} holds cache entries")
         invariant([r or 1 for r in refs] == self._refcount,   # unreferenced blocks read 1
-                 "GPU reference counts differ from the block tables")
+                  "GPU reference counts differ from the block tables")
         invariant(self._extra_refs == sum(r - 1 for r in refs if r > 1),
-                 f"extra reference total {self._extra_refs} differs from the block tables")
+                  f"extra reference total {self._extra_refs} differs from the block tables")
         invariant(cpu_refs == self._cpu_refcount, "CPU reference counts differ from the block tables")
         _check_pool("GPU", self._free, refs)
         _check_pool("CPU", self._cpu_free, cpu_refs)
@@ -565,7 +565,7 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
             in_cache = self._cache.check_invariants(refs)
             cached = self._cache.num_evictable
             invariant(not set(self._free) & set(self._cache.evictable_blocks()),
-                     "a block is both free and evictable")
+                      "a block is both free and evictable")
             invariant(not any(b in in_cache for b in self._free), "a free block is cached")
             for seq_id, seq in self._seqs.items():
                 if seq.on_gpu:
@@ -574,14 +574,14 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
             self._host.check_invariants({(run.hashes[k], run.parent_of(k), run.contents[k])
                                          for run, k in in_cache.values()})
             invariant(not set(self._cache.entry_ids()) & set(self._host.entry_ids()),
-                     "an entry is in both tiers")
+                      "an entry is in both tiers")
         invariant(used + len(self._free) + cached == self.num_gpu_blocks,
-                 f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
+                  f"used {used} + free {len(self._free)} + cached {cached} != {self.num_gpu_blocks}")
         cpu_used = sum(1 for r in cpu_refs if r)
         invariant(cpu_used + len(self._cpu_free) == self.num_cpu_blocks,
-                 f"CPU used {cpu_used} + free {len(self._cpu_free)} != {self.num_cpu_blocks}")
+                  f"CPU used {cpu_used} + free {len(self._cpu_free)} != {self.num_cpu_blocks}")
         invariant(sum(fill.values()) == self._slots_used,
-                 f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
+                  f"slot count {self._slots_used} != {sum(fill.values())} from the tables")
         invariant(self._prefix_hits <= self._prefix_queries, "more prefix hits than queries")
         if self._later is not None:
             for keys, num_tokens in self._later.valid():
@@ -597,14 +597,14 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
         for run, a, b in seq.spans:
             invariant(run.lo <= a < b <= run.ev, f"sequence {seq_id!r}: span {run}[{a}:{b}] is not held")
             invariant(seq.blocks[a:b] == run.blocks[a:b],
-                     f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
+                      f"sequence {seq_id!r}: span {run}[{a}:{b}] is not its blocks")
             named += range(a, b)
         invariant(named == sorted(set(named)), f"sequence {seq_id!r}: spans overlap or are out of order")
         held = [i for i, b in enumerate(seq.blocks) if b in in_cache]
         invariant(held == named, f"sequence {seq_id!r}: cached blocks at {held}, spans name {named}")
         if seq.num_tokens % self.block_size:
             invariant(seq.blocks[-1] not in in_cache,
-                     f"sequence {seq_id!r}: partial block {seq.blocks[-1]} is cached")
+                      f"sequence {seq_id!r}: partial block {seq.blocks[-1]} is cached")
 
 
 

@@ -771,13 +771,13 @@ class PrefixCache:
                 cached[b] = (run, k)
                 ids.append(run.id0 + k)
                 invariant((refcounts[b] > 0) == (k < run.ev),
-                         f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
+                          f"{run}: entry {k} (block {b}) has {refcounts[b]} references")
                 invariant(k == run.lo or refcounts[b] <= refcounts[run.blocks[k - 1]],
-                         f"{run}: entry {k} has more holders than the entry before it")
+                          f"{run}: entry {k} has more holders than the entry before it")
             invariant(run.key == run.hashes[run.lo], f"{run} is indexed under {run.key}")
             covered = [k for s in run.segs for k in range(s.a, s.b)]
             invariant(covered == list(range(run.ev, run.hi)),
-                     f"{run}: stretches cover {covered}, not {run.ev}..{run.hi - 1}")
+                      f"{run}: stretches cover {covered}, not {run.ev}..{run.hi - 1}")
             invariant(all(s.run is run and s.a < s.b for s in run.segs), f"{run}: a stretch is stale")
         indexed = []
         for h, first in self.heads.items():
@@ -787,19 +787,19 @@ class PrefixCache:
                 indexed.append(r)
                 r = r.same
         invariant(len(indexed) == len(self._runs) and set(indexed) == set(self._runs),
-                 "the index and the views disagree")
+                  "the index and the views disagree")
         at = Counter(r.lo for r in self._runs)
         invariant(at == Counter(self._head_at) and self._head_positions == sorted(at),
-                 "the chain positions of the views' first entries are off")
+                  "the chain positions of the views' first entries are off")
         held = Counter((run.hashes[k], run.parent_of(k), run.contents[k]) for run, k in cached.values())
         invariant(held.most_common(1)[0][1] == 1 if held else True,
-                 "the same content under the same parent is cached twice")
+                  "the same content under the same parent is cached twice")
         invariant(len(set(ids)) == len(ids) and all(i < self._next_entry_id for i in ids),
-                 "cache entry ids are not unique")
+                  "cache entry ids are not unique")
         live = [s for s in self._lru if s.a < s.b]
         invariant(len(self._lru) - len(live) == self._num_dead, "dead stretch count is off")
         invariant(sorted(map(id, live)) == sorted(id(s) for r in self._runs for s in r.segs),
-                 "the LRU order and the runs' stretches disagree")
+                  "the LRU order and the runs' stretches disagree")
         place = {id(s): n for n, s in enumerate(live)}
         for r in self._runs:   # a run's stretches: higher entries parked earlier
             order = [place[id(s)] for s in r.segs]
