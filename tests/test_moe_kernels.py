@@ -129,7 +129,7 @@ def test_profiles_from_before_the_new_fields_read_as_before():
     data = {k: v for k, v in p.to_dict().items() if k not in K.MoEParams._added}
     old = K.MoEParams.from_dict(data, "test")
     assert old.small_stream_rows == 0 and old.l2_fraction == 0
-    assert old.tuned_compute_eff == 0 and old.width_knee == 0
+    assert old.tuned_compute_eff == 0 and old.width_knee == 0 and old.expert_s == 0
     with pytest.raises(ValueError, match="small_stream_rows must be 0 or one of"):
         replace(K.MoEParams(), small_stream_rows=20.0)
 
@@ -177,6 +177,30 @@ def test_wide_untuned_experts_lose_compute_efficiency_by_the_knee():
     tuned = replace(knee, tuned_compute_eff=0.5)          # a tuned layer keeps its own rate
     assert K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, tuned, tp=2) == pytest.approx(
         K.moe_experts_time(65536, 4096, 14336, 8, 2, H100, p, tp=2))
+
+
+def test_each_pass_over_an_experts_weights_costs_expert_s_on_the_memory_side():
+    """Weight-bound (one token per expert, memory added to compute): the time rises by
+    expert_s per expert touched; DeepSeek-V3's 256 experts, 64 tokens top-8, no EP."""
+    p = replace(K.MoEParams(), overlap=1.0, small_tile_rows=16.0, large_tile_rows=16.0)
+    per = replace(p, expert_s=2e-6)
+    active = M.expert_load(np.array([64.0]), 256, 8)[0][0]
+    plain, slow = (K.moe_experts_time(64, 7168, 2048, 256, 8, H100, q) for q in (p, per))
+    assert slow - plain == pytest.approx(active * 2e-6, rel=1e-6)
+    assert K.moe_experts_time(0, 7168, 2048, 256, 8, H100, per) == 0
+
+
+def test_packaged_h100_vllm024_fp8_experts_stop_getting_cheaper_with_tp_as_measured():
+    """FlashInfer's CUTLASS FP8 kernel in vLLM 0.24 (aiconfigurator's H100 table, 128 experts
+    of 4,096 x 1,536, 16 tokens top-8, balanced): 4.09 ms at TP 1 and 0.41 ms at TP 32, a
+    10-fold fall for 32-fold fewer bytes; without the per-expert cost the model fell 25-fold."""
+    p = packaged("h100-sxm.vllm-0.24").kernels.moe_fp8
+    t1, t32 = (K.moe_experts_time(16, 4096, 1536, 128, 8, H100, p, tp=tp, dtype="fp8")
+               for tp in (1, 32))
+    assert 7 < t1 / t32 < 14
+    bare = replace(p, expert_s=0.0)
+    assert K.moe_experts_time(16, 4096, 1536, 128, 8, H100, bare, tp=1, dtype="fp8") / \
+        K.moe_experts_time(16, 4096, 1536, 128, 8, H100, bare, tp=32, dtype="fp8") > 16
 
 
 def test_the_fit_gives_tuned_layers_their_own_rate_only_where_vllm_has_tuned_configs():

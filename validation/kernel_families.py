@@ -225,7 +225,7 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "overlap": (1.0, 20.0, 3.0), "combine_traffic": (1e-3, 50.0, 1.0),
                "quant_elem_s": (1e-15, 1e-9, 1e-11), "l2_fraction": (0.05, 2.0, 0.5),
                "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
-               "width_knee": (256.0, 1e6, 16384.0)}
+               "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7)}
 
 
 def _moe_family(name: str, dtype: str) -> Family:

@@ -12,6 +12,7 @@ The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
 
     compute = tiles x tile_rows x 2 x W / (peak x eff)      W = 3 x hidden x inter/TP
     memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
+              + weight passes x expert_s
 
 combined by a soft maximum, plus a floor, the top-k combine over every pair of the step and,
 for FP8 (W8A8), the activation quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
@@ -356,10 +357,18 @@ class MoEParams(_Params):
     width_knee: float = 0.0
     """Expert width per GPU (inter/TP) at which the untuned kernel's compute efficiency
     has halved: it is divided by 1 + width/knee (see `VLLM_TUNED_MOE`); 0: no fall."""
+    expert_s: float = 0.0
+    """Seconds each pass over an expert's weights costs besides its bytes (starting that
+    expert's group of tiles); 0: none. It is what stops narrow experts getting cheaper:
+    FlashInfer's CUTLASS FP8 kernel in vLLM 0.24 on H100 (aiconfigurator's `moe_perf`,
+    128 experts of hidden 4,096 x inter 1,536, 16 tokens top-8, balanced) takes 4.09, 2.19,
+    1.26, 0.87, 0.48 and 0.41 ms at TP 1, 2, 4, 8, 16 and 32: the bytes fall 32-fold, the
+    time 10-fold, leaving about 3 µs per expert; fitted, 1.6 µs there and 0.04-0.1 µs for
+    the Triton kernels."""
 
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
-              "tuned_compute_eff", "width_knee")
+              "tuned_compute_eff", "width_knee", "expert_s")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -431,6 +440,8 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         weights = (first * ((1.0 - warm) + warm / p.l2_gain)
                    + (weights - first) * ((1.0 - again) + again / p.l2_gain))
     memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
+    if p.expert_s:
+        memory = memory + passes * p.expert_s
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
     combine = p.combine_traffic * t * topk * (4.0 * hidden + 6.0 * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
