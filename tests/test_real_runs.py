@@ -13,9 +13,10 @@ import pytest
 from conftest import SHARED
 from servelab.cli import main
 from servelab.simulator.footprint import kv_capacity_blocks
-from servelab.validation.real_runs import (NotReplayable, catalog_model, error_metrics,
-                                           load_recorded_run, parse_published, replay_run,
-                                           run_gpu, vllm_engine_config)
+from servelab.validation.real_runs import (NotReplayable, _mean_decode_context, catalog_model,
+                                           decode_seconds, error_metrics, load_recorded_run,
+                                           parse_published, replay_run, run_gpu,
+                                           vllm_engine_config)
 
 REAL_RUNS = SHARED / "real-runs" / "llmservingsim-vllm-0.19"
 RTX4090 = "NVIDIA GeForce RTX 4090"
@@ -246,6 +247,49 @@ def test_cli_refuses_step_record_options_and_non_markdown_out(tmp_path, capsys):
         capsys.readouterr().err
     assert main(["validate", "--real-requests", str(run), "--out", str(tmp_path / "dir")]) == 2
     assert "expected a Markdown file (FILE.md)" in capsys.readouterr().err
+
+
+def test_decode_context_is_prompt_plus_tokens_generated_by_then(tmp_path):
+    """r0 (prompt 100, 50 tokens from 1 s to 6 s after it was queued) holds 100 + 20 at 3 s;
+    r1 (queued at 2 s, prompt 300, 10 tokens from 2.5 s to 4.5 s) 300 + 2.5; r2 is done."""
+    run = load_recorded_run(write_run(tmp_path / "a" / "b", [
+        row(0, 0.0, prompt=100, output=50, prefill=1.0, decode=5.0),
+        row(1, 2.0, prompt=300, output=10, prefill=0.5, decode=2.0),
+        row(2, 0.5, prompt=40, output=5, prefill=0.1, decode=0.2)]))
+    assert _mean_decode_context(run.requests, 3.0) == int((120 + 302.5) / 2)
+    assert _mean_decode_context(run.requests, 0.2) == 0
+
+
+def test_pure_decode_seconds_take_context_from_kv_or_requests_and_price_each_dp_rank(tmp_path):
+    """Seconds with prompt tokens or waiting requests are left out; a data-parallel run's
+    running count is split over its ranks; recorded KV usage gives the context."""
+    from types import SimpleNamespace as NS
+
+    rows = [row(i, 0.0, prompt=1000, output=400, prefill=0.5, decode=10.0) for i in range(8)]
+    folder = write_run(tmp_path / "a" / "ts", rows, kv_cache={"num_gpu_blocks": 1000})
+    (folder / "vllm_timeseries.csv").write_text(
+        "t,prompt_throughput,gen_throughput,running,waiting,kv_cache_pct\n"
+        "1.0,8000.0,100.0,8,0,0.0\n3.0,0.0,400.0,8,0,0.0\n4.0,0.0,400.0,8,2,0.0\n"
+        "5.5,0.0,200.0,8,0,0.0\n")
+    run = load_recorded_run(folder)
+    shapes = []
+
+    def step_time(shape):
+        shapes.append((shape.num_decode_seqs, shape.decode_context_sum))
+        return 0.01
+
+    replay = NS(run=run, cost_model=NS(data_parallel_ranks=2, step_time=step_time))
+    d = decode_seconds(replay)
+    assert d["context_from"] == "requests" and d["t_s"].tolist() == [3.0, 5.5]
+    assert d["context"].tolist() == [1000 + 100, 1000 + 200]      # 2.5 s and 5 s of 10 s
+    assert d["real_ms"].tolist() == [20.0, 40.0] and d["priced_ms"].tolist() == [10.0, 10.0]
+    assert shapes == [(4, 4 * 1101), (4, 4 * 1201)]
+    (folder / "vllm_timeseries.csv").write_text(
+        "t,prompt_throughput,gen_throughput,running,waiting,kv_cache_pct\n"
+        "3.0,0.0,400.0,8,0,12.8\n")
+    d = decode_seconds(NS(run=load_recorded_run(folder),
+                          cost_model=NS(data_parallel_ranks=1, step_time=step_time)))
+    assert d["context_from"] == "kv" and d["context"].tolist() == [256]   # 12.8% of 16,000 / 8
 
 
 # --------------------------------------------------------------------------- public runs
