@@ -55,7 +55,8 @@ class Layout:
         return [*self.flags, "--gpu", self.gpu, "--tp", str(self.tp), "--pp", str(self.pp)]
 
 
-DEEPSEEK = ("--model", "deepseek-v3", "--weight-dtype", "fp8")
+DEEPSEEK = ("--model", "deepseek-v3", "--weight-dtype", "fp8", "--engine", "vllm-0.14")
+"""Priced with the vLLM 0.14 engine, as docs/models.md prices DeepSeek-V3 (why: there)."""
 LLAMA = ("--model", "llama-3.1-70b")
 LAYOUTS = (
     Layout("ds-h200-tp8", "deepseek", "8 x H200, TP8 (FP8)", "h200", 8, 1, DEEPSEEK),
@@ -318,6 +319,10 @@ percent, and p99 over {num_requests} requests is its third-worst request.
 ### DeepSeek-V3 (FP8 weights): 8 x H200 or 16 x H100 with PP2
 
 Refused: 8 x H100 at TP8: `{refusals['ds-h100-tp8']}`
+
+Both layouts run the vLLM 0.14 preset (`--engine vllm-0.14`), its defaults and its H100
+kernels, as [models.md](models.md) prices DeepSeek-V3 and for the reason given there: the
+vLLM 0.24 tables hold no block-FP8 fused-MoE rows that can be fitted.
 
 {_table(ds)}
 
