@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from servelab.simulator import kernels as K
@@ -145,3 +146,19 @@ def test_softmax_time_per_pair_is_independent_of_head_dim_and_off_by_default():
     with pytest.raises(ValueError, match="missing field.*compute_eff"):
         K.PrefillAttentionParams.from_dict({k: v for k, v in written.items()
                                             if k != "compute_eff"}, "old profile")
+
+
+def test_a_benchmark_without_the_cache_write_drops_exactly_its_bytes():
+    """`cache_write=False` (a timed attention kernel that no longer writes the cache) takes
+    the write's read and store of every new token's K and V off the memory term, per row
+    when given an array; serving (the default) keeps it."""
+    gpu = get_gpu("h100-sxm")
+    p = K.PrefillAttentionParams(floor_s=1e-5, compute_eff=0.6, memory_eff=0.5)
+    seqs, q, kv_heads, head_dim = 2, 512, 8, 128
+    args = (seqs, seqs * q, 0.0, seqs * q * q, 0.0, 32, kv_heads, head_dim, gpu, p)
+    serving = K.prefill_attention_time(*args)
+    bench = K.prefill_attention_time(*args, cache_write=False)
+    write = seqs * q * 2 * (2 * kv_heads * head_dim * 2.0) / (gpu.hbm_bandwidth_gbps * 1e9 * 0.5)
+    assert serving - bench == pytest.approx(write, rel=1e-9)
+    rows = K.prefill_attention_time(*args, cache_write=np.array([True, False]))
+    assert rows.tolist() == pytest.approx([float(serving), float(bench)])

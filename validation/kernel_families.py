@@ -103,10 +103,13 @@ def _kv_bytes(t: Table) -> np.ndarray:
 
 def _prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     # batch b sequences of s new tokens each, nothing cached before them, as measured:
-    # one layer replayed (warm L2)
+    # one layer replayed (warm L2); the timed call writes the cache or not as its engine
+    # version and kernel do (`measurements.forward_writes_cache`)
     b, s = t["batch"].astype(float), t["tokens"].astype(float)
+    writes = t["writes_cache"] if "writes_cache" in t.columns else True
     return K.prefill_attention_time(b, b * s, 0.0, b * s * s, 0.0, t["heads"], t["kv_heads"],
-                                    t["head_dim"], gpu, p, _kv_bytes(t), warm_l2=True)
+                                    t["head_dim"], gpu, p, _kv_bytes(t), warm_l2=True,
+                                    cache_write=writes)
 
 
 def _decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:

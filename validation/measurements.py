@@ -231,6 +231,30 @@ MOE_TOP_UP = {"0.14.0": "smallest-first", "0.19.0": "round-robin", "0.24.0": "ro
 capped at the batch); other versions: as aiconfigurator's helper was first written."""
 
 
+def forward_writes_cache(version: str, kernel_source: str) -> bool:
+    """Whether a measured attention call includes writing the new K and V into the paged
+    cache. aiconfigurator's collector (`collector/vllm/collect_attn.py`) times the backend's
+    `impl.forward` alone, and vLLM moved the cache write out of that `forward` into
+    `do_kv_cache_update` (`forward_includes_kv_cache_update = False`): for FlashAttention
+    in vllm-project/vllm#25954 (the pattern later PRs follow by January 2026, so before
+    0.14), for FlashInfer, Triton and the others under tracking issue #32335 between
+    January 2026 (#32551 closed unmerged on 2026-01-18) and March 2026 (#36263 lists them
+    as done on 2026-03-06). So only FlashInfer rows of vLLM before 0.19 (the L40S's 0.14
+    table) still write the cache; a table of an unknown version or kernel is taken to
+    write it, as engines launched attention before the split. Serving pays the write
+    either way (`kernels.prefill_attention_time`)."""
+    kernel = kernel_source.lower()
+    if not kernel.startswith("vllm_") or version in ("", "?"):
+        return True
+    if kernel.startswith("vllm_flash_attn"):
+        return False
+    try:
+        newer = tuple(int(x) for x in version.split(".")[:2]) >= (0, 19)
+    except ValueError:
+        return True
+    return not newer
+
+
 def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
     import pyarrow.parquet as pq
 
@@ -288,6 +312,10 @@ def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
                 "kv_dtype": rows.category(data["kv_cache_dtype"], KV_DTYPES, "kv_cache_dtype")}
         rows.check(cols["heads"] % np.maximum(cols["kv_heads"], 1) == 0,
                    "num_heads is not a multiple of num_key_value_heads")
+        if family == "attn_prefill":
+            kernels = data.get("kernel_source", [""] * len(rows.numbers))
+            cols["writes_cache"] = np.array([forward_writes_cache(version, str(k))
+                                             for k in kernels], dtype=bool)
     elif family == "moe":
         cols = _moe_columns(rows, data, MOE_TOP_UP.get(version, "largest-first"))
     elif family in ("mla_prefill", "mla_decode"):

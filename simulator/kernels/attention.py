@@ -10,8 +10,8 @@ from servelab.simulator.kernels.base import _Params, l2_hit
 
 # ---------------------------------------------------------------------------- attention
 #
-# As engines launch it (vLLM), an attention call includes writing the step's new K and V
-# into the paged cache, so both attention models price that write too.
+# A serving step writes the step's new K and V into the paged cache: both attention models
+# price that write (as its own kernel or inside the attention call, as the engine runs it).
 
 
 def _l2_factor(nbytes, gpu: GPUSpec, gain: float, warm_l2: bool):
@@ -70,18 +70,24 @@ TILE_ROWS = 128
 
 def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
                                    p: PrefillAttentionParams, kv_bytes=2.0,
-                                   act_bytes: float = 2.0) -> tuple:
+                                   act_bytes: float = 2.0, cache_write=True) -> tuple:
     """Seconds per unit of each statistic of a prefill batch, one layer: (floor, per
     causal pair, per sequence [padding], per key a tile attends to on average [critical
     path], per new token, per cached token [memory]). `prefill_attention_time` combines
-    them; the cost model folds them into its hot path."""
+    them; the cost model folds them into its hot path. `cache_write` False leaves out
+    writing the new K and V into the cache (a benchmark that times the attention kernel
+    alone: `validation.measurements.forward_writes_cache`); serving always pays it."""
     rate = gpu.peak_flops("bf16") * p.compute_eff
     bw = gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff
     block_heads = kv_heads if p.packs_gqa else heads
     kv_row = 2.0 * kv_heads * head_dim * kv_bytes             # one token's K and V in the cache
     per_token = (2.0 * heads * head_dim * act_bytes           # Q read, O written
-                 + kv_row                                     # its own K/V, read by attention
-                 + 2.0 * kv_heads * head_dim * act_bytes + kv_row)   # cache write: read, store
+                 + kv_row)                                    # its own K/V, read by attention
+    if isinstance(cache_write, np.ndarray):                   # per measured row
+        per_token = per_token + np.where(cache_write, 2.0 * kv_heads * head_dim * act_bytes
+                                         + kv_row, 0.0)
+    elif cache_write:                                         # cache write: read, store
+        per_token = per_token + 2.0 * kv_heads * head_dim * act_bytes + kv_row
     return (p.floor_s,
             4.0 * head_dim * heads / rate + heads * p.pair_head_s,   # QKᵀ, PV; softmax
             4.0 * head_dim * block_heads * p.padded_tile_pairs / rate,
@@ -93,15 +99,16 @@ def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
 
 def prefill_attention_time(seqs, tokens, q_ctx_sum, q_sq_sum, ctx_sum, heads, kv_heads,
                            head_dim, gpu: GPUSpec, p: PrefillAttentionParams, kv_bytes=2.0,
-                           act_bytes: float = 2.0, warm_l2: bool = False, max_keys=0):
+                           act_bytes: float = 2.0, warm_l2: bool = False, max_keys=0,
+                           cache_write=True):
     """Seconds of one layer's prefill attention over `seqs` chunks of `tokens` new tokens
     in all; chunk i has q_i new tokens after c_i cached ones, and the sums are
     Σ q_i·c_i, Σ q_i², Σ c_i. `max_keys` is max (c_i + q_i), the keys the longest
     chunk's last tile attends to (the critical path); where unknown (0) the token-weighted
     mean (Σ q_i² + Σ q_i·c_i) / Σ q_i stands in, exact when the chunks are alike. Zero
-    when there is nothing to prefill."""
+    when there is nothing to prefill. `cache_write`: as `prefill_attention_coefficients`."""
     floor, per_pair, per_seq, per_key, per_token, per_ctx = prefill_attention_coefficients(
-        heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes)
+        heads, kv_heads, head_dim, gpu, p, kv_bytes, act_bytes, cache_write)
     tokens = np.asarray(tokens, dtype=np.float64)
     pairs = q_ctx_sum + 0.5 * (q_sq_sum + tokens)            # causal (query, key) pairs
     keys = np.maximum(max_keys, (q_sq_sum + q_ctx_sum) / np.maximum(tokens, 1.0))
