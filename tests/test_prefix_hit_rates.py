@@ -86,11 +86,14 @@ def test_lru_ideal_by_hand():
 
 def test_prefix_affinity_routing_raises_the_hit_rate_over_round_robin(mooncake_slice):
     """Four replicas: round-robin spreads a conversation's turns over all of them, the
-    prefix-affinity router sends each turn where its prefix was last served."""
+    prefix-affinity router sends each turn where its prefix was last served. Each replica
+    holds 20,000 blocks (320k tokens), room for a few conversations' prefixes: with half
+    that, evictions leave affinity little to find and the gap (6.2% against 5.3%) moves
+    with every step price."""
     _, path = mooncake_slice
     rates = {}
     for router in ("round-robin", "prefix-affinity"):
         rates[router] = run_simulation(SimulationConfig(
-            trace=str(path), prefix_caching=True, kv_blocks=10_000, replicas=4, router=router,
+            trace=str(path), prefix_caching=True, kv_blocks=20_000, replicas=4, router=router,
             scheduler=SCHED)).summary["prefix_cache_hit_rate"]
-    assert rates["prefix-affinity"] > rates["round-robin"] + 0.01   # 6.7% against 5.3%
+    assert rates["prefix-affinity"] > rates["round-robin"] + 0.02   # 10.5% against 6.6%
