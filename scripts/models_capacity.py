@@ -286,14 +286,16 @@ def _deepseek(rows: dict) -> str:
   rank's, a prefill chunk on any of the eight included, and every MoE layer runs over all
   eight ranks' tokens with an all-gather before and a reduce-scatter after. An FP8 KV
   cache ({kv8['kv_tokens'] / 1e6:.2f} M tokens) {kv_note}. Priced with the
-  vLLM 0.14 engine's profile (`--engine vllm-0.14`). DeepSeek-V3's checkpoint is block-scaled
-  FP8 (its config.json's `quantization_config.weight_block_size`: 128 × 128), which vLLM 0.24 runs on H100 with its Triton kernel without EP; that
-  table's rows for it imply weight reads of 5.4 TB/s, above the H100's 3.35 TB/s, so they are
-  not fitted, and the vLLM 0.24 FP8 fit is of ModelOpt's per-tensor FP8 on FlashInfer's
-  CUTLASS kernel (about 0.6 TB/s of weight reads at small batches, 1.6 µs per expert), which
-  would price DeepSeek's TP8 MoE layer 4-8× above the block-FP8 rows of either table. The
-  vLLM 0.14 FP8 fit is of per-tensor rows on the Triton kernel, which read weights at
-  2.1-2.5 TB/s, the 0.14 block-FP8 rows at 2.3-2.9 TB/s; the H200 borrows the H100's kernels ([moe-mla.md](moe-mla.md)).
+  vLLM 0.14 engine's profile (`--engine vllm-0.14`). DeepSeek-V3's checkpoint is
+  block-scaled FP8 (its config.json's `quantization_config.weight_block_size`: 128 × 128),
+  which vLLM 0.24 runs on H100 with its Triton kernel without EP; that table's rows for it
+  imply weight reads of 5.4 TB/s, above the H100's 3.35 TB/s, so they are not fitted, and
+  the vLLM 0.24 FP8 fit is of ModelOpt's per-tensor FP8 on FlashInfer's CUTLASS kernel
+  (about 0.6 TB/s of weight reads at small batches, 1.6 µs per expert), which would price
+  DeepSeek's TP8 MoE layer 4-8× above the block-FP8 rows of either table. The vLLM 0.14
+  FP8 fit is of per-tensor rows on the Triton kernel, which read weights at 2.1-2.5 TB/s,
+  the 0.14 block-FP8 rows at 2.3-2.9 TB/s; the H200 borrows the H100's kernels
+  ([moe-mla.md](moe-mla.md)).
   For 16 × H100 with two pipeline stages against these 8 × H200 see
   [parallelism.md](parallelism.md)."""
 

@@ -239,8 +239,8 @@ def forward_writes_cache(version: str, kernel_source: str) -> bool:
     in vllm-project/vllm#25954 (the pattern later PRs follow by January 2026, so before
     0.14), for FlashInfer, Triton and the others under tracking issue #32335 between
     January 2026 (#32551 closed unmerged on 2026-01-18) and March 2026 (#36263 lists them
-    as done on 2026-03-06). So only FlashInfer rows of vLLM before 0.19 (the L40S's 0.14
-    table) still write the cache; a table of an unknown version or kernel is taken to
+    as done on 2026-03-06). So only FlashInfer rows of vLLM before 0.19 (the L40S's
+    FP8-KV rows under 0.14) still write the cache; a table of an unknown version or kernel is taken to
     write it, as engines launched attention before the split. Serving pays the write
     either way (`kernels.prefill_attention_time`)."""
     kernel = kernel_source.lower()
