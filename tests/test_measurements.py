@@ -397,17 +397,20 @@ def test_sliding_window_rows_are_left_out_and_the_engine_version_is_recorded(tmp
 
 
 def test_prefill_rows_record_whether_the_timed_call_wrote_the_cache(tmp_path):
-    """vLLM moved the KV-cache write out of the timed `impl.forward`: FlashAttention before
-    0.14, FlashInfer by 0.19; so only vLLM 0.14's FlashInfer rows still include it."""
+    """vLLM moved the KV-cache write out of the timed `impl.forward`: FlashAttention from
+    0.16, FlashInfer and Triton by 0.19; so the 0.14 rows include it, 0.19 and 0.24 not."""
     from servelab.validation.measurements import forward_writes_cache
 
-    assert not forward_writes_cache("0.14.0", "vllm_flash_attn")
+    assert forward_writes_cache("0.14.0", "vllm_flash_attn")
+    assert not forward_writes_cache("0.16.0", "vllm_flash_attn")
     assert not forward_writes_cache("0.24.0", "vllm_flash_attn_fa3")
     assert forward_writes_cache("0.14.0", "vllm_flashinfer")
+    assert forward_writes_cache("0.17.1", "vllm_flashinfer")
     assert not forward_writes_cache("0.19.0", "vllm_flashinfer")
     assert not forward_writes_cache("0.24.0", "vllm_flashinfer_trtllmprefill")
-    assert forward_writes_cache("?", "vllm_flash_attn") and forward_writes_cache("0.14.0", "")
+    assert forward_writes_cache("?", "vllm_flash_attn") and forward_writes_cache("0.24.0", "")
     write_aic(tmp_path / "h100_sxm" / "context_attention_perf.parquet",
-              [prefill_row(), prefill_row(isl=1024, kernel_source="vllm_flashinfer")])
+              [prefill_row(version="0.19.0"),
+               prefill_row(isl=1024, version="0.19.0", kernel_source="custom_kernel")])
     t = load_measurements([tmp_path], "h100-sxm").table("attn_prefill")
     assert dict(zip(t["tokens"].tolist(), t["writes_cache"].tolist())) == {512: False, 1024: True}

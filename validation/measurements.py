@@ -236,23 +236,23 @@ def forward_writes_cache(version: str, kernel_source: str) -> bool:
     cache. aiconfigurator's collector (`collector/vllm/collect_attn.py`) times the backend's
     `impl.forward` alone, and vLLM moved the cache write out of that `forward` into
     `do_kv_cache_update` (`forward_includes_kv_cache_update = False`): for FlashAttention
-    in vllm-project/vllm#25954 (the pattern later PRs follow by January 2026, so before
-    0.14), for FlashInfer, Triton and the others under tracking issue #32335 between
-    January 2026 (#32551 closed unmerged on 2026-01-18) and March 2026 (#36263 lists them
-    as done on 2026-03-06). So only FlashInfer rows of vLLM before 0.19 (the L40S's
-    FP8-KV rows under 0.14) still write the cache; a table of an unknown version or kernel is taken to
-    write it, as engines launched attention before the split. Serving pays the write
-    either way (`kernels.prefill_attention_time`)."""
+    in vllm-project/vllm#25954, merged in the week to 2026-01-30 (vLLM's weekly summary of
+    that date, beside the v0.14.1 docs), so from 0.16; for FlashInfer, Triton and the
+    others under tracking issue #32335, by 2026-03-06 (#36263 lists them as done), so by
+    0.19. The vLLM 0.14 tables therefore time the write, the 0.19 and 0.24 ones do not;
+    a FlashInfer or Triton row of 0.16-0.18, or a row of an unknown version or kernel, is
+    taken to time it, as engines launched attention before the split. Serving pays the
+    write either way (`kernels.prefill_attention_time`)."""
     kernel = kernel_source.lower()
-    if not kernel.startswith("vllm_") or version in ("", "?"):
-        return True
-    if kernel.startswith("vllm_flash_attn"):
-        return False
     try:
-        newer = tuple(int(x) for x in version.split(".")[:2]) >= (0, 19)
+        release = tuple(int(x) for x in version.split(".")[:2])
     except ValueError:
         return True
-    return not newer
+    if not kernel.startswith("vllm_") or len(release) < 2:
+        return True
+    if kernel.startswith("vllm_flash_attn"):
+        return release < (0, 16)
+    return release < (0, 19)
 
 
 def _read_aiconfigurator(path: Path, spec: GPUSpec, drop: bool, dropped: dict):
