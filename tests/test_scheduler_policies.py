@@ -310,6 +310,28 @@ def test_fast_forward_equals_step_by_step(w):
         assert fast.scheduler.policy.counters == slow.scheduler.policy.counters
 
 
+def test_fast_forward_stops_where_an_overdue_request_the_cache_cannot_hold_is_rejected():
+    """MLFQ with a 10 ms starvation guard: a 12 + 11-token request, preempted once it has
+    grown past what 23 one-token blocks hold beside the watermark, waits behind the others
+    until it is overdue, then is rejected (at 3.75 s). A decode run must end there, not
+    carry on to its own end (the fast-forward once rejected it at 4.25 s: a property-test
+    draw from CI)."""
+    reqs = [Request(request_id=i, arrival_s=0.0, prompt_len=p, output_len=o, max_tokens=o,
+                    priority=0, tenant="a")
+            for i, (p, o) in enumerate([(12, 11), (1, 1), (1, 9), (1, 1), (1, 1), (1, 5),
+                                        (1, 1), (1, 1), (1, 1), (1, 1), (1, 1)])]
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, chunked_prefill=8,
+                            preemption="recompute", max_model_len=32)
+    cache = CacheConfig(block_size=1, num_gpu_blocks=23, num_cpu_blocks=0, watermark=0.1)
+    options = {"quantum_tokens": 8, "quantum_ratio": 1.0, "num_levels": 2,
+               "prefill_tokens_per_output_token": 16.0, "max_wait_s": 0.01, "preemptive": True}
+    runs = [simulate([r.fresh_copy() for r in reqs], sched, cache, "mlfq", options,
+                     executor=FakeExecutor(step_s=0.25), fast_forward=ff) for ff in (False, True)]
+    slow, fast = (sorted(run.records, key=lambda r: r.request_id) for run in runs)
+    assert (slow[0].status, slow[0].finish_s) == ("rejected", 3.75)
+    assert fast == slow
+
+
 def test_fast_forward_skips_most_steps_of_a_steady_decode():
     reqs = make_requests([(0, 16, 200), (0, 16, 180), (0, 16, 190)])
     run = simulate(reqs, SchedulerConfig(max_model_len=512), CacheConfig(block_size=16, num_gpu_blocks=64),

@@ -92,9 +92,12 @@ class MemoKVAdmission(KVAdmission):
         return keys is not None and self._bm.known_later(tokens, keys)
 
     def none_fits(self, candidates: Iterable[Request], num_seqs: int) -> bool:
-        """True if none of the waiting `candidates` can be admitted while `num_seqs`
-        running sequences only decode (free memory only shrinks, the step budget stays
-        as full): the rules of `Scheduler._admit`, for a fast-forward run."""
+        """True if none of the waiting `candidates` can be admitted, or would be rejected,
+        while `num_seqs` running sequences only decode (free memory only shrinks, the step
+        budget stays as full): the rules of `Scheduler._admit`, for a fast-forward run. A
+        candidate the cache can never hold is rejected once the policy shows it (an
+        overdue request under a starvation guard may become the head mid-run), so it
+        ends the run as an admission would."""
         cfg = self._config
         if cfg.batching == "static":
             return True
@@ -113,6 +116,6 @@ class MemoKVAdmission(KVAdmission):
                 if self._bm.has_seq(s.seq_id):
                     return False   # an import: it needs no memory
                 contents = self.block_keys(head, s) if self._prefix_caching else ()
-                if self._bm.can_allocate(s.num_tokens, contents, **reserve) is AllocStatus.OK:
-                    return False
+                if self._bm.can_allocate(s.num_tokens, contents, **reserve) is not AllocStatus.LATER:
+                    return False   # OK: admitted; NEVER: rejected
         return True
