@@ -67,6 +67,12 @@ class GPUSpec:
     architecture: str = ""
     """GPU family ("ampere", "hopper", ...): which measured profile a GPU without
     measurements of its own borrows (see `calibration`)."""
+    compute_capability: str = ""
+    """CUDA compute capability ("9.0" for Hopper, "10.0" for B200, "12.0" for the RTX PRO
+    6000; NVIDIA's CUDA GPU list, developer.nvidia.com/cuda-gpus): engines pick kernels and
+    all-reduce paths by it (`kernels.movement.allreduce_time`). "" for a GPU that has none
+    (the cpu entry) or a user's file that does not say: the all-reduce then takes the
+    paths every GPU has."""
     calibration: str | None = None
     """Name of the packaged calibration profile this GPU uses by default (its own, or the
     nearest measured architecture's); None: the bare roofline."""
@@ -99,6 +105,10 @@ class GPUSpec:
                                   or not price > 0):
             raise ValueError(f"GPUSpec({self.name}).price_per_hour_usd must be a positive number "
                              f"or null, got {price!r}")
+        cc = self.compute_capability
+        if not isinstance(cc, str) or (cc and not re.fullmatch(r"\d+\.\d+", cc)):
+            raise ValueError(f"GPUSpec({self.name}).compute_capability must be a string like "
+                             f"\"9.0\" (or empty), got {cc!r}")
         if isinstance(self.sm_count, float) and not self.sm_count.is_integer():
             raise ValueError(f"GPUSpec({self.name}).sm_count must be an integer, got {self.sm_count!r}")
 

@@ -139,13 +139,18 @@ def _attention(opts: dict) -> dict:
     return out
 
 
+_ALLREDUCE_PATHS = {K.movement.ONE_STAGE: "custom one-stage", K.movement.TWO_STAGE: "custom two-stage",
+                    K.movement.SYMM_MEM: "symmetric memory", K.movement.RING: "ring"}
+"""`servelab cost allreduce`'s name for each path `kernels.allreduce_route` picks."""
+
+
 def _allreduce(opts: dict) -> dict:
     gpu, profile, label = _setup(opts)
     dtype = opts.get("dtype") or "bf16"
     nbytes = opts["elements"] * DTYPE_BYTES[dtype]
     total = K.allreduce_time(nbytes, opts["gpus"], gpu, profile.kernels.collective)
-    algorithm = ("none (one GPU)" if opts["gpus"] == 1 else
-                 "custom" if nbytes <= profile.kernels.collective.custom_max_bytes else "ring")
+    algorithm = "none (one GPU)" if opts["gpus"] == 1 else _ALLREDUCE_PATHS[int(
+        K.allreduce_route(nbytes, opts["gpus"], gpu, profile.kernels.collective))]
     # A ring all-reduce moves 2(n-1)/n of the message through each GPU's link (NCCL's "bus
     # bandwidth" convention, NCCL tests' PERFORMANCE.md).
     n = opts["gpus"]

@@ -109,9 +109,14 @@ def test_allreduce_is_the_steps_tp_allreduce_per_call(capsys):
     shape = BatchShape(num_prefill_seqs=1, num_prefill_tokens=512, prefill_q_sq_sum=512 ** 2)
     r = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 2, "--elements", 512 * 4096)
     assert r["predicted_ms"] == pytest.approx(per_layer(cm, shape, "allreduce") * 1e3, abs=1e-6)
-    assert (r["bytes"], r["algorithm"]) == (512 * 4096 * 2, "custom")
+    assert (r["bytes"], r["algorithm"]) == (512 * 4096 * 2, "custom one-stage")
     big = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24)
     assert big["algorithm"] == "ring" and big["predicted_ms"] > r["predicted_ms"]
+    mid = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18)
+    assert mid["algorithm"] == "custom two-stage"         # 512 KiB: past the one-stage limit
+    newer = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18,
+                      "--engine-version", "0.24.0")
+    assert newer["algorithm"] == "symmetric memory"       # on by default there
     one = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 1, "--elements", 4096)
     assert (one["predicted_ms"], one["algorithm"]) == (0.0, "none (one GPU)")
     moved = 2 * 7 / 8 * 2 ** 25                      # bytes through each GPU's link, ring

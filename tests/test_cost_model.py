@@ -412,21 +412,25 @@ def test_more_work_never_takes_less_time(setup, p, what, which, extra):
     elif what == "more copies":
         copies += extra
     more, less = step(chunks, contexts, swaps, copies), step(*p)
-    if _crosses_custom_allreduce_limit(cm, less, more):
-        # the engine switches all-reduce algorithm by message size (vLLM: custom kernel up to
-        # 8 MiB, NCCL's ring above), and on B200 the ring just above is priced faster than
-        # the custom kernel just below: every other op class still never gets cheaper
+    if _switches_allreduce_path(cm, less, more):
+        # the engine picks its all-reduce by message size (vLLM: custom kernel, then
+        # symmetric memory, then NCCL), and the path just above a threshold can be priced
+        # faster than the one just below: every other op class still never gets cheaper
         more_t, less_t = cm.class_times(more), cm.class_times(less)
         assert all(more_t[c] >= less_t[c] for c in more_t if c != "collective")
         return
     assert cm.step_time(more) >= cm.step_time(less)
 
 
-def _crosses_custom_allreduce_limit(cm: CostModel, less: BatchShape, more: BatchShape) -> bool:
-    """Whether the step's all-reduce (bf16 activations) outgrows the custom kernel's limit."""
-    limit = cm.kernels.collective.custom_max_bytes
-    per_token = cm.model.hidden_size * 2
-    return cm.tp > 1 and less.num_tokens * per_token <= limit < more.num_tokens * per_token
+def _switches_allreduce_path(cm: CostModel, less: BatchShape, more: BatchShape) -> bool:
+    """Whether the step's all-reduce or logits gather takes another path with more work."""
+    if cm.tp == 1:
+        return False
+    s, p = cm.shapes, cm.kernels.collective
+    paths = [K.allreduce_route([b.num_tokens * s.allreduce_bytes_per_token,
+                                (b.num_prefill_seqs + b.num_decode_seqs) * s.gather_bytes_per_seq / 2], cm.tp, cm.gpu, p)
+             for b in (less, more)]
+    return bool((paths[0] != paths[1]).any())
 
 
 @settings(max_examples=200, deadline=None)

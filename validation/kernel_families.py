@@ -13,6 +13,7 @@ import numpy as np
 
 from servelab.simulator import kernels as K
 from servelab.simulator.gpus import GPUSpec
+from servelab.simulator.kernels.movement import SYMM_MEM_MAX
 from servelab.validation.measurements import Table
 
 
@@ -125,6 +126,27 @@ head layout); the others run FlashAttention 2 (vLLM 0.14)."""
 
 def _collective_fixed(gpu: GPUSpec) -> dict:
     return {"fabric_gbps": 0.0} if gpu.nvlink_gbps is not None else {}
+
+
+_NO_SYMM_MEM = {"symm_mem": 0.0, "symm_latency_s": 0.0, "symm_link_eff": 1.0}
+
+
+def _allreduce_fixed(gpu: GPUSpec) -> dict:
+    """The engine's all-reduce without PyTorch symmetric memory (custom, then NCCL). Without
+    NVLink the custom all-reduce runs between two GPUs only, always one-stage: nothing
+    measures the two-stage kernel."""
+    no_two_stage = {} if gpu.nvlink_gbps is not None else {"two_shot_s": 0.0,
+                                                            "two_shot_hop_s": 0.0}
+    return {**_collective_fixed(gpu), **_NO_SYMM_MEM, **no_two_stage}
+
+
+def _allreduce_alternatives(gpu: GPUSpec) -> tuple[dict, ...]:
+    """With symmetric memory on, where the GPU could take that path (an NVSwitch, a listed
+    compute capability): whether the measured engine had it on is a default that moved
+    between versions, so the tables decide."""
+    if gpu.nvlink_gbps is None or gpu.compute_capability not in SYMM_MEM_MAX:
+        return ()
+    return ({**_collective_fixed(gpu), "symm_mem": 1.0},)
 
 
 def _prefill_fixed(gpu: GPUSpec) -> dict:
@@ -328,13 +350,15 @@ FAMILIES: dict[str, Family] = {
                      for r in (300.0, 1000.0) for b in (1.5, 12.0))),
     "collective": Family(
         "collective", "allreduce", lambda t: t["backend"] == "vllm_graph",
-        {"custom_latency_s": (1e-7, 1e-4, 5e-6), "two_shot_s": (1e-8, 1e-4, 5e-6),
+        {"custom_latency_s": (1e-7, 1e-4, 5e-6), "two_shot_s": (1e-8, 1e-4, 3e-6),
+         "two_shot_hop_s": (1e-9, 1e-4, 1e-6),
          "custom_link_eff": (0.01, 1.0, 0.5),
          "ring_latency_s": (1e-7, 1e-3, 1e-5), "ring_link_eff": (0.01, 1.0, 0.7),
-         "hop_s": (1e-10, 1e-4, 3e-7), "fabric_gbps": (0.1, 1e3, 20.0)},
+         "hop_s": (1e-10, 1e-4, 3e-7), "fabric_gbps": (0.1, 1e3, 20.0),
+         "symm_latency_s": (1e-7, 1e-4, 1e-5), "symm_link_eff": (0.01, 1.0, 0.5)},
         _allreduce_predict,
         lambda t: _allreduce_band(t), ALLREDUCE_BANDS, size_axes=("nbytes",),
-        fixed=_collective_fixed),
+        fixed=_allreduce_fixed, alternatives=_allreduce_alternatives),
     "elementwise": Family(
         "elementwise", "vidur_elementwise", lambda t: np.ones(len(t), dtype=bool),
         {"floor_s": (1e-7, 1e-4, 3e-6), "memory_eff": (0.01, 1.0, 0.5)},

@@ -35,18 +35,17 @@ from servelab.simulator.kernels.mla import (
 from servelab.simulator.kernels.moe import (
     MoEParams, expert_load, fused_moe_time, moe_experts_time, moe_layer_time, parse_expert_load)
 from servelab.simulator.kernels.movement import (
-    AllToAllParams, CollectiveParams, ElementwiseParams, HostLinkParams, allreduce_time,
-    alltoall_time, elementwise_time, host_copy_time)
+    AllToAllParams, CollectiveParams, ElementwiseParams, HostLinkParams, allreduce_route,
+    allreduce_time, alltoall_time, elementwise_time, host_copy_time)
 
 __all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "AllToAllParams",
            "CollectiveParams", "DecodeAttentionParams", "ElementwiseParams", "GemmParams",
            "HostLinkParams", "KernelParams", "MLADecodeParams", "MLAPrefillParams", "MoEParams",
-           "PrefillAttentionParams", "allreduce_time", "alltoall_time", "decode_attention_lines",
-           "decode_attention_time", "elementwise_time", "expert_load", "fused_moe_time",
-           "gemm_time", "host_copy_time", "mla_decode_lines", "mla_decode_time",
-           "mla_prefill_coefficients", "mla_prefill_time", "moe_experts_time",
-           "moe_layer_time", "parse_expert_load", "prefill_attention_coefficients",
-           "prefill_attention_time"]
+           "PrefillAttentionParams", "allreduce_route", "allreduce_time", "alltoall_time",
+           "decode_attention_lines", "decode_attention_time", "elementwise_time", "expert_load",
+           "fused_moe_time", "gemm_time", "host_copy_time", "mla_decode_lines", "mla_decode_time",
+           "mla_prefill_coefficients", "mla_prefill_time", "moe_experts_time", "moe_layer_time",
+           "parse_expert_load", "prefill_attention_coefficients", "prefill_attention_time"]
 
 
 # ------------------------------------------------------------------------------ bundle

@@ -36,23 +36,71 @@ def elementwise_time(nbytes, gpu: GPUSpec, p: ElementwiseParams):
 # --------------------------------------------------------------------------- collectives
 
 
+MIB = 1024 * 1024
+
+CUSTOM_ONE_STAGE_BELOW = {4: 512 * 1024, 8: 256 * 1024}
+"""vLLM's custom all-reduce runs its one-stage kernel (every GPU reads every peer's whole
+buffer) below these message sizes for groups of up to 4 and up to 8 GPUs, and for any size
+between 2 GPUs; its two-stage kernel (reduce-scatter, then all-gather) otherwise
+(`csrc/custom_all_reduce.cuh`, `allreduce()`, unchanged from vLLM 0.5 to 0.24)."""
+
+CUSTOM_MAX_WITH_SYMM_MEM = {
+    "9.0": {2: 64 * MIB, 4: 32 * MIB, 6: MIB // 2, 8: MIB // 4},
+    "10.0": {2: 2 * MIB, 4: 2 * MIB, 6: MIB, 8: MIB},
+    "10.3": {2: 4 * MIB, 4: 4 * MIB, 6: 8 * MIB, 8: 4 * MIB},
+}
+"""Largest message (exclusive) vLLM sends through its custom all-reduce, by compute
+capability and group size, when PyTorch symmetric memory is on; never above the custom
+all-reduce's own 8 MiB buffer (`CollectiveParams.custom_max_bytes`). vLLM's
+`distributed/device_communicators/all_reduce_utils.py`, `CUSTOM_ALL_REDUCE_MAX_SIZES` (the
+"10.3" row from its 2026 main branch)."""
+
+SYMM_MEM_MAX = {
+    "9.0": {2: 64 * MIB, 4: 32 * MIB, 6: 64 * MIB, 8: 64 * MIB},
+    "10.0": {2: 8 * MIB, 4: 32 * MIB, 6: 128 * MIB, 8: 128 * MIB},
+    "10.3": {2: 4 * MIB, 4: 32 * MIB, 6: 32 * MIB, 8: 64 * MIB},
+}
+"""Largest message (inclusive: vllm#42993, 2026-05-18; exclusive before) that goes through
+PyTorch symmetric memory after the custom all-reduce declines it; larger ones go to NCCL.
+Same file, `SYMM_MEM_ALL_REDUCE_MAX_SIZES`; a GPU whose capability is not listed (A100,
+L40S, RTX PRO 6000) never takes this path."""
+
+CUSTOM_GROUPS = (2, 4, 6, 8)
+"""Group sizes vLLM's custom all-reduce supports (`custom_all_reduce.py`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CollectiveParams(_Params):
-    """All-reduce across the tensor-parallel GPUs of one node.
+    """All-reduce across the tensor-parallel GPUs of one node, routed as vLLM routes it
+    (`CudaCommunicator.all_reduce`), first path that takes the message:
 
-    As engines ship it: a custom all-reduce for small messages (vLLM uses it up to
-    `custom_max_bytes`, and without NVLink only between `pcie_custom_max_gpus` GPUs, the
-    pair a PCIe switch connects peer to peer), in two flavours — one-shot (every GPU reads
-    all its peers' whole buffers: (n-1) x the message, one synchronisation) and two-shot
-    (reduce-scatter then all-gather: 2(n-1)/n of it, a second synchronisation) — of which
-    the faster is taken, as the engine's size thresholds pick; a ring (NCCL) otherwise,
-    moving 2(n-1)/n of the message per GPU. Without NVLink a group larger than a switch's
-    pair sends every GPU's share across the host's fabric, which `fabric_gbps` caps."""
+    1. its custom all-reduce, below `custom_max_bytes` (8 MiB; lower with symmetric memory
+       on, `CUSTOM_MAX_WITH_SYMM_MEM`) and, without NVLink, only between
+       `pcie_custom_max_gpus` GPUs (the pair a PCIe switch connects peer to peer): one-stage
+       (each GPU reads all its peers' whole buffers: (n-1) x the message, one barrier) or
+       two-stage (reduce-scatter then all-gather: 2(n-1)/n of it, a second barrier) by
+       vLLM's size thresholds (`CUSTOM_ONE_STAGE_BELOW`);
+    2. with `symm_mem` on and an NVSwitch (multicast), PyTorch symmetric memory up to
+       `SYMM_MEM_MAX`: its multicast kernel (`multimem_all_reduce_`, where the switch
+       reduces and each GPU's link carries the message once each way) for the group sizes
+       vLLM lists (`symm_mem.py`, `_WORLD_SIZES_MULTIMEM`: 4, 6, 8 on Hopper; 6, 8 on
+       Blackwell), its two-shot kernel for the others. Both are priced as one message per
+       GPU at one bandwidth: measured, the two-shot kernel does not pay the 2(n-1)/n a
+       reduce-scatter plus all-gather moves (B200 under vLLM 0.24: 250 GB/s of message at
+       2 GPUs, 332 at 4, 302 for the multicast kernel at 8; H100: 223 at 2, 182 and 202
+       for the multicast kernel at 4 and 8);
+    3. an NCCL ring, moving 2(n-1)/n of the message per GPU. Without NVLink a group larger
+       than a switch's pair sends every GPU's share across the host's fabric, which
+       `fabric_gbps` caps."""
 
     custom_latency_s: float = 0.0
     """Seconds of a small custom all-reduce: launch plus a barrier over the peers."""
     two_shot_s: float = 0.0
-    """Extra seconds of the two-shot flavour's second phase (one more barrier)."""
+    """Extra seconds of the two-stage custom kernel (its second barrier)."""
+    two_shot_hop_s: float = 0.0
+    """Extra seconds of the two-stage kernel per additional GPU: its barriers wait on every
+    peer's flag twice (measured: its fixed cost over the one-stage kernel's is about twice
+    as large at 8 GPUs as at 4, on A100, H100 and B200)."""
     custom_link_eff: float = 1.0
     """Fraction of per-direction link bandwidth the custom all-reduce moves data at."""
     ring_latency_s: float = 0.0
@@ -64,17 +112,65 @@ class CollectiveParams(_Params):
     fabric_gbps: float = 0.0
     """GB/s of the shared host fabric (PCIe switches, the socket link) that the ring
     traffic of all GPUs without NVLink crosses; 0 where GPUs talk over NVLink."""
+    symm_latency_s: float = 0.0
+    """Fixed seconds of a symmetric-memory all-reduce (the copy into its buffer, launch,
+    barrier)."""
+    symm_link_eff: float = 1.0
+    """Fraction of per-direction link bandwidth the symmetric-memory kernels move data at."""
     custom_max_bytes: float = 8 * 1024 * 1024
-    """Largest message the engine sends through the custom all-reduce (vLLM: 8 MiB);
-    an engine setting, not a fitted one."""
+    """Largest message (exclusive) the engine sends through the custom all-reduce (vLLM:
+    8 MiB, its buffer); an engine setting, not a fitted one."""
     pcie_custom_max_gpus: float = 2
     """Most GPUs the engine runs the custom all-reduce across without NVLink (vLLM: 2);
     an engine setting."""
+    symm_mem: float = 0.0
+    """1: the engine sends mid-size all-reduces through PyTorch symmetric memory (vLLM's
+    `VLLM_ALLREDUCE_USE_SYMM_MEM`: off by default from vllm#26925, 2025-10-15, on again
+    by 0.24); 0: custom all-reduce, then NCCL. An engine setting, which the fit reads
+    from the tables (`validation.kernel_families`: it tries both)."""
 
-    _fractions = ("custom_link_eff", "ring_link_eff")
+    _fractions = ("custom_link_eff", "ring_link_eff", "symm_link_eff")
+    _added = ("two_shot_hop_s", "symm_latency_s", "symm_link_eff", "symm_mem")
 
     def __post_init__(self) -> None:
         self._check()
+        if self.symm_mem not in (0.0, 1.0):
+            raise ValueError(f"CollectiveParams.symm_mem must be 0 or 1, got {self.symm_mem!r}")
+
+
+def _by_group(table: dict, gpu: GPUSpec, n: np.ndarray, default: float) -> np.ndarray:
+    """`table[compute capability][group size]` for each group size in `n`; `default` where
+    the GPU's capability or the group size is not listed."""
+    row = table.get(gpu.compute_capability)
+    if row is None:
+        return np.full(np.shape(n), default)
+    return np.select([n == k for k in row], list(row.values()), default)
+
+
+ONE_STAGE, TWO_STAGE, SYMM_MEM, RING = 0, 1, 2, 3
+"""The paths `allreduce_route` names: vLLM's custom kernel in its two flavours, PyTorch
+symmetric memory, an NCCL ring."""
+
+
+def allreduce_route(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams) -> np.ndarray:
+    """Which path the engine sends each all-reduce down (`CollectiveParams` says how it
+    chooses): `ONE_STAGE`, `TWO_STAGE`, `SYMM_MEM` or `RING` per message."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    n = np.asarray(num_gpus, dtype=np.float64)
+    nvlink = gpu.nvlink_gbps is not None
+    custom_max = p.custom_max_bytes
+    if p.symm_mem:
+        custom_max = np.minimum(custom_max,
+                                _by_group(CUSTOM_MAX_WITH_SYMM_MEM, gpu, n, custom_max))
+    custom = np.isin(n, CUSTOM_GROUPS) & (nbytes < custom_max)
+    if not nvlink:
+        custom = custom & (n <= p.pcie_custom_max_gpus)
+    one_stage = (n == 2) | ((n <= 4) & (nbytes < CUSTOM_ONE_STAGE_BELOW[4])) \
+        | ((n <= 8) & (nbytes < CUSTOM_ONE_STAGE_BELOW[8]))
+    route = np.full(np.broadcast(nbytes, n).shape, RING)
+    if p.symm_mem and nvlink:
+        route = np.where(nbytes <= _by_group(SYMM_MEM_MAX, gpu, n, 0.0), SYMM_MEM, route)
+    return np.where(custom, np.where(one_stage, ONE_STAGE, TWO_STAGE), route)
 
 
 def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
@@ -83,20 +179,20 @@ def allreduce_time(nbytes, num_gpus, gpu: GPUSpec, p: CollectiveParams):
     n = np.asarray(num_gpus, dtype=np.float64)
     link = gpu.interconnect_gbps * 1e9
     moved = 2.0 * (n - 1) / np.maximum(n, 1)       # bus bytes per message byte
+    hops = (n - 1) * p.hop_s
+    custom_bw = link * p.custom_link_eff
+    one_stage = p.custom_latency_s + hops + nbytes * (n - 1) / custom_bw
+    two_stage = p.custom_latency_s + hops + p.two_shot_s + (n - 1) * p.two_shot_hop_s \
+        + nbytes * moved / custom_bw
+    symm = p.symm_latency_s + hops + nbytes / (link * p.symm_link_eff)
     ring_bw = link * p.ring_link_eff
     if gpu.nvlink_gbps is None and p.fabric_gbps:
         ring_bw = np.where(n > p.pcie_custom_max_gpus,
                            np.minimum(ring_bw, p.fabric_gbps * 1e9 / np.maximum(n - 1, 1)), ring_bw)
-    custom_bw = link * p.custom_link_eff
-    sync = p.custom_latency_s + (n - 1) * p.hop_s
-    one_shot = sync + nbytes * (n - 1) / custom_bw
-    two_shot = sync + p.two_shot_s + nbytes * moved / custom_bw
-    custom = np.minimum(one_shot, two_shot)
-    ring = p.ring_latency_s + (n - 1) * p.hop_s + nbytes * moved / ring_bw
-    use_custom = nbytes <= p.custom_max_bytes
-    if gpu.nvlink_gbps is None:
-        use_custom = use_custom & (n <= p.pcie_custom_max_gpus)
-    t = np.where(use_custom, custom, ring)
+    ring = p.ring_latency_s + hops + nbytes * moved / ring_bw
+    route = allreduce_route(nbytes, n, gpu, p)
+    t = np.select([route == ONE_STAGE, route == TWO_STAGE, route == SYMM_MEM],
+                  [one_stage, two_stage, symm], ring)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
 
 
