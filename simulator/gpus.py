@@ -57,7 +57,9 @@ class GPUSpec:
     """Streaming multiprocessors: how many thread blocks run at once, one per SM (what
     decides whether a small kernel can use the whole chip)."""
     l2_mb: float | None = None
-    """L2 cache, MB (informational: the cost model prices weights as read from HBM)."""
+    """L2 cache in NVIDIA's megabytes, which are binary (A100: "40 MB" is 40,960 KB; the RTX
+    PRO 6000's "128 MB" holds two 32,767-token sequences' KV, 134,213,632 bytes, which its
+    measured decode kernel reads at L2 speed): `l2_bytes`."""
     host_memory_gb: float | None = None
     """Host (CPU) memory per GPU, GB (read as GiB, like `memory_gb`): the vendor reference
     server's system memory divided by its GPUs (DGX H100: 2 TB for 8). It bounds what a
@@ -115,6 +117,11 @@ class GPUSpec:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gb * GIB)
+
+    @property
+    def l2_bytes(self) -> float:
+        """L2 capacity in bytes (0 where unknown)."""
+        return (self.l2_mb or 0.0) * 1024 * 1024
 
     @property
     def interconnect_gbps(self) -> float:

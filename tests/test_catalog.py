@@ -156,6 +156,27 @@ def test_peaks_and_links():
         h100.peak_flops("int4")
 
 
+def test_l2_is_in_binary_megabytes_as_nvidia_quotes_it():
+    """Two 32,767-token sequences of the RTX PRO 6000's decode tables (4 KV heads of 128,
+    BF16) hold 134,213,632 bytes of KV: inside its "128 MB" L2, where the measured kernel
+    reads them (1e6-byte megabytes would put them outside)."""
+    from servelab.simulator.kernels.attention import _l2_factor
+    pro = get_gpu("rtx-pro-6000")
+    assert pro.l2_bytes == 128 * 2**20 and get_gpu("a100-80gb").l2_bytes == 40 * 2**20
+    kv_set = 2 * 32767 * 4 * 128 * 2 * 2
+    assert kv_set > 128e6
+    assert _l2_factor(kv_set, pro, 1.5, True) == 1.5
+    assert _l2_factor(2 * kv_set, pro, 1.5, True) == 1.0
+    assert get_gpu("cpu").l2_bytes == 0.0
+
+
+def test_compute_capability_is_a_version_string():
+    assert get_gpu("h100-sxm").compute_capability == "9.0"
+    assert get_gpu("rtx-pro-6000").compute_capability == "12.0"
+    with pytest.raises(ValueError, match="compute_capability must be a string like"):
+        GPUSpec("x", 1.0, None, 1.0, 1.0, None, 1.0, compute_capability="sm90")
+
+
 def test_unknown_gpu_names_the_catalog():
     with pytest.raises(ValueError, match="unknown GPU 'v100'.*a100-80gb.*h100-sxm"):
         get_gpu("v100")

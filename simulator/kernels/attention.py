@@ -20,7 +20,7 @@ def _l2_factor(nbytes, gpu: GPUSpec, gain: float, warm_l2: bool):
     operands stay in L2); 1 in a forward pass, which reads each layer's data once."""
     if not warm_l2 or gain == 1.0 or not gpu.l2_mb:
         return 1.0
-    return np.where(np.asarray(nbytes) <= gpu.l2_mb * 1e6, gain, 1.0)
+    return np.where(np.asarray(nbytes) <= gpu.l2_bytes, gain, 1.0)
 
 
 @dataclass(frozen=True, slots=True)

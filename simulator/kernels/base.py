@@ -85,4 +85,4 @@ def l2_hit(working_set, gpu, fraction: float = 1.0, sharpness: float = 8.0):
     L2 well past the capacity, as attention's Q, O and K/V do)."""
     if not gpu.l2_mb or not fraction:
         return 0.0
-    return 1.0 / (1.0 + (working_set / (fraction * gpu.l2_mb * 1e6)) ** sharpness)
+    return 1.0 / (1.0 + (working_set / (fraction * gpu.l2_bytes)) ** sharpness)

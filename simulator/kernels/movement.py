@@ -42,7 +42,8 @@ CUSTOM_ONE_STAGE_BELOW = {4: 512 * 1024, 8: 256 * 1024}
 """vLLM's custom all-reduce runs its one-stage kernel (every GPU reads every peer's whole
 buffer) below these message sizes for groups of up to 4 and up to 8 GPUs, and for any size
 between 2 GPUs; its two-stage kernel (reduce-scatter, then all-gather) otherwise
-(`csrc/custom_all_reduce.cuh`, `allreduce()`, unchanged from vLLM 0.5 to 0.24)."""
+(`csrc/custom_all_reduce.cuh`, `allreduce()`: the same thresholds in every copy of the
+file read, old and new)."""
 
 CUSTOM_MAX_WITH_SYMM_MEM = {
     "9.0": {2: 64 * MIB, 4: 32 * MIB, 6: MIB // 2, 8: MIB // 4},
