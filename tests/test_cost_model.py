@@ -630,3 +630,21 @@ def test_unreadable_profiles(tmp_path):
     assert make_profile().to_dict()["format"] == FORMAT
     with pytest.raises(ValueError, match="no packaged calibration profile 'v100'"):
         packaged("v100")
+
+
+def test_decode_per_item_costs_grow_with_head_dim_by_their_share():
+    """Short-context decode is per-item work (query in, output out, partial results merged),
+    head_dim wide: `item_dim_share` of it scales with head_dim/128, none of it at share 0."""
+    gpu = get_gpu("h100-sxm")
+    p = K.DecodeAttentionParams(floor_s=5e-6, work_item_s=2e-8, q_head_s=4e-10, memory_eff=0.9)
+
+    def short(params, head_dim):
+        return float(K.decode_attention_time(128, 128, 40, 8, head_dim, gpu, params))
+
+    items = 128 * (8 * p.work_item_s + 40 * p.q_head_s)
+    assert short(p, 64) == short(p, 128) == short(p, 256)    # one token each: the floor
+    full = dataclasses.replace(p, item_dim_share=1.0)
+    assert short(full, 128) == pytest.approx(short(p, 128), rel=1e-12)  # given at head_dim 128
+    assert short(full, 64) == pytest.approx(short(p, 64) - items / 2, rel=1e-9)
+    half = dataclasses.replace(p, item_dim_share=0.5)
+    assert short(half, 256) == pytest.approx(short(p, 256) + items / 2, rel=1e-9)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from servelab.cli import main
-from servelab.models import ModelSpec, load_model_spec
+from servelab.models import ModelSpec
 from servelab.outputs import BatchShape
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.run import SimulationConfig, run_simulation

@@ -228,7 +228,7 @@ def test_a_pipelined_run_records_its_layout_and_reruns_exactly(trace_file, tmp_p
     config = SimulationConfig(trace=str(trace_file), model="llama-2-7b", gpu="a100-80gb", pp=2, tp=2)
     assert SimulationConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     first = run_simulation(config, tmp_path / "a")
-    again = run_simulation(config, tmp_path / "b")
+    run_simulation(config, tmp_path / "b")
     for name in ("config.json", "summary.json", "requests.csv", "steps.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     pipeline = first.derived["pipeline"]
