@@ -107,7 +107,10 @@ DRY_PLAN = Plan(
     max_num_seqs=4, max_num_batched_tokens=128, chunked_prefill=64,
     bandwidth_args=("--contexts", "32,96", "--batches", "1,2", "--iters", "2", "--warmup", "1"),
     backend_tests=("tests/test_backend_e2e_triton.py",),  # the plumbing; CI runs them all
-    budgets_s={"env": 20, "kernels": 60, "backends": 30, "bandwidth": 30, "fidelity": 90, "engine": 40,
+    # fidelity: its first Triton-interpreter run took 41 s of 90 in one CI run that a CUDA
+    # compile check shared the two cores with, and the steps after it timed out; the
+    # budgets only keep a device run inside its lease, so the dry run's are generous
+    budgets_s={"env": 20, "kernels": 60, "backends": 30, "bandwidth": 30, "fidelity": 180, "engine": 40,
                "report": REPORT_RESERVE_S})
 
 SECTIONS = ("env", "kernels", "backends", "bandwidth", "fidelity", "engine", "report")

@@ -322,3 +322,26 @@ def test_real_h100_profile_round_trips_through_a_file(h100_gemm_fit, tmp_path):
     from_file = CostModel("llama-3.1-8b", "h100-sxm", calibration=str(path))
     in_memory = CostModel("llama-3.1-8b", "h100-sxm", calibration=result.profile)
     assert from_file.step_time(shape) == in_memory.step_time(shape)
+
+
+def test_a_table_of_one_head_dim_does_not_fit_how_decode_grows_with_it():
+    """`item_dim_share` changes nothing at head_dim 128: a table of that width alone sets
+    it to 0 instead of fitting it (`Family.untold`); a table of two widths fits it."""
+    fam = FAMILIES["attn_decode"]
+    truth = K.DecodeAttentionParams(floor_s=6e-6, split_floor_s=4e-6, work_item_s=2e-8,
+                                    q_head_s=3e-10, memory_eff=0.9, head_stream_gbps=400.0,
+                                    batch_saturation=4.0, item_dim_share=0.5)
+    rows = [(b, c, h, kv) for b in (1, 8, 64, 256) for c in (16, 256, 2048, 16384)
+            for h, kv in ((32, 8), (64, 8))]
+    one = decode_table(rows)
+    one.columns["latency_s"] = fam.predict(one, H100, truth)
+    fitted = fit_family(fam, one, H100, holdout_mask(one), truth).params
+    assert fitted.item_dim_share == 0.0
+    two = Table.concat("attn_decode", [one, replace_head_dim(decode_table(rows), 64)])
+    two.columns["latency_s"] = fam.predict(two, H100, truth)
+    assert fit_family(fam, two, H100, holdout_mask(two), truth).params.item_dim_share > 0.1
+
+
+def replace_head_dim(table: Table, head_dim: int) -> Table:
+    table.columns["head_dim"] = np.full(len(table), head_dim)
+    return table

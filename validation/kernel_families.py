@@ -40,6 +40,10 @@ class Family:
     """Other kernel paths an engine may run on this GPU, each a whole set of `fixed` values
     used instead of the default one; each is fitted too and the lowest loss on the training rows wins (which
     kernel a GPU runs depends on the engine version as well as the architecture)."""
+    untold: Callable[[Table], dict] = lambda table: {}
+    """Parameters a table cannot tell, set to their neutral value rather than fitted (how
+    decode's per-item cost grows with head_dim, where the table measures one head_dim):
+    fitted, they would wander without changing a prediction."""
     starts: tuple[dict, ...] = ({},)
     """Starting points to try (each overrides some starting values); the best fit wins."""
     size_axes: tuple[str, ...] = ()
@@ -347,6 +351,7 @@ FAMILIES: dict[str, Family] = {
         _decode_predict,
         lambda t: _decode_band(t), DECODE_BANDS, fixed=_decode_fixed,
         alternatives=_decode_alternatives, size_axes=("batch", "context"),
+        untold=lambda t: {} if len(np.unique(t["head_dim"])) > 1 else {"item_dim_share": 0.0},
         starts=tuple({"head_stream_gbps": r, "batch_saturation": b}
                      for r in (300.0, 1000.0) for b in (1.5, 12.0))),
     "collective": Family(

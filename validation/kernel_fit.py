@@ -176,7 +176,9 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
     train = table.select(usable)
     y = np.log(train["latency_s"])
     best, best_params = None, None
+    untold = fam.untold(table)
     for fixed in (fam.fixed(gpu), *fam.alternatives(gpu)):
+        fixed = {**fixed, **untold}
         names = [n for n in fam.fitted if n not in fixed]
         lo = np.log([fam.fitted[n][0] for n in names])
         hi = np.log([fam.fitted[n][1] for n in names])
