@@ -139,7 +139,8 @@ def _attention(opts: dict) -> dict:
     return out
 
 
-_ALLREDUCE_PATHS = {K.movement.ONE_STAGE: "custom one-stage", K.movement.TWO_STAGE: "custom two-stage",
+_ALLREDUCE_PATHS = {K.movement.ONE_STAGE: "custom one-stage",
+                    K.movement.TWO_STAGE: "custom two-stage",
                     K.movement.SYMM_MEM: "symmetric memory", K.movement.RING: "ring"}
 """`servelab cost allreduce`'s name for each path `kernels.allreduce_route` picks."""
 
