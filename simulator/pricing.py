@@ -14,6 +14,7 @@ from servelab._validate import check_bounded
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged_choice, resolve
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
+from servelab.simulator.kernels.movement import ONE_STAGE, RING, SYMM_MEM, TWO_STAGE
 
 _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "heads": 1,
                "kv_heads": 1, "head_dim": 1, "gpus": 1, "elements": 1, "tp": 1, "hidden": 1,
@@ -139,9 +140,8 @@ def _attention(opts: dict) -> dict:
     return out
 
 
-_ALLREDUCE_PATHS = {K.movement.ONE_STAGE: "custom one-stage",
-                    K.movement.TWO_STAGE: "custom two-stage",
-                    K.movement.SYMM_MEM: "symmetric memory", K.movement.RING: "ring"}
+_ALLREDUCE_PATHS = {ONE_STAGE: "custom one-stage", TWO_STAGE: "custom two-stage",
+                    SYMM_MEM: "symmetric memory", RING: "ring"}
 """`servelab cost allreduce`'s name for each path `kernels.allreduce_route` picks."""
 
 

@@ -83,11 +83,8 @@ def prefill_attention_coefficients(heads, kv_heads, head_dim, gpu: GPUSpec,
     kv_row = 2.0 * kv_heads * head_dim * kv_bytes             # one token's K and V in the cache
     per_token = (2.0 * heads * head_dim * act_bytes           # Q read, O written
                  + kv_row)                                    # its own K/V, read by attention
-    if isinstance(cache_write, np.ndarray):                   # per measured row
-        per_token = per_token + np.where(cache_write, 2.0 * kv_heads * head_dim * act_bytes
-                                         + kv_row, 0.0)
-    elif cache_write:                                         # cache write: read, store
-        per_token = per_token + 2.0 * kv_heads * head_dim * act_bytes + kv_row
+    write = 2.0 * kv_heads * head_dim * act_bytes + kv_row    # cache write: read, store
+    per_token = per_token + write * cache_write               # a bool, or one per measured row
     return (p.floor_s,
             4.0 * head_dim * heads / rate + heads * p.pair_head_s,   # QKᵀ, PV; softmax
             4.0 * head_dim * block_heads * p.padded_tile_pairs / rate,
