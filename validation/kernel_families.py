@@ -254,7 +254,8 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "overlap": (1.0, 20.0, 3.0), "combine_traffic": (1e-3, 50.0, 1.0),
                "quant_elem_s": (1e-15, 1e-9, 1e-11), "l2_fraction": (0.05, 2.0, 0.5),
                "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
-               "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7)}
+               "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7),
+               "k_depth_s": (1e-13, 1e-7, 4e-9)}
 
 
 def _moe_family(name: str, dtype: str) -> Family:
@@ -272,7 +273,12 @@ def _moe_family(name: str, dtype: str) -> Family:
         name, "moe", lambda t: t["dtype"] == dtype, _MOE_FITTED,
         lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
         fixed=triton, alternatives=lambda gpu: (dict(other),),
-        starts=({}, {"compute_eff": 0.7, "small_tile_eff": 0.9, "overlap": 1.5}),
+        # the third start: a low floor, the rest of it in the K loops (`k_depth_s`), near
+        # where the H100 fits end; from the first two the fit keeps a floor twice the
+        # fastest narrow layers' times and k_depth_s near 0
+        starts=({}, {"compute_eff": 0.7, "small_tile_eff": 0.9, "overlap": 1.5},
+                {"floor_s": 1.2e-5, "k_depth_s": 4e-9, "compute_eff": 0.3, "overlap": 1.4,
+                 "combine_traffic": 1.9, "l2_fraction": 0.45, "l2_gain": 19.0}),
         size_axes=("tokens",), prepare=moe_load_columns)
 
 

@@ -14,8 +14,9 @@ The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
     memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
               + weight passes x expert_s
 
-combined by a soft maximum, plus a floor, the top-k combine over every pair of the step and,
-for FP8 (W8A8), the activation quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
+combined by a soft maximum, plus a floor, the last tiles' serial loops over K (`k_depth_s`),
+the top-k combine over every pair of the step and, for FP8 (W8A8), the activation
+quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
 ships a tuned kernel config for, else compute_eff / (1 + inter/TP / width_knee): untuned wide
 experts run at a lower rate (`VLLM_TUNED_MOE`). At small batches the weights of each activated
 expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
@@ -366,9 +367,19 @@ class MoEParams(_Params):
     time 10-fold, leaving about 3 µs per expert; fitted, 1.6 µs there and 0.04-0.1 µs for
     the Triton kernels."""
 
+    k_depth_s: float = 0.0
+    """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
+    inter/TP for down) that a call waits for besides its throughput terms: each tile runs
+    its loop over K one step after another, and the last tiles to start are waited for
+    whole. It is what makes a narrow layer's few-token call cost more with a wider hidden
+    size though it moves few bytes: on H100 (vLLM 0.14, aiconfigurator's `moe_perf`, one
+    token, balanced, experts of 0.9-2.8 MB at TP 32) 20.8, 21.5, 24.4, 31.4 and 45.6 µs at
+    hidden 2,688, 3,072, 4,096, 6,144 and 7,168, whose weights take 2-7 µs at HBM speed.
+    Fitted 0.3-5 ns per element (0.02-0.3 µs per 64-deep step); 0: no such wait."""
+
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
-              "tuned_compute_eff", "width_knee", "expert_s")
+              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -443,6 +454,8 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     if p.expert_s:
         memory = memory + passes * p.expert_s
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
+    if p.k_depth_s:
+        gemms = gemms + p.k_depth_s * (hidden + inter_gpu)
     combine = p.combine_traffic * t * topk * (4.0 * hidden + 6.0 * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
