@@ -166,6 +166,18 @@ def test_the_bare_roofline_is_weights_at_small_batch_and_flops_at_large():
     assert K.moe_experts_time(16384, 7168, 2048, 256, 8, H100, bare) == pytest.approx(flops, rel=0.05)
 
 
+def test_the_default_config_switches_tiles_at_the_local_expert_count():
+    """vLLM's `get_default_config` takes 16-row tiles while the tokens are at most the
+    layer's experts and 64-row ones above, and the layer it is given holds the local
+    experts (E = w1's first dimension): under EP 2, 128 experts switch after 64 tokens."""
+    slow = K.MoEParams(compute_eff=0.01, small_tile_rows=16.0, large_tile_rows=64.0)
+    t = np.array([64, 65, 128, 129])
+    ep1 = K.moe_experts_time(t, 2048, 768, 128, 8, H100, slow)
+    ep2 = K.moe_experts_time(t, 2048, 768, 128, 8, H100, slow, ep=2)
+    assert ep2[1] > 2 * ep2[0] and ep2[3] < 1.1 * ep2[2]      # the step at 64 -> 65
+    assert ep1[1] < 1.1 * ep1[0] and ep1[3] > 2 * ep1[2]      # at 128 -> 129 without EP
+
+
 def test_the_k_loops_wait_adds_the_reduction_depths_of_both_gemms():
     """k_depth_s: every call waits for its last tiles' loops over K, hidden deep for the
     gate and up GEMM and inter/TP deep for the down GEMM, whatever the batch."""

@@ -83,16 +83,17 @@ def _time(tokens, p, gpu=H100, ep=8, warm_l2=False, load="balanced"):
 
 
 def test_small_tiles_stream_each_experts_weights_once_per_tile():
-    """vLLM's small-batch config runs an expert's 16-row tiles one after another: 32 local
-    experts with 40 pairs each fill three tiles apiece and read their weights three times;
-    with 8 pairs each (one tile) once, as a pass per touched expert would say."""
+    """vLLM's small-batch config (tokens <= the GPU's experts) runs an expert's 16-row
+    tiles one after another: 32 touched experts with 40 pairs each fill three tiles apiece
+    and read their weights three times; with 8 pairs each (one tile) once, as a pass per
+    touched expert would say."""
     once = replace(K.MoEParams(), small_tile_rows=16.0, large_tile_rows=64.0)
     per_tile = replace(once, small_stream_rows=16.0, large_stream_rows=512.0)
 
     def time(per_expert: int, p) -> float:
         stats = np.array([32.0, 32.0 * per_expert]
                          + [32.0 * np.ceil(per_expert / r) for r in M.TILE_ROWS])
-        return float(K.fused_moe_time(160, 7168, 2048, 256, 8, 8, stats, H100, p))
+        return float(K.fused_moe_time(160, 7168, 2048, 256, 8, 1, stats, H100, p))
 
     assert time(8, per_tile) == pytest.approx(time(8, once))
     assert time(40, per_tile) == pytest.approx(3 * time(40, once), rel=0.05)

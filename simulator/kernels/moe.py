@@ -331,7 +331,9 @@ class MoEParams(_Params):
     quant_elem_s: float = 0.0
     """Seconds per activation element quantised to FP8 before each GEMM (W8A8 only)."""
     small_tile_rows: float = 1.0
-    """Rows per tile while tokens <= experts (vLLM's default config: 16); an engine setting."""
+    """Rows per tile while tokens <= the GPU's experts, experts / EP (vLLM's default config:
+    16; `get_default_config` compares the batch with E, which `try_get_optimal_moe_config`
+    reads from the layer's weights: the local experts under EP); an engine setting."""
     large_tile_rows: float = 1.0
     """Rows per tile above that (vLLM's default config: 64); an engine setting."""
     naive_sparsity: float = 0.0
@@ -340,7 +342,7 @@ class MoEParams(_Params):
     no such path. An engine setting."""
     small_stream_rows: float = 0.0
     """Rows of one expert's pairs that share one pass over its weights while tokens <=
-    experts: the tile height times GROUP_SIZE_M (vLLM's small-batch default config: 16 x 1,
+    experts / EP: the tile height times GROUP_SIZE_M (vLLM's small-batch default config: 16 x 1,
     so every 16-row tile streams the expert's weights again); 0: one pass per expert
     touched. An engine setting."""
     large_stream_rows: float = 0.0
@@ -424,7 +426,7 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     weight_bytes, act_bytes = (1.0 if dtype == "fp8" else 2.0), (1.0 if w8a8 else 2.0)
     inter_gpu = np.asarray(inter_gpu, dtype=np.float64)
     per_expert = 3.0 * hidden * inter_gpu                                  # gate, up, down
-    small = t <= experts
+    small = t <= np.asarray(experts) / np.asarray(ep)
     rows = np.where(small, p.small_tile_rows, p.large_tile_rows)
     active, pairs = stats[0], stats[1]
     tiles = np.where(small, stats[2 + TILE_ROWS.index(int(p.small_tile_rows))],
