@@ -244,10 +244,11 @@ GROUP_SIZE_M = 1 and 8 (so an expert's weights are read once per 16 and per 512 
 pairs), and the small-batch path that gives every pair its own tile when tokens x top-k x 4
 <= experts without EP (SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
 GROUPED_GEMM_MOE = {"small_tile_rows": 128.0, "large_tile_rows": 128.0, "naive_sparsity": 0.0,
-                    "small_stream_rows": 0.0, "large_stream_rows": 0.0}
+                    "small_stream_rows": 0.0, "large_stream_rows": 0.0, "large_memory_eff": 1.0}
 """A grouped-GEMM library (FlashInfer's CUTLASS or TRT-LLM kernels, which vLLM 0.24 runs on
-Hopper and Blackwell for some dtypes): fixed 128-row tiles, no small-batch path, each
-expert's weights read once (persistent kernels)."""
+Hopper and Blackwell for some dtypes): fixed 128-row tiles, no small-batch path, no
+switch of tile config with the batch, each expert's weights read once (persistent
+kernels)."""
 
 _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "small_tile_eff": (0.05, 1.0, 0.5), "memory_eff": (0.2, 1.0, 0.8),
@@ -255,7 +256,7 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "quant_elem_s": (1e-15, 1e-9, 1e-11), "l2_fraction": (0.05, 2.0, 0.5),
                "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
                "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7),
-               "k_depth_s": (1e-13, 1e-7, 4e-9)}
+               "k_depth_s": (1e-13, 1e-7, 4e-9), "large_memory_eff": (0.1, 1.0, 0.8)}
 
 
 def _moe_family(name: str, dtype: str) -> Family:

@@ -369,6 +369,14 @@ class MoEParams(_Params):
     time 10-fold, leaving about 3 µs per expert; fitted, 1.6 µs there and 0.04-0.1 µs for
     the Triton kernels."""
 
+    large_memory_eff: float = 1.0
+    """Further fraction of `memory_eff` that the default config's large tiles (64 x 64, 32
+    deep, above experts/EP tokens) reach where vLLM has no tuned file for the layer: on
+    Ampere and Ada they stream weights slower than the small config's 16 x 32 tiles, 64
+    deep. L40S (vLLM 0.14, aiconfigurator's `moe_perf`, Mixtral's 8 experts of 4,096 x
+    14,336, TP 1, power-law routing): 3.03 ms at 8 tokens and 6.29 ms at 16 in FP8, 4.04 and
+    6.47 ms in BF16, for about the same experts' weights. Fitted 0.50 (L40S FP8), 0.66-0.67
+    (A100, L40S BF16), 0.89-1.00 on Hopper and Blackwell; 1: no difference."""
     k_depth_s: float = 0.0
     """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
     inter/TP for down) that a call waits for besides its throughput terms: each tile runs
@@ -379,9 +387,9 @@ class MoEParams(_Params):
     hidden 2,688, 3,072, 4,096, 6,144 and 7,168, whose weights take 2-7 µs at HBM speed.
     Fitted 0.3-5 ns per element (0.02-0.3 µs per 64-deep step); 0: no such wait."""
 
-    _fractions = ("compute_eff", "small_tile_eff", "memory_eff")
+    _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
-              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s")
+              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -453,6 +461,9 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         weights = (first * ((1.0 - warm) + warm / p.l2_gain)
                    + (weights - first) * ((1.0 - again) + again / p.l2_gain))
     memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
+    if p.large_memory_eff != 1.0:     # the default config's large tiles (a tuned file's own)
+        default = ~small & ~vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
+        memory = np.where(default, memory / p.large_memory_eff, memory)
     if p.expert_s:
         memory = memory + passes * p.expert_s
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
