@@ -195,10 +195,11 @@ def test_the_default_large_tiles_stream_weights_at_their_own_rate():
 
 def test_l40s_moe_fits_reproduce_held_out_rows():
     """The L40S tables (Ada: the default large tiles stream weights at half the small
-    ones' rate in FP8) within the target overall; FP8 was 18.5% without large_memory_eff."""
+    ones' rate in FP8) well within the target overall; FP8 was 18.5% without
+    large_memory_eff, BF16 12.6%."""
     ms = load_measurements([real_measurements() / "aiconfigurator-vllm-0.14.0" / "l40s"], "l40s",
                            drop_bad_rows=True)
-    for family, target in (("moe", 11.0), ("moe_fp8", 14.0)):
+    for family, target in (("moe", 10.0), ("moe_fp8", 12.0)):
         fit = heldout(ms, family, "l40s")
         assert fit.stats["heldout"]["mape_pct"] <= target, family
     assert packaged("l40s").kernels.moe_fp8.large_memory_eff < 0.6

@@ -370,13 +370,13 @@ class MoEParams(_Params):
     the Triton kernels."""
 
     large_memory_eff: float = 1.0
-    """Further fraction of `memory_eff` that the default config's large tiles (64 x 64, 32
-    deep, above experts/EP tokens) reach where vLLM has no tuned file for the layer: on
-    Ampere and Ada they stream weights slower than the small config's 16 x 32 tiles, 64
-    deep. L40S (vLLM 0.14, aiconfigurator's `moe_perf`, Mixtral's 8 experts of 4,096 x
+    """Further fraction of `memory_eff` at which the default config's large tiles (64 x 64,
+    32 deep, above experts/EP tokens) stream the experts' weights (not the activations)
+    where vLLM has no tuned file for the layer: on Ampere and Ada slower than the small
+    config's 16 x 32 tiles, 64 deep. L40S (vLLM 0.14, aiconfigurator's `moe_perf`, Mixtral's 8 experts of 4,096 x
     14,336, TP 1, power-law routing): 3.03 ms at 8 tokens and 6.29 ms at 16 in FP8, 4.04 and
-    6.47 ms in BF16, for about the same experts' weights. Fitted 0.50 (L40S FP8), 0.66-0.67
-    (A100, L40S BF16), 0.89-1.00 on Hopper and Blackwell; 1: no difference."""
+    6.47 ms in BF16, for about the same experts' weights. Fitted 0.48 (L40S FP8), 0.66 (A100,
+    L40S BF16), 0.88-1.00 on Hopper and Blackwell; 1: no difference."""
     k_depth_s: float = 0.0
     """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
     inter/TP for down) that a call waits for besides its throughput terms: each tile runs
@@ -460,10 +460,10 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         warm = l2_hit(first, gpu, p.l2_fraction) if warm_l2 else 0.0
         weights = (first * ((1.0 - warm) + warm / p.l2_gain)
                    + (weights - first) * ((1.0 - again) + again / p.l2_gain))
-    memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
     if p.large_memory_eff != 1.0:     # the default config's large tiles (a tuned file's own)
         default = ~small & ~vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
-        memory = np.where(default, memory / p.large_memory_eff, memory)
+        weights = np.where(default, weights / p.large_memory_eff, weights)
+    memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
     if p.expert_s:
         memory = memory + passes * p.expert_s
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
