@@ -205,6 +205,29 @@ def test_l40s_moe_fits_reproduce_held_out_rows():
     assert packaged("l40s").kernels.moe_fp8.large_memory_eff < 0.6
 
 
+def test_remote_pairs_pay_their_share_of_the_combine_traffic():
+    """remote_pair_share: a pair routed to another GPU's experts costs that share of a
+    pair's combine traffic (Triton writes and sums a zero row for it: 1; FlashInfer's
+    kernels skip it); without EP every pair is the GPU's own and nothing changes."""
+    base = packaged("h100-sxm").kernels.moe
+    keep, skip = (dataclasses.replace(base, remote_pair_share=r) for r in (1.0, 0.01))
+    tokens = np.array([64.0, 4096.0])
+    h, i, e, k = DEEPSEEK["hidden"], DEEPSEEK["inter"], DEEPSEEK["experts"], DEEPSEEK["topk"]
+    for ep in (1, 8):
+        stats = K.expert_load(tokens, e, k, ep)
+        kept = K.fused_moe_time(tokens, h, i, e, k, ep, stats, H100, keep)
+        skipped = K.fused_moe_time(tokens, h, i, e, k, ep, stats, H100, skip)
+        remote = tokens * k - stats[1]                   # pairs of the other GPUs
+        np.testing.assert_allclose(
+            kept - skipped, 0.99 * base.combine_traffic * remote * (4.0 * h + 6.0 * i)
+            / (H100.hbm_bandwidth_gbps * 1e9), rtol=1e-9)
+        assert (remote > 0).all() == (ep > 1)
+    # the Triton tables keep every zero row; vLLM 0.24's FlashInfer kernels drop most
+    assert packaged("h100-sxm").kernels.moe.remote_pair_share == 1.0
+    assert packaged("b200.vllm-0.24").kernels.moe.remote_pair_share < 0.3
+    assert packaged("h100-sxm.vllm-0.24").kernels.moe_fp8.remote_pair_share < 0.05
+
+
 def test_the_k_loops_wait_adds_the_reduction_depths_of_both_gemms():
     """k_depth_s: every call waits for its last tiles' loops over K, hidden deep for the
     gate and up GEMM and inter/TP deep for the down GEMM, whatever the batch."""

@@ -326,8 +326,9 @@ class MoEParams(_Params):
     """Soft-maximum exponent of compute against weight streaming (1: add, inf: max)."""
     combine_traffic: float = 0.0
     """Bytes moved per (token, expert) pair of the whole step — every GPU's, as each writes
-    zeros for the others' (EP) — by the activation and the top-k sum, as a multiple of
-    the pair's activations (4 x hidden + 6 x inter/TP bytes); 0 in the bare roofline."""
+    zeros for the others' (EP; `remote_pair_share` of them where a kernel skips them) — by
+    the activation and the top-k sum, as a multiple of the pair's activations (4 x hidden
+    + 6 x inter/TP bytes); 0 in the bare roofline."""
     quant_elem_s: float = 0.0
     """Seconds per activation element quantised to FP8 before each GEMM (W8A8 only)."""
     small_tile_rows: float = 1.0
@@ -377,6 +378,12 @@ class MoEParams(_Params):
     14,336, TP 1, power-law routing): 3.03 ms at 8 tokens and 6.29 ms at 16 in FP8, 4.04 and
     6.47 ms in BF16, for about the same experts' weights. Fitted 0.48 (L40S FP8), 0.66 (A100,
     L40S BF16), 0.88-1.00 on Hopper and Blackwell; 1: no difference."""
+    remote_pair_share: float = 1.0
+    """Share of a pair's `combine_traffic` paid for a pair routed to another GPU's experts
+    (EP): vLLM's Triton kernel writes a zero row for each and the top-k sum reads it (1;
+    the vLLM 0.14 and 0.19 tables fit 1.00), while the FlashInfer kernels vLLM 0.24 runs
+    keep only the GPU's own pairs (fitted 0.01 at its bound for H100 FP8, CUTLASS; 0.14-0.20
+    on B200)."""
     k_depth_s: float = 0.0
     """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
     inter/TP for down) that a call waits for besides its throughput terms: each tile runs
@@ -387,9 +394,10 @@ class MoEParams(_Params):
     hidden 2,688, 3,072, 4,096, 6,144 and 7,168, whose weights take 2-7 µs at HBM speed.
     Fitted 0.3-5 ns per element (0.02-0.3 µs per 64-deep step); 0: no such wait."""
 
-    _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff")
+    _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff",
+                  "remote_pair_share")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
-              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff")
+              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff", "remote_pair_share")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -469,7 +477,10 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
     if p.k_depth_s:
         gemms = gemms + p.k_depth_s * (hidden + inter_gpu)
-    combine = p.combine_traffic * t * topk * (4.0 * hidden + 6.0 * inter_gpu) / bw
+    counted = t * topk                # every GPU's pairs, each GPU's own at full weight
+    if p.remote_pair_share != 1.0:
+        counted = pairs + p.remote_pair_share * np.maximum(counted - pairs, 0.0)
+    combine = p.combine_traffic * counted * (4.0 * hidden + 6.0 * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
 
