@@ -239,10 +239,11 @@ def _moe_band(t: Table) -> np.ndarray:
 TRITON_MOE = {"small_tile_rows": 16.0, "large_tile_rows": 64.0, "naive_sparsity": 4.0,
               "small_stream_rows": 16.0, "large_stream_rows": 512.0}
 """vLLM's Triton fused MoE: the default config's 16-row tiles while tokens <= the local
-experts (experts / EP: the layer holds only its own) and 64-row ones above (`get_default_config`, before vllm-project/vllm#34846), grouped
-GROUP_SIZE_M = 1 and 8 (so an expert's weights are read once per 16 and per 512 of its
-pairs), and the small-batch path that gives every pair its own tile when tokens x top-k x 4
-<= experts without EP (SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
+experts (experts / EP: the layer holds only its own) and 64-row ones above
+(`get_default_config`, before vllm-project/vllm#34846), grouped GROUP_SIZE_M = 1 and 8 (so
+an expert's weights are read once per 16 and per 512 of its pairs), and the small-batch
+path that gives every pair its own tile when tokens x top-k x 4 <= experts without EP
+(SPARSITY_FACTOR, vllm-project/vllm#29354 and #39016)."""
 GROUPED_GEMM_MOE = {"small_tile_rows": 128.0, "large_tile_rows": 128.0, "naive_sparsity": 0.0,
                     "small_stream_rows": 0.0, "large_stream_rows": 0.0, "large_memory_eff": 1.0}
 """A grouped-GEMM library (FlashInfer's CUTLASS or TRT-LLM kernels, which vLLM 0.24 runs on

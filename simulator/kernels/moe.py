@@ -11,12 +11,12 @@ the pairs of the others; tensor parallelism (TP) splits every expert's inter dim
 The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
 
     compute = tiles x tile_rows x 2 x W / (peak x eff)      W = 3 x hidden x inter/TP
-    memory  = (weight passes x W x weight_bytes + pairs x activation bytes) / (HBM x memory_eff)
-              + weight passes x expert_s
+    memory  = (weight passes x W x weight_bytes [/ large_memory_eff]
+               + pairs x activation bytes) / (HBM x memory_eff) + weight passes x expert_s
 
 combined by a soft maximum, plus a floor, the last tiles' serial loops over K (`k_depth_s`),
-the top-k combine over every pair of the step and, for FP8 (W8A8), the activation
-quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
+the top-k combine over every pair of the step (another GPU's at `remote_pair_share`) and,
+for FP8 (W8A8), the activation quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
 ships a tuned kernel config for, else compute_eff / (1 + inter/TP / width_knee): untuned wide
 experts run at a lower rate (`VLLM_TUNED_MOE`). At small batches the weights of each activated
 expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
@@ -343,9 +343,9 @@ class MoEParams(_Params):
     no such path. An engine setting."""
     small_stream_rows: float = 0.0
     """Rows of one expert's pairs that share one pass over its weights while tokens <=
-    experts / EP: the tile height times GROUP_SIZE_M (vLLM's small-batch default config: 16 x 1,
-    so every 16-row tile streams the expert's weights again); 0: one pass per expert
-    touched. An engine setting."""
+    experts / EP: the tile height times GROUP_SIZE_M (vLLM's small-batch default config:
+    16 x 1, so every 16-row tile streams the expert's weights again); 0: one pass per
+    expert touched. An engine setting."""
     large_stream_rows: float = 0.0
     """The same above that (vLLM's default config: 64-row tiles grouped by 8, 512 rows);
     0: one pass per expert touched. An engine setting."""
@@ -374,9 +374,10 @@ class MoEParams(_Params):
     """Further fraction of `memory_eff` at which the default config's large tiles (64 x 64,
     32 deep, above experts/EP tokens) stream the experts' weights (not the activations)
     where vLLM has no tuned file for the layer: on Ampere and Ada slower than the small
-    config's 16 x 32 tiles, 64 deep. L40S (vLLM 0.14, aiconfigurator's `moe_perf`, Mixtral's 8 experts of 4,096 x
-    14,336, TP 1, power-law routing): 3.03 ms at 8 tokens and 6.29 ms at 16 in FP8, 4.04 and
-    6.47 ms in BF16, for about the same experts' weights. Fitted 0.48 (L40S FP8), 0.66 (A100,
+    config's 16 x 32 tiles, 64 deep. L40S (vLLM 0.14, aiconfigurator's `moe_perf`,
+    Mixtral's 8 experts of 4,096 x 14,336, TP 1, power-law routing): 3.03 ms at 8 tokens
+    and 6.29 ms at 16 in FP8, 4.04 and 6.47 ms in BF16, for about the same experts'
+    weights. Fitted 0.48 (L40S FP8), 0.66 (A100,
     L40S BF16), 0.88-1.00 on Hopper and Blackwell; 1: no difference."""
     remote_pair_share: float = 1.0
     """Share of a pair's `combine_traffic` paid for a pair routed to another GPU's experts
@@ -397,7 +398,8 @@ class MoEParams(_Params):
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff",
                   "remote_pair_share")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
-              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff", "remote_pair_share")
+              "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff",
+              "remote_pair_share")
 
     def __post_init__(self) -> None:
         _check_fields(self)
