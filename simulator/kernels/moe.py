@@ -393,7 +393,9 @@ class MoEParams(_Params):
     size though it moves few bytes: on H100 (vLLM 0.14, aiconfigurator's `moe_perf`, one
     token, balanced, experts of 0.9-2.8 MB at TP 32) 20.8, 21.5, 24.4, 31.4 and 45.6 µs at
     hidden 2,688, 3,072, 4,096, 6,144 and 7,168, whose weights take 2-7 µs at HBM speed.
-    Fitted 0.3-5 ns per element (0.02-0.3 µs per 64-deep step); 0: no such wait."""
+    Fitted 3.7-5.0 ns per element on A100 and H100 0.14 (0.23-0.32 µs per 64-deep step),
+    0.3-2.3 ns on the vLLM 0.19-0.24 tables and L40S BF16, about 0 for L40S FP8 (whose
+    large tiles' streaming rate, `large_memory_eff`, took it over); 0: no such wait."""
 
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff",
                   "remote_pair_share")
