@@ -234,6 +234,14 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     data = json.loads((out.parent / "real" / "real-runs.json").read_text())
     assert data["runs"]["RTX4090/tiny"]["published"]["ttft"]["mean"]["error_pct"] == 4.0
     assert list(data["not_replayed"]) == ["RTX4090/moe"]
+    # the probe scales every step by the factor that takes the median TPOT error out (the
+    # tiny run's simulated TPOTs are about twice the real ones)
+    variants = data["runs"]["RTX4090/tiny"]["variants"]
+    as_is = variants["as replayed"]["tpot"]["median_signed_pct"]
+    label = f"every step x{100 / (100 + as_is):.3f}: the median TPOT error taken out"
+    probe = [e for name, e in variants.items() if name.startswith(label)]
+    assert as_is > 50 and len(probe) == 1 and abs(probe[0]["tpot"]["median_signed_pct"]) < 5
+    assert f"| {label} (bias or spread?) |" in text
     assert sorted(p.name for p in (out.parent / "real").glob("*.png")) == [
         "RTX4090_tiny_engine.png", "RTX4090_tiny_latency.png"]
     assert "not replayed: RTX4090/moe" in capsys.readouterr().err

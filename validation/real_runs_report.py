@@ -109,6 +109,9 @@ def _variants(rp: Replay, calibration: str | None) -> dict[str, dict[str, Any]]:
         if exchange is not None:
             label, profile = exchange
             changes[label] = (str(profile.save(Path(tmp) / "profile.json")), {})
+        if calibration != "none" and np.isfinite(rp.errors["tpot"]["median_signed_pct"]):
+            label, profile = _unbiased(rp)
+            changes[label] = (str(profile.save(Path(tmp) / "unbiased.json")), {})
         for name, (profile, overrides) in changes.items():
             try:
                 out[name] = replay_run(run, profile, **overrides).errors
@@ -147,6 +150,29 @@ def _lock_step_note(rp: Replay) -> str:
 
 _RING_ROW = "EP exchange at this GPU's measured ring speed"
 _PEAK_ROW = "EP exchange at the link's datasheet speed"
+
+
+_PROBE_ROW = "every step x{:.3f}: the median TPOT error taken out (bias or spread?)"
+
+
+def _unbiased(rp: Replay):
+    """(row label, profile) of the probe row: the replay's profile with every op class's
+    scale and the step overhead times the factor that takes the median per-request TPOT
+    error out (a TPOT is a run of whole steps). Where the TTFT and E2E MAPEs fall with it,
+    the prices were biased; where they stay, what is left is a spread of per-request
+    errors (which steps a short TTFT spans), not a bias. Its engine version is left unset:
+    the replay already chose this profile for the run's engine (one carried from another
+    version, as the RTX 4090's is, included), and a profile file naming another version
+    would be refused."""
+    from dataclasses import replace
+
+    from servelab.simulator.calibration import OP_CLASSES
+
+    profile = rp.cost_model.profile
+    factor = 100.0 / (100.0 + rp.errors["tpot"]["median_signed_pct"])
+    return _PROBE_ROW.format(factor), replace(
+        profile, scales={c: profile.scale(c) * factor for c in OP_CLASSES},
+        step_overhead_s=profile.step_overhead_s * factor, engine_version=None)
 
 
 def _exchange_variant(rp: Replay):
@@ -308,7 +334,10 @@ def render(runs: Sequence[RecordedRun], replays: Sequence[Replay], skipped: dict
         "steps directly, apart from the prefills. *What moves the error* "
         "replays the run with one thing changed: the bare roofline (datasheet peaks, no "
         "fitted efficiencies) and the fitted profile bracket the kernels' real speed; the KV "
-        "row shows whether KV capacity bound the run; the first request meets a cold engine. "
+        "row shows whether KV capacity bound the run; the first request meets a cold engine; "
+        "the probe scales every step's price so that the median TPOT error is gone: where "
+        "the MAPEs fall with it, the prices were biased; where they stay, the per-request "
+        "errors are a spread (which steps a short TTFT spans), not a bias. "
         "The TTFT bands show where the TTFT MAPE comes from: a TTFT of a step or two weighs "
         "a few milliseconds' error as much as a long queue's seconds.", ""]
     for run in runs:
@@ -381,11 +410,13 @@ def _run_section(run: RecordedRun, rp: Replay | None, figures: list[str],
                       f"{np.median(real):.1f} ms, priced {np.median(priced):.1f} ms "
                       f"(median error {np.median((priced - real) / real * 100):+.1f}%)."]
     lines += ["", "What moves the error (the same replay with one thing changed):", "",
-              "| replay | TTFT MAPE | TPOT MAPE | E2E MAPE | E2E mean error |",
+              "| replay | TTFT MAPE (signed median) | TPOT MAPE (signed median) | E2E MAPE "
+              "(signed median) | E2E mean error |",
               "|---|---:|---:|---:|---:|"]
     for name, e in (variants or {}).items():
-        lines.append(f"| {name} | {e['ttft']['mape_pct']:.1f}% | {e['tpot']['mape_pct']:.1f}% | "
-                     f"{e['e2el']['mape_pct']:.1f}% | {e['e2el']['stat_error_pct']['mean']:+.1f}% |")
+        cells = " | ".join(f"{e[m]['mape_pct']:.1f}% ({e[m]['median_signed_pct']:+.1f}%)"
+                           for m in LATENCIES)
+        lines.append(f"| {name} | {cells} | {e['e2el']['stat_error_pct']['mean']:+.1f}% |")
     lines += [""] + [f"![{run.label} {name}]({out.stem}/{name})" for name in figures] + [""]
     return lines
 
