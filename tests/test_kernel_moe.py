@@ -20,7 +20,7 @@ from servelab.simulator.calibration import packaged
 from servelab.simulator.gpus import get_gpu
 from servelab.validation.kernel_fit import (
     FAMILIES, extend_profile, family_table, fit_family, holdout_mask, judge)
-from servelab.validation.measurements import Table, load_measurements
+from servelab.validation.measurements import Table, load_measurements, moe_rows_gated
 
 H100, A100, L40S = get_gpu("h100-sxm"), get_gpu("a100-80gb"), get_gpu("l40s")
 DEEPSEEK = dict(hidden=7168, inter=2048, experts=256, topk=8)
@@ -258,7 +258,7 @@ def test_a_fit_recovers_the_k_loops_wait_from_rows_it_made():
                 kernel=np.array(["vllm_fused_moe"] * n, dtype=object),
                 load=np.array(["balanced"] * n, dtype=object),
                 top_up=np.array([K.moe.LARGEST_FIRST] * n, dtype=object),
-                latency_s=np.ones(n))
+                gated=np.ones(n, dtype=bool), latency_s=np.ones(n))
     table = fam.prepare(Table("moe", cols, ["synthetic"] * n))
     table.columns["latency_s"] = fam.predict(table, H100, truth)
     fit = fit_family(fam, table, H100, np.arange(n) % 5 == 0, K.MoEParams())
@@ -329,6 +329,28 @@ def test_moe_rows_carry_their_tables_load_convention(h100_tables):
     assert set(table["top_up"]) == {K.moe.SMALLEST_FIRST}       # vLLM 0.14's tables
     assert set(table["load"]) == {"balanced", "power-law:1.01", "power-law:1.2"}
     assert set(table["dtype"]) == {"bf16"}
+    # its collector timed every shape with a gated w1, Nemotron-3 Nano's included
+    assert table["gated"].all() and (table["hidden"] == 2688).any()
+
+
+def test_only_the_model_built_collectors_nemotron_rows_lack_a_gate():
+    nano, ultra, qwen = (2688, 1856, 128, 6), (2048, 5120, 512, 22), (2048, 768, 128, 8)
+    kernels = ["vllm_fused_moe", "vllm_unquantizedfusedmoe_triton_tritonexperts",
+               "vllm_modeloptfp8moe_flashinfer_cutlass_flashinferexperts",
+               "vllm_unquantizedfusedmoe_triton_tritonexperts"]
+    shapes = [nano, nano, ultra, qwen]
+    gated = moe_rows_gated(kernels, *np.array(shapes).T)
+    assert gated.tolist() == [True, False, False, True]
+
+
+def test_experts_without_a_gate_cost_less_and_two_thirds_when_compute_bound():
+    p = packaged("h100-sxm.vllm-0.24").kernels.moe
+    tokens = np.array([1, 8, 64, 512, 4096, 32768])
+    gated = K.moe_experts_time(tokens, 2688, 1856, 128, 6, H100, p)
+    stats = K.expert_load(tokens, 128, 6, 1)
+    plain = K.moe.fused_moe_time(tokens, 2688, 1856, 128, 6, 1, stats, H100, p, gated=False)
+    assert (plain < gated).all()
+    assert 0.6 < plain[-1] / gated[-1] < 0.75
 
 
 # --- the all-to-all -----------------------------------------------------------------------------

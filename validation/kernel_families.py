@@ -225,7 +225,8 @@ def moe_load_columns(t: Table) -> Table:
 def _moe_predict(t: Table, gpu: GPUSpec, p, dtype: str) -> np.ndarray:
     stats = np.concatenate([t["load_active"][None], t["load_pairs"][None], t["load_tiles"].T])
     return K.moe.fused_moe_time(t["tokens"], t["hidden"], t["inter"] / t["tp"], t["experts"],
-                                t["topk"], t["ep"], stats, gpu, p, dtype, warm_l2=True)
+                                t["topk"], t["ep"], stats, gpu, p, dtype, warm_l2=True,
+                                gated=t["gated"])
 
 
 def _moe_band(t: Table) -> np.ndarray:

@@ -231,6 +231,30 @@ MOE_TOP_UP = {"0.14.0": "smallest-first", "0.19.0": "round-robin", "0.24.0": "ro
 capped at the batch); other versions: as aiconfigurator's helper was first written."""
 
 
+NON_GATED_MOE = {(2688, 1856, 128, 6): "NVIDIA-Nemotron-3-Nano-30B-A3B",
+                 (2048, 5120, 512, 22): "Nemotron-3 Ultra (512 experts, top-22, width 5120)"}
+"""(hidden, inter, experts, top-k) of the measured MoE layers whose model has experts
+without a gate: NVIDIA's Nemotron-H models (aiconfigurator's
+`collector/cases/models/NemotronHForCausalLM_cases.yaml` lists their MoE cases; their
+config.json has `mlp_hidden_act: relu2`, squared ReLU on one up projection)."""
+
+
+def moe_rows_gated(kernel_source, hidden, inter, experts, topk) -> np.ndarray:
+    """Whether each measured MoE row timed experts with a gate projection. aiconfigurator's
+    first vLLM MoE collector (kernel_source `vllm_fused_moe`: the vLLM 0.14 and 0.19 tables)
+    calls `fused_experts` with a gated w1 of 2 x inter rows for every shape; the one that
+    names the quantisation method, backend and experts class (`vllm_unquantizedfusedmoe_...`,
+    `vllm_modeloptfp8moe_...`: the 0.24 tables) builds each layer as its model has it, so
+    the Nemotron-H layers (`NON_GATED_MOE`) have none. The times say so: priced as gated,
+    those layers come out 20-40% slow (median) on both 0.24 tables (H100: Triton, B200:
+    TRT-LLM, FP8 on H100: CUTLASS) and within 5% on the 0.14 and 0.19 ones; priced without
+    a gate, within 10% on the 0.24 ones (docs/moe-mla.md)."""
+    shapes = zip(np.asarray(hidden).tolist(), np.asarray(inter).tolist(),
+                 np.asarray(experts).tolist(), np.asarray(topk).tolist())
+    return np.array([str(k) == "vllm_fused_moe" or shape not in NON_GATED_MOE
+                     for k, shape in zip(kernel_source, shapes)], dtype=bool)
+
+
 def forward_writes_cache(version: str, kernel_source: str) -> bool:
     """Whether a measured attention call includes writing the new K and V into the paged
     cache. aiconfigurator's collector (`collector/vllm/collect_attn.py`) times the backend's
@@ -365,6 +389,8 @@ def _moe_columns(rows: "_Rows", data: dict, top_up: str) -> dict[str, np.ndarray
             rows._fail(i, f"unknown distribution {value!r}", "unknown distribution")
     cols["load"] = load
     cols["top_up"] = np.array([top_up] * len(rows.numbers), dtype=object)
+    cols["gated"] = moe_rows_gated(cols["kernel"], cols["hidden"], cols["inter"],
+                                   cols["experts"], cols["topk"])
     rows.check(cols["experts"] % np.maximum(cols["ep"], 1) == 0,
                "num_experts is not a multiple of moe_ep_size")
     rows.check(cols["topk"] <= cols["experts"], "topk exceeds num_experts")

@@ -11,6 +11,7 @@ the pairs of the others; tensor parallelism (TP) splits every expert's inter dim
 The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
 
     compute = tiles x tile_rows x 2 x W / (peak x eff)      W = 3 x hidden x inter/TP
+                                                            (2 x: experts without a gate)
     memory  = (weight passes x W x weight_bytes [/ large_memory_eff]
                + pairs x activation bytes) / (HBM x memory_eff) + weight passes x expert_s
 
@@ -30,6 +31,10 @@ expert in L2 if they all fit (`l2_fraction`: RTX PRO 6000, B200 and L40S, 96-128
 hold one DeepSeek-V3 expert of 88 MB). How many experts, pairs, tiles and passes the GPU
 gets is `expert_load`'s business: balanced routing, or the power-law spread NVIDIA
 aiconfigurator measures with, no expert receiving more than one pair per token.
+
+Experts without a gate (`gated=False`: squared ReLU on one up projection, as NVIDIA's
+Nemotron-H models have them, `mlp_hidden_act: relu2`) have one hidden -> inter projection
+where gated ones have two: two thirds of the weights, FLOPs and intermediate traffic.
 
 The router GEMM (tokens x hidden x experts) is a dense GEMM the measured kernel does not
 include; `moe_layer_time` adds it. Shared experts are a dense MLP: the cost model prices
@@ -434,18 +439,21 @@ def moe_experts_time(tokens, hidden, inter, experts: int, topk: int, gpu: GPUSpe
 
 
 def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPUSpec,
-                   p: MoEParams, dtype: str = "bf16", warm_l2: bool = False):
+                   p: MoEParams, dtype: str = "bf16", warm_l2: bool = False, gated=True):
     """`moe_experts_time` from a precomputed `expert_load` (everything broadcasts: a cost
     model tabulates the load over token counts once, a fitter over a table's rows).
     `warm_l2`: as an isolated benchmark replaying the call measures it, with the touched
-    experts' weights served from L2 where they fit (`MoEParams.l2_fraction`)."""
+    experts' weights served from L2 where they fit (`MoEParams.l2_fraction`). `gated`
+    (a bool, or one per row): False for experts without a gate projection (see the module
+    docstring)."""
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"MoE dtype must be bf16 or fp8, got {dtype!r}")
     t = np.asarray(tokens, dtype=np.float64)
     w8a8 = dtype == "fp8" and gpu.fp8_tflops is not None
     weight_bytes, act_bytes = (1.0 if dtype == "fp8" else 2.0), (1.0 if w8a8 else 2.0)
     inter_gpu = np.asarray(inter_gpu, dtype=np.float64)
-    per_expert = 3.0 * hidden * inter_gpu                                  # gate, up, down
+    projections = np.where(gated, 3.0, 2.0)                 # (gate,) up, down
+    per_expert = projections * hidden * inter_gpu
     small = t <= np.asarray(experts) / np.asarray(ep)
     rows = np.where(small, p.small_tile_rows, p.large_tile_rows)
     active, pairs = stats[0], stats[1]
@@ -475,7 +483,8 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     if p.large_memory_eff != 1.0:     # the default config's large tiles (a tuned file's own)
         default = ~small & ~vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
         weights = np.where(default, weights / p.large_memory_eff, weights)
-    memory = (weights + pairs * (2.0 * hidden + 3.0 * inter_gpu) * act_bytes) / (bw * p.memory_eff)
+    memory = (weights + pairs * (2.0 * hidden + projections * inter_gpu) * act_bytes) \
+        / (bw * p.memory_eff)
     if p.expert_s:
         memory = memory + passes * p.expert_s
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
@@ -484,7 +493,7 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     counted = t * topk                # every GPU's pairs, each GPU's own at full weight
     if p.remote_pair_share != 1.0:
         counted = pairs + p.remote_pair_share * np.maximum(counted - pairs, 0.0)
-    combine = p.combine_traffic * counted * (4.0 * hidden + 6.0 * inter_gpu) / bw
+    combine = p.combine_traffic * counted * (4.0 * hidden + 2.0 * projections * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
 
