@@ -92,7 +92,7 @@ def analyse(points: Sequence[ReportPoint]) -> Group:
     rates = sorted({p.rate for p in points})
     return Group(list(points), series, tiers, global_slos, breaks, attainment,
                  {p.name: {t: tier_p99(p.requests, t) for t in tiers} for p in points},
-                 {p.name: overload(p.requests, p.steps) for p in points},
+                 {p.name: overload(p.requests) for p in points},
                  {p.name: windowed_jain(p.requests, _weights(p)) for p in points},
                  max(rates, key=spread))
 

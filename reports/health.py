@@ -2,12 +2,15 @@
 and overload (arrivals outpacing service, so every latency depends on how long the run is).
 
     reasons = rejection_reasons(requests)          # [("prompt of N tokens ... KV cache", 2000)]
-    warning = overload(requests, steps)            # None, or an `Overload` that says why
+    warning = overload(requests)                   # None, or an `Overload` that says why
 
 A stable system's queue comes and goes: even near full load it empties now and then, and
 bursts of arrivals fill it for a while. An overloaded one never empties again once the
 backlog builds, and its latencies are then set by the run's length, not by the policy.
-Both signals below are read from the records alone:
+The queue is read from the request records: a request waits from its arrival until it is
+first scheduled (or rejected), so the count covers every replica of a cluster and both
+pools of a disaggregated one (a per-step count of one replica's queue would miss a
+prefill pool's backlog among its decode replicas' empty queues). Three signals:
 
 - the waiting queue never emptied in the last quarter of the arrivals: its lowest value
   there is at least MIN_QUEUE_FLOOR requests (a burst of arrivals fills the queue for a
@@ -18,10 +21,12 @@ Both signals below are read from the records alone:
   drained before the end (what users feel: Llama-2-7B on an A100 under the whole
   azure-conv-2023 trace queues hundreds of requests for most of the hour and empties just
   before the last arrival);
-- the run lasts far longer than its arrivals (simulated span / arrival span above
-  DRAIN_RATIO): a backlog was drained after the last arrival.
+- a backlog drained after the last arrival: MIN_QUEUE_FLOOR or more requests were still
+  waiting when the last one arrived, and the run lasted more than DRAIN_RATIO times its
+  arrival span. (The length alone is no sign: a short run of a slow model, its queue empty
+  throughout, lasts as long as its last requests take to decode.)
 
-Cost: one pass over the step records (numpy), O(steps + requests).
+Cost: a sort of the requests' arrivals and first schedulings, O(requests log requests).
 """
 from __future__ import annotations
 
@@ -32,14 +37,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servelab.records import RequestRecord, StepRecord
-from servelab.reports.columns import column, floats, ints
+from servelab.records import RequestRecord
+from servelab.reports.columns import column, floats
 
 MIN_QUEUE_FLOOR = 5
-"""Requests that must wait at every step of the last quarter of the arrivals for the queue
-to count as never emptying: one or two stragglers are not a backlog."""
+"""Requests that must wait throughout the last quarter of the arrivals for the queue to
+count as never emptying (and at the last arrival, for a long run to have drained a
+backlog): one or two stragglers are not a backlog."""
 DRAIN_RATIO = 1.5
-"""A run longer than this many times its arrival span drained a backlog."""
+"""A run longer than this many times its arrival span, a backlog left at the last arrival,
+drained that backlog."""
 LONG_BACKLOG_FRACTION = 0.5
 """A backlog of MIN_QUEUE_FLOOR or more that lasts this share of the arrival span without
 a break is overload, however it ends."""
@@ -73,17 +80,20 @@ class Overload:
     """Why a run looks overloaded, in words and numbers."""
 
     queue_floor: int | None
-    """The fewest requests waiting at any step of the last quarter of the arrivals, when
+    """The fewest requests waiting at any time of the last quarter of the arrivals, when
     that shows a backlog that never drains (else None)."""
     run_s: float
     """First arrival to last finish (or rejection)."""
     arrival_span_s: float
     drained: bool
-    """The run lasted more than DRAIN_RATIO x the arrival span."""
+    """A backlog was left at the last arrival and the run lasted more than DRAIN_RATIO x
+    the arrival span."""
     backlog_s: float | None = None
     """The longest stretch of the arrivals during which MIN_QUEUE_FLOOR or more requests
     waited without a break, when it lasted LONG_BACKLOG_FRACTION of them (else None)."""
     peak_waiting: int = 0
+    waiting_at_last: int = 0
+    """Requests waiting right after the last arrival."""
 
     def evidence(self) -> str:
         """What was seen, in words ("the waiting queue never emptied ...")."""
@@ -96,8 +106,8 @@ class Overload:
                          f"{self.backlog_s:,.0f} s of the {self.arrival_span_s:,.0f} s of arrivals "
                          f"(up to {self.peak_waiting:,} at once)")
         if self.drained:
-            parts.append(f"the run took {self.run_s:,.0f} simulated s for {self.arrival_span_s:,.0f} s of "
-                         "arrivals")
+            parts.append(f"the run took {_secs(self.run_s)} simulated s for {_secs(self.arrival_span_s)} s "
+                         f"of arrivals, {self.waiting_at_last:,} requests still waiting at the last one")
         return " and ".join(parts)
 
     def describe(self) -> str:
@@ -105,10 +115,10 @@ class Overload:
                 "with the run's length: a longer trace gives worse numbers.")
 
 
-def overload(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> Overload | None:
+def overload(requests: Sequence[RequestRecord]) -> Overload | None:
     """An `Overload` when the records show arrivals outpacing service (see the module
     docstring), else None. Needs at least two distinct arrival times."""
-    if not requests or not steps:
+    if not requests:
         return None
     arrivals = floats(requests, "arrival_s")
     first, last = float(arrivals.min()), float(arrivals.max())
@@ -116,29 +126,60 @@ def overload(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> 
         return None
     finish = floats(requests, "finish_s")
     end = float(finish[~np.isnan(finish)].max())
-    start = floats(steps, "start_s")
-    waiting = ints(steps, "num_waiting")
-    inside = (start >= first + 0.75 * (last - first)) & (start <= last)
-    floor = int(waiting[inside].min()) if inside.any() else 0
+    times, waiting = waiting_queue(requests)
+    inside = (times > first + 0.75 * (last - first)) & (times <= last)
+    floor = queue_at(times, waiting, first + 0.75 * (last - first))
+    if inside.any():
+        floor = min(floor, int(waiting[inside].min()))
     never_empty = floor >= MIN_QUEUE_FLOOR
-    backlog = longest_backlog_s(start, waiting, first, last)
+    backlog = longest_backlog_s(times, waiting, first, last)
     long_backlog = backlog >= LONG_BACKLOG_FRACTION * (last - first)
-    drained = (end - first) > DRAIN_RATIO * (last - first)
+    at_last = queue_at(times, waiting, last)
+    drained = at_last >= MIN_QUEUE_FLOOR and (end - first) > DRAIN_RATIO * (last - first)
     if not (never_empty or long_backlog or drained):
         return None
     return Overload(floor if never_empty else None, end - first, last - first, drained,
-                    backlog if long_backlog else None, int(waiting.max()))
+                    backlog if long_backlog else None, int(waiting.max()), at_last)
 
 
-def longest_backlog_s(start: np.ndarray, waiting: np.ndarray, first: float, last: float) -> float:
+def waiting_queue(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """The cluster's waiting queue as a step function: (times, requests waiting from each
+    time until the next), one entry per distinct time at which it changed. A request waits
+    from its arrival until it is first scheduled, or until it is rejected; one scheduled
+    at the moment it arrived never waits."""
+    arrivals = floats(requests, "arrival_s")
+    leave = floats(requests, "scheduled_s").copy()
+    unscheduled = np.isnan(leave)
+    leave[unscheduled] = floats(requests, "finish_s")[unscheduled]
+    leave = np.where(np.isnan(leave), np.inf, np.maximum(leave, arrivals))
+    times = np.concatenate([leave, arrivals])
+    deltas = np.concatenate([-np.ones(len(leave)), np.ones(len(arrivals))])
+    order = np.lexsort((deltas, times))         # at one time, departures before arrivals
+    times, counts = times[order], np.cumsum(deltas[order]).astype(np.int64)
+    last_of_time = np.append(times[1:] != times[:-1], True)
+    keep = last_of_time & np.isfinite(times)
+    return times[keep], counts[keep]
+
+
+def queue_at(times: np.ndarray, waiting: np.ndarray, t: float) -> int:
+    """Requests waiting at time t (after every change at t)."""
+    i = int(np.searchsorted(times, t, side="right")) - 1
+    return int(waiting[i]) if i >= 0 else 0
+
+
+def longest_backlog_s(times: np.ndarray, waiting: np.ndarray, first: float, last: float) -> float:
     """The longest stretch of [first, last] during which at least MIN_QUEUE_FLOOR requests
-    waited at every step (from the step that found the backlog to the first step that did
-    not, or the last step)."""
+    waited throughout (from the change that made the backlog to the one that ended it)."""
     backlog = (waiting >= MIN_QUEUE_FLOOR).astype(np.int8)
     if not backlog.any():
         return 0.0
     change = np.diff(backlog, prepend=0, append=0)
     begins, ends = np.flatnonzero(change == 1), np.flatnonzero(change == -1)
-    end_times = np.append(start, start[-1])[ends]
-    spans = np.minimum(end_times, last) - np.maximum(start[begins], first)
+    end_times = np.append(times, np.inf)[ends]
+    spans = np.minimum(end_times, last) - np.maximum(times[begins], first)
     return float(max(spans.max(), 0.0))
+
+
+def _secs(seconds: float) -> str:
+    """Seconds for a sentence: whole above 10 s, one decimal below (0.25 s is not "0 s")."""
+    return f"{seconds:,.0f}" if seconds >= 10 else f"{seconds:.1f}"

@@ -320,7 +320,7 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
              f"TPOT mean {_ms(s['mean_tpot_ms'], 2)}, p99 {_ms(s['p99_tpot_ms'], 2)}"]
     if s["rejected"]:
         lines.append(f"rejected: {format_reasons(rejection_reasons(result.requests))}")
-    sign = overload(result.requests, result.steps)
+    sign = overload(result.requests)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
     idle = nothing_to_act_on(config.policy, WorkloadTraits.of_columns(

@@ -604,17 +604,17 @@ def build_simulation(config: SimulationConfig) -> Simulation:
 
 
 def load_workload(config: SimulationConfig):
-    """The trace a config names, cut to num_requests and replayed at rate_scale."""
+    """The trace a config names, cut to num_requests (before a timed trace is rescaled to
+    `rate`: the requests replayed arrive at that rate) and replayed at rate_scale."""
     from servelab.traces.datasets import resolve_trace
     from servelab.traces.record import TraceError
-    from servelab.traces.transforms import first_n, scale_rate
+    from servelab.traces.transforms import scale_rate
 
     c = config
     trace = resolve_trace(c.trace, trace_dir=c.trace_dir, rate=c.rate,
                           cv=c.arrival_cv, seed=c.seed, on_bad_row=c.on_bad_row,
-                          format=c.trace_format, download=c.download)
-    if c.num_requests is not None:
-        trace = first_n(trace, c.num_requests)
+                          format=c.trace_format, download=c.download,
+                          num_requests=c.num_requests)
     if c.rate_scale != 1.0:
         trace = scale_rate(trace, c.rate_scale)
     if not len(trace):

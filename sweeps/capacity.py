@@ -273,7 +273,7 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
     """
     from servelab.reports.health import overload
     from servelab.reports.metrics import slo_outcomes
-    from servelab.reports.runio import read_json, read_requests, read_steps
+    from servelab.reports.runio import read_json, read_requests
 
     if capacity.held is None:
         return None
@@ -289,7 +289,7 @@ def steady_state_warning(capacity: Capacity, runs_dir: Path) -> str | None:
     if capacity.target is not None and late_share < capacity.target - LATE_ALLOWANCE:
         evidence.append(f"only {late_share:.1%} of the requests arriving in the second half of the run met "
                         f"their SLOs ({capacity.held.attainment:.1%} of all)")
-    sign = overload(requests, read_steps(run))
+    sign = overload(requests)
     if sign is not None:
         evidence.append(sign.evidence())
     return f"at {capacity.held.rate:g} req/s " + "; ".join(evidence) if evidence else None

@@ -283,12 +283,12 @@ def _verdict(outcome, targets) -> str:
 def _unsettled(result, runs_dir: Path) -> str | None:
     """Why the run at a layout's answer had not settled (its queue still growing), or None."""
     from servelab.reports.health import overload
-    from servelab.reports.runio import read_requests, read_steps
+    from servelab.reports.runio import read_requests
 
     if result.met is None:
         return None
     run = runs_dir / result.met.name
-    sign = overload(read_requests(run), read_steps(run))
+    sign = overload(read_requests(run))
     return None if sign is None else sign.evidence()
 
 

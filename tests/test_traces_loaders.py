@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from servelab.simulator.run import SimulationConfig, load_workload
 from servelab.traces import loaders
 from servelab.traces.loaders import FAILED_REASON, detect_format, load_trace
 from servelab.traces.record import TraceError, TraceFormatError
@@ -165,6 +166,19 @@ def test_timed_trace_rate_option_rescales_and_max_model_len_clips(tmp_path):
     assert [r.arrival_s for r in trace.records] == [0.0, 0.5, 1.0]
     assert trace.records[1].prompt_tokens == 1023 and trace.records[1].output_tokens == 1
     assert trace.num_clipped == 2
+
+
+def test_a_rate_applies_to_the_requests_kept_not_to_the_whole_file(tmp_path):
+    # the first three requests arrive a second apart, the rest 0.01 s apart: the file's mean
+    # rate is about 5 req/s, the first three's 1 req/s
+    times = [0, 1, 2] + [2 + 0.01 * i for i in range(1, 30)]
+    path = _write(tmp_path, "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                  + "".join(f"{t},10,4\n" for t in times))
+    trace = load_trace(path, rate=4.0, num_requests=3)
+    assert [r.arrival_s for r in trace.records] == [0.0, 0.375, 0.75]   # 3 rows over 0.75 s
+    assert trace.mean_rate == pytest.approx(4.0)
+    config = SimulationConfig(trace=str(path), rate=4.0, num_requests=3)
+    assert load_workload(config).mean_rate == pytest.approx(4.0)
 
 
 BURST = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"

@@ -123,18 +123,23 @@ def dataset_path(name: str, trace_dir: str | os.PathLike, *, download: bool = Tr
 def resolve_trace(spec: str, *, trace_dir: str | os.PathLike | None = None, rate: float | None = None,
                   cv: float = 1.0, seed: int = 0, on_bad_row: str = "error", format: str = "auto",
                   max_model_len: int | None = None, download: bool = True,
-                  fetch: Fetch = urllib_fetch) -> Trace:
+                  fetch: Fetch = urllib_fetch, num_requests: int | None = None) -> Trace:
     """A trace from `spec`: 'default' (the embedded workload), a dataset name, or a file path.
 
     rate: target mean request rate; required for length-only datasets (arrivals drawn with
     `cv` and `seed`), a rescaling for timed traces, a total-rate override for 'default'.
     trace_dir: where datasets live (None: ~/.cache/servelab/traces).
+    num_requests: only the first this many requests; a timed trace is cut before it is
+    rescaled to `rate`, so that the requests kept arrive at that mean rate.
     """
     if spec == "default":
         if cv != 1.0 or format != "auto":
             raise TraceError("cv and format do not apply to the default workload")
         from servelab.traces.synthetic import default_workload
         trace = default_workload(seed, rate=rate)
+        if num_requests is not None:
+            from servelab.traces.transforms import first_n
+            trace = first_n(trace, num_requests)
         if max_model_len is not None:
             from servelab.traces.transforms import clip_lengths
             trace = clip_lengths(trace, max_model_len)
@@ -150,7 +155,8 @@ def resolve_trace(spec: str, *, trace_dir: str | os.PathLike | None = None, rate
     else:
         raise TraceError(f"trace {spec!r} is not 'default', a dataset name ({', '.join(DATASETS)}) "
                          "or an existing file")
-    trace = load_trace(path, fmt, on_bad_row=on_bad_row, rate=rate, cv=cv, seed=seed, max_model_len=max_model_len)
+    trace = load_trace(path, fmt, on_bad_row=on_bad_row, rate=rate, cv=cv, seed=seed,
+                       max_model_len=max_model_len, num_requests=num_requests)
     if ds is not None:
         trace = trace.with_records(trace.records, note=f"dataset {ds.name}")
     return trace

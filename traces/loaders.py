@@ -52,7 +52,8 @@ def detect_format(path: str | os.PathLike, first_line: str | None = None) -> str
 
 def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str = "error",
                rate: float | None = None, cv: float = 1.0, seed: int = 0,
-               keep_failed: bool = False, max_model_len: int | None = None) -> Trace:
+               keep_failed: bool = False, max_model_len: int | None = None,
+               num_requests: int | None = None) -> Trace:
     """Read a trace file into arrival-ordered `TraceRecord`s.
 
     on_bad_row: 'error' raises `TraceFormatError` (file, line, problem) at the first bad row;
@@ -63,6 +64,8 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
     keep_failed: BurstGPT only; keep failed requests (0 response tokens) as 1-token outputs,
         counted in `Trace.clipped`, instead of dropping them (counted in `Trace.dropped`).
     max_model_len: clip prompt+output to this many tokens (`clip_lengths`), counted.
+    num_requests: keep only the first this many requests, before a timed trace is rescaled
+        to `rate`: the requests replayed arrive at that mean rate, not the whole file.
     """
     path_s = str(path)
     if format != "auto" and format not in TRACE_FORMATS:
@@ -109,6 +112,9 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
         records = [TraceRecord(t, p, o, *x) for t, p, o, x in zip(times, prompts, outputs, extras)]
     trace = Trace(tuple(records), source=path_s, format=fmt, source_rows=data_rows,
                   dropped=sink.report(), clipped=clips.report(), notes=tuple(notes))
+    if num_requests is not None:
+        from servelab.traces.transforms import first_n
+        trace = first_n(trace, num_requests)
     if rate is not None and spec.has_times:
         from servelab.traces.transforms import with_rate
         trace = with_rate(trace, rate)
