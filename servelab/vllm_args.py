@@ -15,6 +15,7 @@ Pure standard library.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -197,12 +198,21 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
             out.values.update(_SWITCHES[flag])
         elif flag in _APPROXIMATED:
             out.notes.append(f"--vllm-args {flag}: {_APPROXIMATED[flag]}")
+    quantized = out.values.get("_quantization") is not None
     _resolve_dtypes(out.values)
     if out.values.pop("_expert_parallel", False):
         # EP spans the TP x DP GPUs: the data-parallel ranks form one deployment (--dp)
         out.values["dp"] = out.values.get("replicas", 1)
     if "model" in out.values and catalog is not None:
-        out.values["model"] = catalog(out.values["model"])
+        served = out.values["model"]
+        out.values["model"] = catalog(served)
+        fp8 = served_weight_dtype(served) or _checkpoint_fp8(out.values["model"])
+        if fp8 and not quantized:   # vLLM's --dtype sets the activations', not an FP8 checkpoint's
+            out.values["weight_dtype"] = fp8
+        if _is_variant(served, out.values["model"]):
+            out.notes.append(f"--vllm-args: {served} is priced as the catalog's "
+                             f"{out.values['model']}" + (" with fp8 weights" if fp8 else "")
+                             + " (a variant has its base model's shapes)")
     return out
 
 
@@ -217,15 +227,61 @@ def _resolve_dtypes(values: dict) -> None:
         values["kv_dtype"] = kv_dtype or dtype
 
 
-_CHECKPOINT_SUFFIXES = ("-instruct", "-chat", "-hf", "-base")
+_VARIANT_TAIL = re.compile(r"-(instruct|chat|hf|base|it|fp8|v\d+\.\d+|\d{4})$")
+"""A trailing part of a Hugging Face model name that names a variant of the same weights'
+shapes: a tuned one (-Instruct, -chat, -it), a packaging (-hf, -base), a precision (-FP8:
+`served_weight_dtype`), a point release (-v0.3) or a dated re-release (-2507, -0324)."""
+
+
+def variant_names(name: str) -> list[str]:
+    """`name` (the last part of a Hugging Face id), lower-cased, then with its variant tails
+    dropped one at a time, and Meta's "Meta-" prefix ("Meta-Llama-3.1-8B-Instruct" ->
+    meta-llama-3.1-8b-instruct, meta-llama-3.1-8b, llama-3.1-8b)."""
+    out = [name.lower()]
+    while (m := _VARIANT_TAIL.search(out[-1])) is not None:
+        out.append(out[-1][:m.start()])
+    if out[-1].startswith("meta-llama-"):
+        out.append(out[-1][len("meta-"):])
+    return out
+
+
+def served_weight_dtype(served: str) -> str | None:
+    """"fp8" for a Hugging Face id of an FP8 checkpoint (its name ends in -FP8 before other
+    variant tails: "Qwen/Qwen3-235B-A22B-FP8"), else None (the catalog entry's own)."""
+    name = served.rstrip("/").rsplit("/", 1)[-1]
+    return "fp8" if any(n.endswith("-fp8") for n in variant_names(name)) else None
+
+
+def _checkpoint_fp8(name: str) -> str | None:
+    """"fp8" when the catalog entry (or config.json folder) `name` is an FP8 checkpoint
+    (`ModelSpec.checkpoint_weight_dtype`), else None."""
+    from servelab.models import load_model_spec
+
+    try:
+        return "fp8" if load_model_spec(name).checkpoint_weight_dtype == "fp8" else None
+    except ValueError:    # a quantization servelab does not model: said where it is priced
+        return None
+
+
+def _is_variant(served: str, name: str) -> bool:
+    """Whether `served` reached the catalog entry `name` only once its variant tails were
+    dropped (not a local folder, the entry's own Hugging Face id or its name)."""
+    import os
+
+    from servelab.models import load_model_spec
+
+    if os.path.exists(served) or served.lower() == name:
+        return False
+    return served.lower() != str(load_model_spec(name).hf_config.get("_name_or_path", "")).lower()
 
 
 def catalog_model(served: str) -> str:
     """The catalog name of a served model: a local path is kept (`--model` reads a
     config.json folder); a Hugging Face id is the catalog entry whose `_name_or_path` it is
     ("meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"), else the entry named like its last part
-    less an -Instruct, -chat, -hf or -base suffix (a variant has its base model's shapes).
-    Raises ValueError naming the catalog for an id it does not hold."""
+    less its variant tails (`variant_names`: "mistralai/Mixtral-8x7B-Instruct-v0.1" ->
+    mixtral-8x7b, "Qwen/Qwen3-30B-A3B-Instruct-2507" -> qwen3-30b-a3b; a variant has its
+    base model's shapes). Raises ValueError naming the catalog for an id it does not hold."""
     import json
     import os
     from importlib import resources
@@ -240,9 +296,8 @@ def catalog_model(served: str) -> str:
                 for n in names}
     if served.lower() in by_hf_id:
         return by_hf_id[served.lower()]
-    name = served.rstrip("/").rsplit("/", 1)[-1].lower()
-    for suffix in ("", *_CHECKPOINT_SUFFIXES):
-        if name.endswith(suffix) and name[:len(name) - len(suffix)] in names:
-            return name[:len(name) - len(suffix)]
+    for name in variant_names(served.rstrip("/").rsplit("/", 1)[-1]):
+        if name in names:
+            return name
     raise ValueError(f"--vllm-args: model {served!r} is not in servelab's catalog "
                      f"({', '.join(names)}); give a local folder holding its config.json")

@@ -79,7 +79,10 @@ def register(subparsers) -> None:
                    help="how a MoE layer's tokens spread over its experts: balanced, or "
                         "power-law:ALPHA (skewed, as NVIDIA aiconfigurator measures; e.g. "
                         "power-law:1.2) (default %(default)s)")
-    h.add_argument("--weight-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
+    h.add_argument("--weight-dtype", choices=DTYPES,
+                   help="default: the checkpoint's (fp8 where its config.json has an FP8 "
+                        "quantization_config, as DeepSeek-V3's, which vLLM serves in FP8; bf16 "
+                        "otherwise)")
     h.add_argument("--kv-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
     h.add_argument("--calibration", metavar="FILE",
                    help="calibration profile for this GPU: a JSON file, a packaged profile name, "
@@ -148,7 +151,8 @@ def config_from_args(args: argparse.Namespace):
             num_requests=args.num_requests, seed=args.seed, download=not args.no_download,
             model=_absolute_if_file(args.model), gpu=_absolute_if_file(args.gpu), tp=args.tp,
             pp=getattr(args, "pp", 1),
-            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, ep=ep,
+            weight_dtype=args.weight_dtype or spec.checkpoint_weight_dtype,
+            kv_dtype=args.kv_dtype, ep=ep,
             expert_load=getattr(args, "expert_load", None) or "balanced",
             calibration=_absolute_if_file(args.calibration), engine=opts.engine.name,
             gpu_memory_utilization=opts.gpu_memory_utilization, scheduler=opts.scheduler,
@@ -204,7 +208,7 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
 
 
 _VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "pp": 1, "replicas": 1, "router": "round-robin",
-                        "weight_dtype": "bf16", "kv_dtype": "bf16", "policy": "fcfs"}
+                        "kv_dtype": "bf16", "policy": "fcfs"}
 """Flags --vllm-args may set whose parser default is not None: a value equal to the default
 counts as not given (so that --vllm-args can set it). tests/test_engines.py keeps these
 equal to the parser's defaults."""

@@ -460,12 +460,16 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
     else:
         reserve = activation_reserve_gb * GIB
     if weights >= budget:
-        layout, hint = ((f"tp={tp}", "raise tp") if model.moe is None
-                        else (f"tp={tp}, ep={ep}", "raise tp or ep,"))
+        layout, hints = ((f"tp={tp}", ["raise tp"]) if model.moe is None
+                         else (f"tp={tp}, ep={ep}", ["raise tp or ep"]))
+        hints.append("split the layers over pipeline stages (pp)")
+        if weight_dtype != "fp8":
+            hints.append("use fp8 weights")
         raise ValueError(
             f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at {layout} "
             f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
-            f"gpu_memory_utilization={gpu_memory_utilization}: {hint} or use fp8 weights")
+            f"gpu_memory_utilization={gpu_memory_utilization}: {', '.join(hints[:-1])} "
+            f"or {hints[-1]}")
     return engine_kv_capacity_blocks(
         memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, reserve_bytes=reserve,

@@ -30,7 +30,8 @@ def test_a_vllm_command_line_becomes_servelab_options():
         "model": "llama-3.1-8b", "max_num_seqs": 256, "tp": 2, "max_num_batched_tokens": 4096,
         "prefix_caching": False, "chunked_prefill": 512, "replicas": 2,
         "router": "least-outstanding", "weight_dtype": "bf16", "kv_dtype": "fp8"}
-    assert parsed.notes == []
+    assert parsed.notes == ["--vllm-args: meta-llama/Llama-3.1-8B-Instruct is priced as the "
+                            "catalog's llama-3.1-8b (a variant has its base model's shapes)"]
 
 
 def test_dtypes_resolve_whatever_their_order():
@@ -78,6 +79,33 @@ def test_served_models_map_to_the_catalog(tmp_path):
     assert catalog_model(str(tmp_path)) == str(tmp_path)    # a local checkpoint folder
     with pytest.raises(ValueError, match="'org/Unknown-1B' is not in servelab's catalog"):
         catalog_model("org/Unknown-1B")
+    variants = {"mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
+                "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
+                "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama-3.1-8b",
+                "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3-30b-a3b",
+                "deepseek-ai/DeepSeek-V3-0324": "deepseek-v3",
+                "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b"}
+    assert {served: catalog_model(served) for served in variants} == variants
+
+
+def test_a_variant_is_named_and_an_fp8_checkpoint_sets_fp8_weights():
+    fp8 = translate("vllm serve Qwen/Qwen3-235B-A22B-FP8 -tp 8", catalog=catalog_model)
+    assert fp8.values == {"model": "qwen3-235b-a22b", "tp": 8, "weight_dtype": "fp8"}
+    assert fp8.notes == ["--vllm-args: Qwen/Qwen3-235B-A22B-FP8 is priced as the catalog's "
+                         "qwen3-235b-a22b with fp8 weights (a variant has its base model's shapes)"]
+    assert translate("vllm serve meta-llama/Llama-3.1-8B", catalog=catalog_model).notes == []
+    # vLLM's --dtype is the activations' dtype: an FP8 checkpoint's weights stay FP8
+    for line in ("Qwen/Qwen3-235B-A22B-FP8 --dtype bfloat16", "deepseek-ai/DeepSeek-V3 --dtype bfloat16"):
+        assert translate(f"vllm serve {line}", catalog=catalog_model).values["weight_dtype"] == "fp8"
+
+
+def test_deepseek_v3_runs_in_its_checkpoints_fp8_unless_told_otherwise(tmp_path):
+    line = "vllm serve deepseek-ai/DeepSeek-V3 -tp 8"
+    assert main(["simulate", "--num-requests", "5", "--gpu", "h200", "--vllm-args", line,
+                 "--out", str(tmp_path / "v3")]) == 0
+    assert _config(tmp_path / "v3")["config"]["weight_dtype"] == "fp8"
+    assert main(["simulate", "--num-requests", "5", "--out", str(tmp_path / "llama")]) == 0
+    assert _config(tmp_path / "llama")["config"]["weight_dtype"] == "bf16"
 
 
 def _config(path) -> dict:

@@ -240,9 +240,13 @@ def test_deepseek_v3_fits_eight_h200_in_fp8_but_not_bf16():
     blocks = kv_capacity_blocks("deepseek-v3", "h200", tp=8, weight_dtype="fp8")
     assert blocks * 16 * 61 * 576 * 2 > 40 * GIB             # tens of GiB of latent KV per GPU
     with pytest.raises(ValueError, match=r"^deepseek-v3 weights need 157\.9 GiB per GPU at "
-                                         r"tp=8, ep=1 \(bf16\), .*: raise tp or ep, or use fp8 "
-                                         r"weights$"):
+                                         r"tp=8, ep=1 \(bf16\), .*: raise tp or ep, split the "
+                                         r"layers over pipeline stages \(pp\) or use fp8 weights$"):
         kv_capacity_blocks("deepseek-v3", "h200", tp=8)
+    # already in FP8: the hint does not say to use it
+    with pytest.raises(ValueError, match=r"\(fp8\), .*: raise tp or ep or split the layers over "
+                                         r"pipeline stages \(pp\)$"):
+        kv_capacity_blocks("deepseek-v3", "h100-sxm", tp=8, weight_dtype="fp8")
 
 
 @pytest.mark.parametrize("model, tp, ep, line", [

@@ -213,19 +213,17 @@ def parse_published(text: str) -> dict[str, dict[str, dict[str, float]]]:
 
 def catalog_model(run: RecordedRun) -> str:
     """The catalog model the run served (`servelab.vllm_args.catalog_model`: its Hugging
-    Face id), or the entry a dated re-release names once its date is dropped
-    ("Qwen/Qwen3-30B-A3B-Instruct-2507" -> qwen3-30b-a3b: a re-release with the base
-    entry's architecture is assumed, which only its context length may not share).
-    NotReplayable for a model with no catalog entry."""
+    Face id, or the entry its variant tails name, "Qwen/Qwen3-30B-A3B-Instruct-2507" ->
+    qwen3-30b-a3b: a re-release with the base entry's architecture is assumed, which only
+    its context length may not share). NotReplayable for a model with no catalog entry."""
     from servelab.models import catalog_names, load_model_spec
     from servelab.vllm_args import catalog_model as served_model
 
     name = run.model_name
-    for candidate in dict.fromkeys((name, re.sub(r"-\d{4}$", "", name))):
-        try:
-            return served_model(candidate)
-        except ValueError:
-            continue
+    try:
+        return served_model(name)
+    except ValueError:
+        pass
     hf_ids = sorted((load_model_spec(n).hf_config.get("_name_or_path", ""), n)
                     for n in catalog_names())
     supported = ", ".join(f"{hf} ({n})" for hf, n in hf_ids if "/" in hf)
