@@ -103,11 +103,36 @@ def _slug(labels: dict[str, Any]) -> str:
 
 
 def _what_was_run(c: Comparison) -> list:
-    cfg, derived = c.points[0].config, c.points[0].derived
-    sched = cfg["scheduler"]
+    cfg = c.points[0].config
     swept = {a for a, vals in c.axes.items() if len(vals) > 1}
     counts = sorted({p.summary["completed"] + p.summary["rejected"] for p in c.points})
     count = f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,} to {counts[-1]:,}"
+    each = [_settings(p.config, p.derived, swept) for p in c.points]
+    fixed, differ = [], []
+    for i, (axis, label, words) in enumerate(each[0]):
+        if axis in swept:
+            continue
+        if all(point[i][2] == words for point in each[1:]):
+            if words:
+                fixed.append(words)
+        else:             # set by a swept axis (a GPU's or an engine's defaults), not by it
+            differ.append(label)
+    axes = " x ".join(f"{a} ({', '.join(show_value(v) for v in vals)})"
+                      for a, vals in c.axes.items() if a in swept)
+    text = [Text(f"{len(c.points)} simulations of the trace '{cfg['trace']}' ({count} requests each), "
+                 f"sweeping {axes or 'nothing'}. Rates are mean request rates (req/s) to which the "
+                 f"trace's arrivals are rescaled."),
+            Text("Every point: " + "; ".join(fixed) + "."
+                 + (f" Differing with the points' engines, GPUs or models (each run's config.json "
+                    f"has them): {', '.join(differ)}." if differ else ""))]
+    text.append(Text(_slo_text(c)))
+    return text
+
+
+def _settings(cfg: dict, derived: dict, swept: set) -> list[tuple[str | None, str, str | None]]:
+    """(the axis that would vary it, a name for it, the words) of each setting of one point,
+    in the order the report lists them; words None where there is nothing to say."""
+    sched = cfg["scheduler"]
     chunk = f"chunked prefill of {sched['chunked_prefill']} tokens" if sched["chunked_prefill"] \
         else "no chunked prefill"
     cost = derived.get("cost_model", {})
@@ -119,41 +144,37 @@ def _what_was_run(c: Comparison) -> list:
     layout = f"{cfg['replicas']} replica(s)" if pools is None else "disaggregated: " + " + ".join(
         f"{'swept' if f'{name}_replicas' in swept else pools[name]['replicas']} {name} replica(s)"
         for name in ("prefill", "decode")) + f", KV over {pools['kv_link']['name']} ({pools['kv_transfer']})"
-    settings = [  # (the axis that would vary it, the words)
-        ("engine", priced),
-        ("model", f"model {cfg['model']}"), ("gpu", f"GPU {cfg['gpu']}"),
-        ("tp", f"tensor parallelism {cfg['tp']}"), *_other_parallelism(cfg), (None, layout),
-        (None, f"{derived.get('kv_blocks_per_replica', cfg['kv_blocks']):,} KV blocks per replica"
-            if not swept & {"model", "gpu", "tp", "pp"} and pools is None else None),
-        ("block_size", f"{cfg['block_size']}-token KV blocks"),
-        ("block_manager", f"{cfg['block_manager']} block manager"),
-        (None, f"{sched['batching']} batching of at most {sched['max_num_seqs']} sequences and "
-               f"{sched['max_num_batched_tokens']} tokens per step"),
-        ("chunked_prefill", chunk), (None, f"{sched['step_composition'].replace('_', '-')} steps"),
-        ("preemption", f"{sched['preemption']} preemption"),
-        (None, "prefix caching" if cfg["prefix_caching"] else None), (None, f"seed {cfg['seed']}"),
+    blocks = derived.get("kv_blocks_per_replica", cfg["kv_blocks"])
+    return [
+        ("engine", "engine", priced),
+        ("model", "model", f"model {cfg['model']}"), ("gpu", "GPU", f"GPU {cfg['gpu']}"),
+        ("tp", "tensor parallelism", f"tensor parallelism {cfg['tp']}"),
+        *_other_parallelism(cfg), (None, "layout", layout),
+        (None, "KV blocks", f"{blocks:,} KV blocks per replica" if pools is None else None),
+        ("block_size", "block size", f"{cfg['block_size']}-token KV blocks"),
+        ("block_manager", "block manager", f"{cfg['block_manager']} block manager"),
+        (None, "batch limits", f"{sched['batching']} batching of at most {sched['max_num_seqs']} "
+                               f"sequences and {sched['max_num_batched_tokens']} tokens per step"),
+        ("chunked_prefill", "chunked prefill", chunk),
+        (None, "step composition", f"{sched['step_composition'].replace('_', '-')} steps"),
+        ("preemption", "preemption", f"{sched['preemption']} preemption"),
+        (None, "prefix caching", "prefix caching" if cfg["prefix_caching"] else None),
+        (None, "seed", f"seed {cfg['seed']}"),
     ]
-    fixed = [words for axis, words in settings if words and axis not in swept]
-    axes = " x ".join(f"{a} ({', '.join(show_value(v) for v in vals)})"
-                      for a, vals in c.axes.items() if a in swept)
-    text = [Text(f"{len(c.points)} simulations of the trace '{cfg['trace']}' ({count} requests each), "
-                 f"sweeping {axes or 'nothing'}. Rates are mean request rates (req/s) to which the "
-                 f"trace's arrivals are rescaled."),
-            Text("Every point: " + "; ".join(fixed) + ".")]
-    text.append(Text(_slo_text(c)))
-    return text
 
 
-def _other_parallelism(cfg) -> list[tuple[str, str | None]]:
-    """(axis, words) for the pipeline depth and the expert / data parallelism of the runs,
+def _other_parallelism(cfg) -> list[tuple[str, str, str | None]]:
+    """(axis, name, words) for the pipeline depth and the expert / data parallelism of the runs,
     words only where they are not 1. config.json leaves pp and ep out at 1
     (`SimulationConfig.to_dict`); data-parallel attention ranks are ep / tp when ep > tp
     (`SimulationConfig.ep`)."""
     tp, pp, ep = cfg["tp"], cfg.get("pp", 1), cfg.get("ep", 1)
     dp = ep // tp if ep > tp else 1
-    return [("pp", f"pipeline parallelism {pp} ({tp * pp} GPUs per replica)" if pp != 1 else None),
-            ("ep", f"expert parallelism {ep}" + (f", data parallelism {dp} (each replica one "
-                                                 f"data-parallel attention rank)" if dp > 1 else "")
+    return [("pp", "pipeline parallelism",
+             f"pipeline parallelism {pp} ({tp * pp} GPUs per replica)" if pp != 1 else None),
+            ("ep", "expert parallelism",
+             f"expert parallelism {ep}" + (f", data parallelism {dp} (each replica one "
+                                           f"data-parallel attention rank)" if dp > 1 else "")
              if ep != 1 else None)]
 
 

@@ -49,3 +49,16 @@ def test_a_swept_pipeline_depth_is_an_axis_not_a_setting(tmp_path):
     assert "KV blocks per replica" not in _every_point(report)   # it differs with pp
     header = next(line for line in report.splitlines() if "| Throughput (req/s) |" in line)
     assert header.startswith("| Policy | Rate (req/s) | PP | Throughput (req/s) |")
+
+
+def test_settings_a_swept_gpu_or_engine_sets_are_not_claimed_for_every_point(tmp_path):
+    """The A100's config.json holds vLLM to 256 sequences and 2,048 tokens where the H100
+    takes the engine's 1,024 and 8,192; servelab's own engine chunks prefills at 512 tokens
+    and keeps no prefix cache."""
+    line = _every_point(_report(tmp_path, "--gpus", "h100-sxm,a100-80gb"))
+    assert "batching of at most" not in line and "KV blocks per replica" not in line
+    assert line.endswith("Differing with the points' engines, GPUs or models (each run's "
+                         "config.json has them): KV blocks, batch limits, chunked prefill.")
+    line = _every_point(_report(tmp_path / "e", "--engines", "vllm-0.24,servelab"))
+    assert "prefix caching" not in line.split(". Differing")[0]
+    assert "chunked prefill" in line.split(". Differing")[1]
