@@ -35,8 +35,14 @@ class CLIError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad option reported as one line and a pointer to --help instead of
-    the whole usage first (thirty lines for `compare`, which buried the message).
+    the whole usage first (thirty lines for `compare`, which buried the message), and no
+    abbreviated options (`servelab run --gpu h100-sxm` was taken for --gpu-memory-utilization
+    and refused as "expected a number"; it is an unknown option there).
     Subcommand parsers are made of this class too (argparse's default)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

@@ -59,4 +59,5 @@ def check_prefix_block_sizes(trace, block_size: int) -> None:
             f"the trace's prefix hashes name {bad[0]}-token blocks, which the KV block size "
             f"{block_size} does not divide: a KV block would span hashed blocks and be reused "
             f"only where all of them match; use a --block-size that divides {bad[0]} "
-            f"(e.g. {16 if g % 16 == 0 else g})")
+            f"(e.g. {16 if g % 16 == 0 else g}), or turn prefix caching off "
+            f"(--no-prefix-caching)")

@@ -331,7 +331,7 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
         "speculative decoding", "each decode step of a speculating sequence proposes K tokens and "
                                 "verifies them in one target forward of K + 1 tokens")
     g.add_argument("--speculative", default=None, metavar="draft:MODEL|" + "|".join(SPECULATIVE_METHODS[1:]) + "|off",
-                   help="the proposer: a draft model of the target's vocabulary (draft:llama-3.2-1b), "
+                   help="the proposer: a draft model of the target's vocabulary (draft:llama-3.1-8b for llama-3.1-70b), "
                         "an n-gram lookup, an EAGLE head, or the model's MTP layer (default: off)")
     g.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help=f"tokens proposed per step (default {_SPECULATIVE_DEFAULTS['num_speculative_tokens']})")

@@ -46,6 +46,26 @@ def _int(flag: str, text: str, low: int = 1) -> int:
     return _read(flag, number(int, low=low), text)
 
 
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def _human_int(flag: str, text: str, low: int = 1) -> int:
+    """An integer as vLLM's `human_readable_int` reads one (`vllm/engine/arg_utils.py`, the
+    type of --max-model-len): "32k" is 32,000 (k, m, g, t: powers of 1,000, decimals
+    allowed), "32K" is 32,768 (K, M, G, T: powers of 1,024, whole numbers only)."""
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is not None:
+        number, suffix = match.groups()
+        if suffix.islower():
+            text = str(int(float(number) * 1000 ** ("kmgt".index(suffix) + 1)))
+        elif "." in number:
+            raise ValueError(f"--vllm-args {flag}: decimals go with k, m, g or t (powers of "
+                             f"1,000), not {suffix}: got {text!r}")
+        else:
+            text = str(int(number) * 1024 ** ("KMGT".index(suffix) + 1))
+    return _int(flag, text, low)
+
+
 def _fraction(flag: str, text: str) -> float:
     """A finite number in (0, 1], the range checked and worded by `servelab._validate`."""
     value = _read(flag, _finite, text)
@@ -87,7 +107,7 @@ _VALUE_FLAGS: dict[str, Callable[[str, str], dict]] = {
     "--pipeline-parallel-size": lambda f, t: {"pp": _int(f, t)},
     "--max-num-seqs": lambda f, t: {"max_num_seqs": _int(f, t)},
     "--max-num-batched-tokens": lambda f, t: {"max_num_batched_tokens": _int(f, t)},
-    "--max-model-len": lambda f, t: {"max_model_len": _int(f, t, low=2)},
+    "--max-model-len": lambda f, t: {"max_model_len": _human_int(f, t, low=2)},
     "--block-size": lambda f, t: {"block_size": _int(f, t)},
     "--gpu-memory-utilization": lambda f, t: {"gpu_memory_utilization": _fraction(f, t)},
     "--num-gpu-blocks-override": lambda f, t: {"kv_blocks": _int(f, t)},

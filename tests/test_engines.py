@@ -34,6 +34,13 @@ def test_a_vllm_command_line_becomes_servelab_options():
                             "catalog's llama-3.1-8b (a variant has its base model's shapes)"]
 
 
+def test_lengths_read_as_vllm_reads_them():
+    assert [translate(f"--max-model-len {t}").values["max_model_len"]
+            for t in ("32k", "32K", "25.6k", "4096")] == [32000, 32768, 25600, 4096]
+    with pytest.raises(ValueError, match="decimals go with k, m, g or t"):
+        translate("--max-model-len 1.5K")
+
+
 def test_dtypes_resolve_whatever_their_order():
     assert translate("--kv-cache-dtype auto --dtype float16").values == {
         "weight_dtype": "fp16", "kv_dtype": "fp16"}

@@ -105,6 +105,7 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--prefix-caching", "--kv-offload-gb", "0.0001"], "--kv-offload-gb 0.0001 holds no KV block"),
     (["--prefix-caching", "--block-size", "48"], "prefix hashes name 128-token blocks, which the "
      "KV block size 48 does not divide"),
+    (["--prefix-caching", "--block-size", "48"], "or turn prefix caching off (--no-prefix-caching)"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, trace_file, capsys, args, message):
     argv = ["--trace", str(trace_file), *args, "--out", str(tmp_path / "x")]
@@ -365,3 +366,15 @@ def test_a_policy_with_nothing_to_act_on_says_so(tmp_path, traces_dir, capsys):
             "it orders waiting requests as fcfs does") in out
     assert simulate(*common, "--out", str(tmp_path / "f"), "--policy", "sjf") == 0
     assert "nothing to act on" not in capsys.readouterr().out
+
+
+def test_an_option_is_never_taken_for_a_longer_one(capsys):
+    """`servelab run` has --gpu-memory-utilization and no --gpu: argparse's abbreviations
+    read --gpu h100-sxm as a utilization and refused it as "expected a number"."""
+    from servelab.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--device", "cpu", "--model", "tiny-llama", "--gpu", "h100-sxm",
+              "--out", "unused"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --gpu h100-sxm" in capsys.readouterr().err
