@@ -142,8 +142,15 @@ def expand_grid(axes: Mapping[str, Sequence[Any]],
         values = dict(zip(axes, combo))
         point = SweepPoint(build(values), tuple(values.items()))
         if point.key in by_key:
+            other = dict(by_key[point.key].labels)
+            moot = [f"{axis} ({show_value(other[axis], axis)} or {show_value(v, axis)})"
+                    for axis, v in point.labels if other[axis] != v]
+            fixed = [f"{axis}={show_value(v, axis)}" for axis, v in point.labels
+                     if other[axis] == v and axis not in ("policy", "rate")]
             raise ValueError(f"grid points {by_key[point.key].describe()} and {point.describe()} "
-                             f"are the same simulation")
+                             f"are the same simulation: {', '.join(moot)} changes nothing"
+                             + (f" with {' '.join(fixed)}" if fixed else "")
+                             + "; sweep it in a comparison of its own")
         by_key[point.key] = point
         points.append(point)
     return points

@@ -51,7 +51,8 @@ def test_bad_grids_are_rejected(axes, message):
 
 def test_two_points_that_are_one_simulation_are_rejected():
     # an axis whose values do not change the config would run every point twice
-    with pytest.raises(ValueError, match="are the same simulation"):
+    with pytest.raises(ValueError, match=r"are the same simulation: label \(a or b\) changes "
+                                         r"nothing; sweep it in a comparison of its own$"):
         expand_grid({"rate": [10.0], "label": ["a", "b"]}, lambda values: BASE)
 
 
