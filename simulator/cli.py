@@ -327,6 +327,13 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     sign = overload(result.requests)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
+    served = s["completed"] + s["rejected"]
+    if config.num_requests is not None and served < config.num_requests:
+        lines.append(f"note: the trace holds {served:,} requests, fewer than --num-requests "
+                     f"{config.num_requests:,}: all of them were replayed")
+    lines += [f"note: {flag} names {', '.join(names)}, which no request of the trace has "
+              f"(its tenants: {', '.join(tenants)})" for flag, names, tenants in
+              _unknown_tenants(config, set(column(result.requests, "tenant")))]
     idle = nothing_to_act_on(config.policy, WorkloadTraits.of_columns(
         *(column(result.requests, name) for name in TRAIT_COLUMNS)))
     if idle is not None:
@@ -335,6 +342,16 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     lines.append(f"wrote {out}/config.json, summary.json, requests.{output_format}, "
                  f"steps.{output_format}")
     return "\n".join(lines)
+
+
+def _unknown_tenants(config, tenants: set) -> list[tuple[str, list[str], list[str]]]:
+    """(flag, the tenant names it gives that no request has, the trace's tenants) for the
+    per-tenant options a run was given: fair share's weights, speculative acceptance."""
+    given = [("--tenant-weights", (config.policy_options or {}).get("weights") or {}),
+             ("--acceptance-rate", dict(config.scheduler.speculative.tenant_acceptance))]
+    shown = sorted(tenants)[:8] + (["..."] if len(tenants) > 8 else [])
+    return [(flag, sorted(set(names) - tenants), shown) for flag, names in given
+            if set(names) - tenants]
 
 
 def _ms(value: float | None, decimals: int) -> str:

@@ -43,7 +43,7 @@ def test_run_directory_and_summary(tmp_path, trace_file, capsys):
                     "--slo-ttft-ms", "500", "--out", str(out)) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
     printed = capsys.readouterr()
-    assert "60 requests finished" in printed.out
+    assert "60 requests finished" in printed.out and "note:" not in printed.out
     assert printed.err == ""                      # no progress bar off a terminal
     requests = read_requests(out / "requests.csv")
     assert [r.request_id for r in requests] == list(range(60))
@@ -378,3 +378,13 @@ def test_an_option_is_never_taken_for_a_longer_one(capsys):
               "--out", "unused"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --gpu h100-sxm" in capsys.readouterr().err
+
+
+def test_a_short_trace_and_an_unknown_tenant_are_noted(tmp_path, trace_file, capsys):
+    assert simulate("--trace", str(trace_file), "--model", "llama-2-7b", "--gpu", "a100-80gb",
+                    "--num-requests", "100", "--policy", "fair", "--tenant-weights", "a=2,zz=1",
+                    "--out", str(tmp_path / "run")) == 0
+    out = capsys.readouterr().out
+    assert ("note: the trace holds 60 requests, fewer than --num-requests 100: all of them were "
+            "replayed") in out
+    assert "note: --tenant-weights names zz, which no request of the trace has (its tenants: a, b)" in out
