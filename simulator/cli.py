@@ -83,7 +83,8 @@ def register(subparsers) -> None:
                    help="default: the checkpoint's (fp8 where its config.json has an FP8 "
                         "quantization_config, as DeepSeek-V3's, which vLLM serves in FP8; bf16 "
                         "otherwise)")
-    h.add_argument("--kv-dtype", choices=DTYPES, default="bf16", help="default %(default)s")
+    h.add_argument("--kv-dtype", "--kv-cache-dtype", choices=DTYPES, default="bf16",
+                   help="default %(default)s (--kv-cache-dtype: vLLM's name for it)")
     h.add_argument("--calibration", metavar="FILE",
                    help="calibration profile for this GPU: a JSON file, a packaged profile name, "
                         "or 'none' for the bare roofline (default: the GPU's packaged profile, "

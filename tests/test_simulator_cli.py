@@ -388,3 +388,10 @@ def test_a_short_trace_and_an_unknown_tenant_are_noted(tmp_path, trace_file, cap
     assert ("note: the trace holds 60 requests, fewer than --num-requests 100: all of them were "
             "replayed") in out
     assert "note: --tenant-weights names zz, which no request of the trace has (its tenants: a, b)" in out
+
+
+def test_vllms_kv_cache_dtype_flag_is_an_alias(tmp_path, trace_file):
+    assert simulate("--trace", str(trace_file), "--num-requests", "3", "--kv-cache-dtype", "fp8",
+                    "--out", str(tmp_path / "run")) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+    assert config["kv_dtype"] == "fp8"

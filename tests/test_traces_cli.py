@@ -128,6 +128,15 @@ def test_a_histogram_of_equal_gaps_says_so(tmp_path, capsys):
     assert len(rows) == 1 and rows[0].strip().startswith("3 s (every gap) |")
 
 
+def test_a_bin_never_shows_the_same_number_at_both_ends():
+    from servelab.traces.stats import gap_histogram, render_histogram
+
+    gaps = [2.997, 2.9976, 2.999, 3.0, 3.0, 3.003]           # Mooncake's millisecond-jittered 3 s
+    for line in render_histogram(gap_histogram(gaps)):
+        lo, hi = line.split(" | ")[0].strip().split(" - ")
+        assert lo != hi, line
+
+
 def test_output_cut_short_by_its_reader_ends_quietly(traces_dir):
     """`servelab trace stats T | head`: the reader closes the pipe; no traceback."""
     import subprocess

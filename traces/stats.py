@@ -166,11 +166,12 @@ def gap_histogram(gaps, bins: int = 10) -> tuple[tuple[float, float, int], ...]:
 def render_histogram(rows, width: int = 40) -> list[str]:
     if not rows:
         return ["  (fewer than two requests: no inter-arrival gaps)"]
-    for digits in range(3, 10):  # enough significant digits to tell neighbouring edges apart
+    for digits in range(3, 10):  # enough significant digits to tell the edges apart
         labels = ["0 s (same time)" if hi == 0 else
                   f"{_fmt_s(lo, digits)} (every gap)" if lo == hi else
                   f"{_fmt_s(lo, digits)} - {_fmt_s(hi, digits)}" for lo, hi, _ in rows]
-        if len(set(labels)) == len(labels):
+        if len(set(labels)) == len(labels) and all(
+                _fmt_s(lo, digits) != _fmt_s(hi, digits) for lo, hi, _ in rows if hi > lo):
             break
     top = max(c for _, _, c in rows) or 1
     label_w = max(map(len, labels))
