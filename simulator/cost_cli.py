@@ -14,9 +14,10 @@
 Each prints milliseconds; `--json` prints machine-readable output; `--points FILE.csv` prices
 every row of a CSV whose columns are named like the flags (a flag gives the value of a
 missing column) and writes the same rows with a `predicted_ms` column. `--calibration
-FILE|NAME|none` chooses the parameters (default: the GPU's packaged profile);
-`--engine-version V` the packaged profile fitted to that vLLM version's kernels (see
-`calibration.profile_for`). The answer names the profile and its engine version.
+FILE|NAME|none` chooses the parameters; `--engine-version V` the packaged profile fitted
+to that vLLM version's kernels (see `calibration.profile_for`); with neither, the profile
+`servelab simulate` prices the GPU with by default (its default engine's version). The
+answer names the profile and its engine version.
 
 Importing this module is cheap; the handler imports numpy and the cost model.
 """
@@ -43,12 +44,12 @@ def register(subparsers) -> None:
     common.add_argument("--gpu", required=True, metavar="G", help="catalog GPU or GPU spec .json")
     common.add_argument("--calibration", metavar="FILE",
                         help="profile file, packaged profile name, or 'none' for the bare "
-                             "roofline (default: the GPU's packaged profile)")
+                             "roofline (default: the one --engine-version picks)")
     common.add_argument("--engine-version", metavar="V",
                         help="price as the kernels of this vLLM version run (e.g. 0.24.0): the "
                              "packaged profile fitted to them, or the nearest one, as "
-                             "`calibration.profile_for` picks (default: the GPU's packaged "
-                             "profile)")
+                             "`calibration.profile_for` picks (default: the version of "
+                             "`simulate`'s default engine)")
     common.add_argument("--json", action="store_true",
                         help="print JSON (with --points: the priced rows)")
     common.add_argument("--points", metavar="FILE.csv",

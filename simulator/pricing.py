@@ -42,8 +42,13 @@ def _setup(opts: dict):
 
 
 def _profile(gpu, opts: dict):
-    """(profile, its name): the profile `--calibration` / `--engine-version` choose."""
+    """(profile, its name): the profile `--calibration` / `--engine-version` choose; with
+    neither, the one `servelab simulate` prices the GPU with by default (its default
+    engine's version: the same kernels the same flags mean)."""
     engine_version = opts.get("engine_version")
+    if engine_version is None and opts.get("calibration") is None:
+        from servelab.engines import DEFAULT_ENGINE, get_preset
+        engine_version = get_preset(DEFAULT_ENGINE).engine_version
     profile = resolve(gpu, opts.get("calibration"), engine_version)
     name = opts.get("calibration") or (packaged_choice(gpu, engine_version)[0] if engine_version
                                        else gpu.calibration or "none")

@@ -21,6 +21,8 @@ from servelab.simulator.cost_model import CostModel
 from servelab.simulator.gpus import get_gpu
 
 GPU = "h100-sxm"
+DEFAULT = "h100-sxm.vllm-0.24"
+"""The profile `cost` prices GPU with by default: `simulate`'s (its default engine's version)."""
 
 
 def cost(capsys, *argv) -> tuple[int, str, str]:
@@ -37,7 +39,7 @@ def cost_json(capsys, *argv) -> dict:
 
 @pytest.fixture(scope="module")
 def llama8b() -> CostModel:
-    return CostModel("llama-3.1-8b", GPU)
+    return CostModel("llama-3.1-8b", GPU, calibration=DEFAULT)
 
 
 def per_layer(cm: CostModel, shape: BatchShape, op: str) -> float:
@@ -55,19 +57,19 @@ def test_gemm_is_the_cost_models_gemm_at_that_shape(capsys, llama8b):
     expected_ms = per_layer(llama8b, shape, "o_proj") * 1e3
     r = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 512, "--n", o_proj.n, "--k", o_proj.k)
     assert r["predicted_ms"] == pytest.approx(expected_ms, abs=1e-6)
-    assert r["calibration"] == GPU and r["bound"] == "compute"
-    p = resolve(GPU).kernels.gemm
+    assert r["calibration"] == DEFAULT and r["bound"] == "compute"
+    p = resolve(GPU, DEFAULT).kernels.gemm
     assert p.floor_s > 0 and r["floor_ms"] == pytest.approx(p.floor_s * 1e3, abs=1e-6)
     rc, out, _ = cost(capsys, "gemm", "--gpu", GPU, "--m", 512, "--n", o_proj.n, "--k", o_proj.k)
     first = out.splitlines()[0]
     assert rc == 0 and first == (f"{r['predicted_ms']:.4f} ms  GEMM [512x{o_proj.k}] x "
-                                 f"[{o_proj.k}x{o_proj.n}] bf16 on h100-sxm (calibration: h100-sxm, "
-                                 f"vLLM 0.14.0)")
+                                 f"[{o_proj.k}x{o_proj.n}] bf16 on h100-sxm (calibration: "
+                                 f"h100-sxm.vllm-0.24, vLLM 0.24.0)")
 
 
 def test_fp8_gemm_uses_the_fp8_parameters_and_peak(capsys):
     r = cost_json(capsys, "gemm", "--gpu", GPU, "--m", 4096, "--n", 8192, "--k", 8192, "--dtype", "fp8")
-    p = resolve(GPU).kernels.gemm_fp8
+    p = resolve(GPU, DEFAULT).kernels.gemm_fp8
     expected = K.gemm_time(4096, 8192, 8192, get_gpu(GPU), p, "fp8", 1.0, 1.0, 2.0)
     assert r["predicted_ms"] == pytest.approx(float(expected) * 1e3, abs=1e-6)
     assert r["bytes"] == 8192 * 8192 + 4096 * (8192 + 8192 * 2)
@@ -105,23 +107,23 @@ def test_prefill_attention_is_the_cost_models_attention_per_layer(capsys, llama8
 
 
 def test_allreduce_is_the_steps_tp_allreduce_per_call(capsys):
-    cm = CostModel("llama-3.1-8b", GPU, tp=2)
+    cm = CostModel("llama-3.1-8b", GPU, tp=2, calibration=DEFAULT)
     shape = BatchShape(num_prefill_seqs=1, num_prefill_tokens=512, prefill_q_sq_sum=512 ** 2)
     r = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 2, "--elements", 512 * 4096)
     assert r["predicted_ms"] == pytest.approx(per_layer(cm, shape, "allreduce") * 1e3, abs=1e-6)
     assert (r["bytes"], r["algorithm"]) == (512 * 4096 * 2, "custom one-stage")
-    big = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24)
+    old = ("--engine-version", "0.14.0")                  # no symmetric memory there
+    big = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24, *old)
     assert big["algorithm"] == "ring" and big["predicted_ms"] > r["predicted_ms"]
-    mid = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18)
+    mid = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18, *old)
     assert mid["algorithm"] == "custom two-stage"         # 512 KiB: past the one-stage limit
-    newer = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18,
-                      "--engine-version", "0.24.0")
-    assert newer["algorithm"] == "symmetric memory"       # on by default there
+    newer = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 18)
+    assert newer["algorithm"] == "symmetric memory"       # on by default in vLLM 0.24
     one = cost_json(capsys, "allreduce", "--gpu", GPU, "--gpus", 1, "--elements", 4096)
     assert (one["predicted_ms"], one["algorithm"]) == (0.0, "none (one GPU)")
     moved = 2 * 7 / 8 * 2 ** 25                      # bytes through each GPU's link, ring
     assert big["bus_gbps"] == pytest.approx(moved / big["predicted_ms"] / 1e6, abs=0.1)
-    rc, out, _ = cost(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24)
+    rc, out, _ = cost(capsys, "allreduce", "--gpu", GPU, "--gpus", 8, "--elements", 2 ** 24, *old)
     assert rc == 0 and out.splitlines()[1].startswith("  link: ")
     assert f"achieved bus bandwidth {big['bus_gbps']} GB/s" in out
 
@@ -154,7 +156,8 @@ def test_step_prices_a_mixture_of_experts_layout(capsys):
     for flags, ep, load in (((), 1, "balanced"), (("--dp", 2), 2, "balanced"),
                             (("--ep", 2, "--expert-load", "power-law:1.2"), 2, "power-law:1.2")):
         r = cost_json(capsys, *base, *flags)
-        expected = CostModel("qwen3-30b-a3b", GPU, ep=ep, expert_load=load).step_time(shape)
+        expected = CostModel("qwen3-30b-a3b", GPU, ep=ep, expert_load=load,
+                             calibration=DEFAULT).step_time(shape)
         assert r["predicted_ms"] == pytest.approx(expected * 1e3, abs=1e-6)
         assert (r["ep"], r["expert_load"]) == (ep, load)
     assert cost_json(capsys, *base, "--dp", 2)["predicted_ms"] != cost_json(capsys, *base)["predicted_ms"]
@@ -302,7 +305,7 @@ def test_an_engine_version_picks_its_profile_and_every_answer_names_it(capsys):
     """--engine-version prices with the profile `profile_for` picks; text and JSON say which
     profile and which vLLM version, for a kernel and for a whole step."""
     argv = ("gemm", "--gpu", GPU, "--m", 64, "--n", 4096, "--k", 4096)
-    old, new = cost_json(capsys, *argv), cost_json(capsys, *argv, "--engine-version", "0.24.0")
+    old, new = cost_json(capsys, *argv, "--engine-version", "0.14.0"), cost_json(capsys, *argv)
     assert (old["calibration"], old["engine_version"]) == ("h100-sxm", "0.14.0")
     assert (new["calibration"], new["engine_version"]) == ("h100-sxm.vllm-0.24", "0.24.0")
     expected = float(K.gemm_time(64, 4096, 4096, get_gpu(GPU),

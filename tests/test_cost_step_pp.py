@@ -40,7 +40,8 @@ STEP = ("--prefill", f"{PREFILL[0]}:{PREFILL[1]}", "--decode", f"{DECODE[0]}:{DE
 ])
 def test_a_pipelined_step_is_what_the_simulator_charges(capsys, model, tp, pp, extra):
     r = cost_json(capsys, "step", "--gpu", GPU, "--model", model, "--tp", tp, "--pp", pp, *extra, *STEP)
-    cm = CostModel(model, GPU, tp=tp, ep=int(extra[1]) if extra else 1)
+    cm = CostModel(model, GPU, tp=tp, ep=int(extra[1]) if extra else 1,
+                   calibration=f"{GPU}.vllm-0.24")     # cost's default: simulate's engine
     layout = PipelineLayout(cm.model, cm, pp)
     s = shape()
     stage_s = layout.stage_times(s)

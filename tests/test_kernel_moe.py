@@ -385,7 +385,7 @@ def test_cost_moe_is_the_kernel_plus_the_router(capsys):
     rc, out, err = cost(capsys, *ARGS, "--ep", 8, "--json")
     assert rc == 0, err
     r = json.loads(out)
-    k = packaged("h100-sxm").kernels
+    k = packaged("h100-sxm.vllm-0.24").kernels          # cost's default: simulate's engine
     expected = K.moe_layer_time(256, 7168, 2048, 256, 8, H100, k.moe, k.gemm, ep=8)
     assert r["predicted_ms"] == pytest.approx(float(expected) * 1e3, abs=1e-6)
     assert r["kernel"] == "BF16" and r["pairs"] == 256 and r["active_experts"] == 32
@@ -404,7 +404,7 @@ def test_cost_moe_says_whether_the_layer_has_a_tuned_vllm_config(capsys):
     assert rc == 0, err
     tp2 = json.loads(out)
     assert tp2["vllm_tuned_config"] and tp2["compute_eff"] == pytest.approx(
-        packaged("h100-sxm").kernels.moe.tuned_compute_eff, abs=1e-4)
+        packaged("h100-sxm.vllm-0.24").kernels.moe.tuned_compute_eff, abs=1e-4)
     rc, text, _ = cost(capsys, *mixtral)
     assert rc == 0 and "no tuned vLLM kernel config priced for this layer" in text
     rc, text, _ = cost(capsys, *mixtral, "--tp", 2)

@@ -191,7 +191,9 @@ def test_flags_reach_the_config(tmp_path):
      "expert load 'power-law:1.2' applies to mixture-of-experts models; tiny-llama has no experts"),
     (["--model", "tiny-moe", "--weight-dtype", "fp32"],
      "the fused-MoE kernel is priced for bf16 and fp8 weights, not fp32"),
-    (["--model", "deepseek-v3", "--gpu", "h100-sxm", "--tp", "8"],
+    (["--model", "deepseek-v3", "--gpu", "h100-sxm", "--tp", "8"],   # its checkpoint's FP8
+     "deepseek-v3 weights need 79.3 GiB per GPU at tp=8, ep=1 (fp8)"),
+    (["--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--weight-dtype", "bf16"],
      "deepseek-v3 weights need 157.9 GiB per GPU at tp=8, ep=1 (bf16)"),
 ])
 def test_layouts_that_cannot_run_are_refused_in_one_line_before_the_run(tmp_path, capsys, argv, line):
