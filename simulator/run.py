@@ -575,6 +575,18 @@ def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
                          "or a larger --gpu-memory-utilization")
 
 
+def check_layout(config: SimulationConfig) -> None:
+    """ValueError if the model cannot be laid out as the config says (tp not dividing its
+    heads or widths, ep not dividing its experts, dtypes it cannot take): the shape checks
+    of `build_simulation`, without the trace or the GPU (what a sweep checks once per
+    layout before it starts)."""
+    from servelab.models import load_model_spec
+    from servelab.simulator.footprint import Footprint
+
+    Footprint.of(load_model_spec(config.model), config.tp, config.weight_dtype, config.kv_dtype,
+                 ep=config.ep)
+
+
 def check_host_tier(config: SimulationConfig) -> None:
     """ValueError if the config's CPU tier holds no block, or it and the swap pool need
     more host memory than its machine has: the host-memory checks of `build_simulation`,

@@ -35,7 +35,7 @@ _tolerance = number(float, low=0, high=1, low_open=True, high_open=True)
 
 
 def register(subparsers) -> None:
-    from servelab.sweeps.capacity import DEFAULT_ATTAINMENT, DEFAULT_TOLERANCE
+    from servelab.sweeps.capacity import DEFAULT_TOLERANCE
 
     p = subparsers.add_parser(
         "capacity", conflict_handler="resolve",   # add_grid_arguments redefines --replicas
@@ -143,8 +143,9 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for combo in itertools.product(*others.values()):
         values = dict(zip(others, combo))
         searches.append(Search(tuple(values.items()), functools.partial(_config_at, args, parser, values)))
-    for s in searches:   # bad flags fail here, once, as one-line errors
-        s.build(start[0])
+    from servelab.sweeps.cli import check_points
+    # bad flags, layouts and CPU tiers fail here, once, as one-line errors
+    check_points([SweepPoint(s.build(start[0]), s.labels) for s in searches])
     out = Path(args.out)
     workers = args.workers or default_workers()
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from servelab.cli import CLIError
+from servelab.labels import show_value
 from servelab.options import chunk_tokens, positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.simulator.cli import policy_flag_owners
@@ -217,22 +218,26 @@ def plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
-def _check_host_tiers(points) -> None:
-    """A CPU tier larger than its machine allows fails every point alike: say so once,
-    before the sweep starts (each distinct machine and tier checked once)."""
-    from servelab.simulator.run import check_host_tier
+def check_points(points) -> None:
+    """A layout the model cannot take (`--tps 1,3` on a model of 32 heads) or a CPU tier
+    larger than its machine allows fails its points alike: say so once, before the sweep
+    starts (each distinct machine and tier checked once)."""
+    from servelab.simulator.run import check_host_tier, check_layout
 
     seen = set()
     for point in points:
         c = point.config
-        machine = (c.model, c.gpu, c.tp, c.weight_dtype, c.kv_dtype, c.calibration, c.block_size,
-                   c.kv_offload_gb, c.cpu_kv_blocks)
+        machine = (c.model, c.gpu, c.tp, c.ep, c.weight_dtype, c.kv_dtype, c.calibration,
+                   c.block_size, c.kv_offload_gb, c.cpu_kv_blocks)
         if machine not in seen:
             seen.add(machine)
             try:
+                check_layout(c)
                 check_host_tier(c)
             except ValueError as exc:
-                raise CLIError(str(exc)) from None
+                where = " ".join(f"{axis}={show_value(v, axis)}" for axis, v in point.labels
+                                 if axis not in ("policy", "rate"))
+                raise CLIError(f"{where}: {exc}" if where else str(exc)) from None
 
 
 def _earlier_grid(out: Path) -> set[str] | None:
@@ -252,7 +257,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from servelab.sweeps.sweep import SweepError
 
     axes, points = build_points(args, parser)
-    _check_host_tiers(points)
+    check_points(points)
     out = Path(args.out)
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \

@@ -115,7 +115,8 @@ def test_a_cpu_tier_the_machine_cannot_hold_fails_before_the_sweep(tmp_path, cap
                  "h100-sxm,h200", "--policies", "fcfs,lpm", "--workers", "1",
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err == ("servelab compare: error: --kv-offload-gb 300 needs 300.0 GiB of host memory "
+    assert err == ("servelab compare: error: gpu=h100-sxm: --kv-offload-gb 300 "
+                   "needs 300.0 GiB of host memory "
                    "per replica, more than its 1 x h100-sxm can have: 256 GiB (256 GiB host "
                    "memory per GPU on the reference server, host_memory_gb in the GPU catalog)\n")
     assert not (tmp_path / "x").exists()
@@ -160,3 +161,14 @@ def test_engines_sweep_like_any_knob_each_point_with_its_engines_defaults():
     assert by_engine == {e: simulate_config("--engine", e, "--policy", "fcfs")
                          for e in ("vllm-0.24", "servelab")}
     assert by_engine["vllm-0.24"].prefix_caching and not by_engine["servelab"].prefix_caching
+
+
+@pytest.mark.parametrize("command", ["compare", "capacity"])
+def test_a_layout_the_model_cannot_take_fails_before_the_sweep(tmp_path, capsys, command):
+    assert main([command, *COMMON, "--tps", "1,3", "--policies", "fcfs", "--workers", "1",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"servelab {command}: error: tp=3: tp=3 must divide")
+    assert err[-1].endswith("tp=3 must divide llama-3.1-8b's attention heads (32) and intermediate "
+                            "size (14336)")
+    assert not (tmp_path / "x").exists()
