@@ -118,7 +118,9 @@ def register(subparsers) -> None:
     s = kinds.add_parser("step", parents=[common], help="a whole engine step, op by op")
     s.add_argument("--model", help="catalog model or config.json")
     s.add_argument("--tp", type=positive_int, default=1, help="tensor parallelism (default 1)")
-    s.add_argument("--weight-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
+    s.add_argument("--weight-dtype", choices=("bf16", "fp16", "fp8"),
+                   help="default: the checkpoint's (fp8 for deepseek-v3, bf16 otherwise), as "
+                        "`simulate` takes it")
     s.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
     s.add_argument("--ep", type=positive_int, default=None, metavar="N",
                    help="a mixture-of-experts model's expert parallelism, as `simulate --ep` "

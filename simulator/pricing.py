@@ -11,6 +11,7 @@ import csv
 from pathlib import Path
 
 from servelab._validate import check_bounded
+from servelab.models import load_model_spec
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged_choice, resolve
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
@@ -288,10 +289,18 @@ def _step(opts: dict) -> dict:
     if pp > 1 and (ep or 1) > tp:   # as `simulate` refuses it (`run._check_pipeline`)
         raise ValueError(f"--pp {pp} with data-parallel expert parallelism (ep={ep} above tp={tp}) "
                          "is not modelled: pipeline stages run without data-parallel ranks")
-    cm = CostModel(opts["model"], opts["gpu"], tp=tp,
-                   weight_dtype=opts.get("weight_dtype") or "bf16",
+    model = load_model_spec(opts["model"])
+    cm = CostModel(model, opts["gpu"], tp=tp,   # weights: the checkpoint's, as `simulate` takes them
+                   weight_dtype=opts.get("weight_dtype") or model.checkpoint_weight_dtype,
                    kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile,
                    ep=ep or 1, expert_load=load)
+    longest = model.max_position_embeddings
+    for flag, chunks, new in (("--prefill", prefill, lambda t: t), ("--decode", decode, lambda b: 1)):
+        for a, c in chunks:
+            if longest and c + new(a) > longest:
+                raise ValueError(f"{flag} {a}:{c}: a sequence of {c + new(a):,} tokens is longer "
+                                 f"than {model.name} takes ({longest:,}, its "
+                                 "max_position_embeddings)")
     if pp > 1:
         return _pipelined_step(cm, pp, label, profile, prefill, decode, _shape(prefill, decode))
     kv_capacity_blocks(cm.model, cm.gpu, tp=cm.tp, weight_dtype=cm.weight_dtype,

@@ -282,6 +282,10 @@ def assert_one_line_error(rc, out, err, *fragments):
     (["step", "--model", "llama-3.1-8b", "--prefill", "0"], ["--prefill: sizes must be >= 1"]),
     (["step", "--model", "llama-3.1-8b", "--prefill", "12x"], ["--prefill: expected integers"]),
     (["step", "--model", "llama-3.1-8b"], ["cost step needs --prefill and/or --decode"]),
+    (["step", "--model", "llama-3.1-8b", "--prefill", "512:99999999"],
+     ["--prefill 512:99999999: a sequence of 100,000,511 tokens is longer than llama-3.1-8b "
+      "takes (131,072, its max_position_embeddings)"]),
+    (["step", "--model", "llama-3.1-8b", "--decode", "4:131072"], ["--decode 4:131072"]),
     (["step", "--model", "llama-3.1-8b", "--tp", "3", "--decode", "1:5"], ["tp=3 must divide"]),
     (["gemm", "--m", "1", "--n", "1"], ["cost gemm needs --k"]),
     (["gemm", "--m", "1", "--n", "1", "--k", "1", "--out", "x.csv"], ["--out needs --points"]),
