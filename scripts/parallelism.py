@@ -212,30 +212,41 @@ batch passing idle stages (`StageTimeline.run_step`: the stages' times plus the 
 With pp batches in flight the slowest stage paces the replica: one step per its time. The
 op table sums each kernel over the stages (every layer once; the embedding and step
 overhead from the first stage, the LM head from the last). `--points FILE.csv` takes a
-`pp` column like the other flags. Like every `cost` command it prices with the GPU's catalog
-profile; `--engine-version 0.24.0` picks the profile `simulate`'s default preset
-(`vllm-0.24`) runs with.
+`pp` column like the other flags. Like every `cost` command it prices with the profile
+`simulate` runs with by default (its default preset `vllm-0.24`: `h100-sxm.vllm-0.24` here);
+`--engine-version 0.14.0` picks the older kernels.
 
 ```
-$ servelab cost step --gpu h100-sxm --model llama-3.1-70b --tp 4 --pp 3 --decode 64:2000
-22.0772 ms  one step of llama-3.1-70b (tp=4, pp=3, 80 layers, 64 tokens) on h100-sxm (calibration: h100-sxm, vLLM 0.14.0); per layer 0.2593 ms
-  stage 0 (layers 0-26): 8.0049 ms  <- slowest
-  stage 1 (layers 27-53): 7.0016 ms
-  stage 2 (layers 54-79): 7.0168 ms
-  send 0 -> 1 over h100-sxm NVLink x4: 0.0198 ms
-  send 1 -> 2 over ib-400g x4: 0.0341 ms
-  a lone batch: stages + sends = 22.0772 ms; with 3 batches in flight the slowest stage paces the replica, one step per 8.0049 ms; ...
+$ servelab {cost_step_command}
+{cost_step_example}
 ```
 
 (Stage 0 is the slowest here because it carries the step's 1 ms engine overhead; the
 second send crosses nodes, GPUs 8-11 being on the second node.) A layout the simulator
 refuses is refused in one line, by the same checks: `--pp` above the model's layers, a
-stage whose weights do not fit its GPUs ("raise pp or tp, or use fp8 weights"), and `--pp`
+stage whose weights do not fit its GPUs ("raise tp, split the layers over pipeline stages
+(pp) or use fp8 weights"), and `--pp`
 with data-parallel expert parallelism (`--dp`, or `--ep` above `--tp`). vLLM needs no
 divisibility of the layers by pp (its split gives the remainder to the earlier stages), so
 none is asked here.
 """
-"""The hand-written section on `servelab cost step --pp` (its example is that command's output)."""
+"""The hand-written section on `servelab cost step --pp`; its example is filled in with that
+command's output as it runs today (`cost_step_example`)."""
+COST_STEP_COMMAND = "cost step --gpu h100-sxm --model llama-3.1-70b --tp 4 --pp 3 --decode 64:2000"
+
+
+def cost_step_example() -> str:
+    """The first lines of `servelab COST_STEP_COMMAND` (the stages and sends; the op table
+    left out)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if servelab(COST_STEP_COMMAND.split()) != 0:
+            raise SystemExit(f"servelab {COST_STEP_COMMAND} failed")
+    lines = out.getvalue().splitlines()
+    head = [line for line in lines if not line.startswith(("  op ", "  ", " "))
+            or line.lstrip().startswith(("stage", "send", "a lone batch"))]
+    head = [line.split("; ops below")[0] + ("; ..." if "; ops below" in line else "") for line in head]
+    return "\n".join(head)
 
 
 def _document(rows: dict, refusals: dict, num_requests: int) -> str:
@@ -253,6 +264,8 @@ def _document(rows: dict, refusals: dict, num_requests: int) -> str:
     fp8 = rows["llama-fp8-tp1"]
     pp2_pipe = pp2["pipeline"]
     command = "servelab capacity " + " ".join(COMMON) + f" --num-requests {num_requests} <layout flags>"
+    cost_section = COST_STEP_SECTION.format(cost_step_command=COST_STEP_COMMAND,
+                                            cost_step_example=cost_step_example())
     return f"""# Parallel layouts: tensor and pipeline parallelism
 
 A replica is `--tp` GPUs per pipeline stage times `--pp` stages (and, for a mixture-of-experts
@@ -304,7 +317,7 @@ a replica as tp x pp GPUs. Pipeline parallelism is simulation-only: `servelab ru
   parallelism with `--pp` above 1 (each refused in one line, as is a `--pp` above the model's
   layers).
 
-{COST_STEP_SECTION}
+{cost_section}
 ## Capacity answers
 
 Made by `bash scripts/parallelism.sh`: for each layout, `{command}` (the embedded default

@@ -160,7 +160,8 @@ the draft model (an EAGLE / MTP head: one decoder layer of the target's shape; a
 lookup: free), and the draft's weights and KV come out of the same GPU memory. A run's
 `config.json` records the acceptance (`derived.speculation`: decode steps, proposed and
 accepted tokens, per request). In `compare` and `capacity`, `--speculative off,draft:M`
-and `--num-speculative-tokens 2,4` are sweep axes. The real backend runs the same
+and `--num-speculative-tokens 2,4` are sweep axes (K changes nothing without a proposer:
+sweep it over proposers only, `off` in a comparison of its own). The real backend runs the same
 scheduling with a draft model (or n-gram proposals) and rejection sampling, and measures
 acceptance per request: [speculative-real.md](speculative-real.md).
 

@@ -215,6 +215,16 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
         if flag in _VALUE_FLAGS:
             out.values.update(_VALUE_FLAGS[flag](flag, value))
         elif flag in _SWITCHES:
+            # an explicit true/false after a switch, as vLLM's older boolean flags took it
+            # (`--enable-chunked-prefill false`)
+            literal = inline or (words[i] if i < len(words) else "")
+            if literal.lower() in ("true", "false"):
+                i += 0 if inline else 1
+                if literal.lower() == "false":
+                    flag = flag.replace("--no-", "--", 1) if flag.startswith("--no-") \
+                        else "--no-" + flag[2:]
+                    if flag not in _SWITCHES:
+                        raise ValueError(f"--vllm-args {flag}: not a switch servelab reads")
             out.values.update(_SWITCHES[flag])
         elif flag in _APPROXIMATED:
             out.notes.append(f"--vllm-args {flag}: {_APPROXIMATED[flag]}")

@@ -34,6 +34,13 @@ def test_a_vllm_command_line_becomes_servelab_options():
                             "catalog's llama-3.1-8b (a variant has its base model's shapes)"]
 
 
+def test_switches_take_an_explicit_true_or_false_as_older_vllm_did():
+    assert translate("--enable-chunked-prefill false").values == {"chunked_prefill": "off"}
+    assert translate("--enable-prefix-caching=False").values == {"prefix_caching": False}
+    assert translate("--no-enable-prefix-caching false").values == {"prefix_caching": True}
+    assert translate("--enable-prefix-caching true -tp 2").values == {"prefix_caching": True, "tp": 2}
+
+
 def test_lengths_read_as_vllm_reads_them():
     assert [translate(f"--max-model-len {t}").values["max_model_len"]
             for t in ("32k", "32K", "25.6k", "4096")] == [32000, 32768, 25600, 4096]
