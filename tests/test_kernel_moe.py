@@ -335,12 +335,13 @@ def test_moe_rows_carry_their_tables_load_convention(h100_tables):
 
 def test_only_the_model_built_collectors_nemotron_rows_lack_a_gate():
     nano, ultra, qwen = (2688, 1856, 128, 6), (2048, 5120, 512, 22), (2048, 768, 128, 8)
-    kernels = ["vllm_fused_moe", "vllm_unquantizedfusedmoe_triton_tritonexperts",
-               "vllm_modeloptfp8moe_flashinfer_cutlass_flashinferexperts",
-               "vllm_unquantizedfusedmoe_triton_tritonexperts"]
-    shapes = [nano, nano, ultra, qwen]
-    gated = moe_rows_gated(kernels, *np.array(shapes).T)
-    assert gated.tolist() == [True, False, False, True]
+    super_latent, super_hidden = (1024, 2688, 512, 22), (4096, 2688, 512, 22)
+    old, triton = "vllm_fused_moe", "vllm_unquantizedfusedmoe_triton_tritonexperts"
+    cutlass = "vllm_modeloptfp8moe_flashinfer_cutlass_flashinferexperts"
+    rows = [(old, nano), (triton, nano), (cutlass, ultra), (triton, qwen),
+            (cutlass, super_latent), (old, super_hidden)]
+    gated = moe_rows_gated([k for k, _ in rows], *np.array([s for _, s in rows]).T)
+    assert gated.tolist() == [True, False, False, True, False, True]
 
 
 def test_experts_without_a_gate_cost_less_and_two_thirds_when_compute_bound():

@@ -232,11 +232,17 @@ capped at the batch); other versions: as aiconfigurator's helper was first writt
 
 
 NON_GATED_MOE = {(2688, 1856, 128, 6): "NVIDIA-Nemotron-3-Nano-30B-A3B",
-                 (2048, 5120, 512, 22): "Nemotron-3 Ultra (512 experts, top-22, width 5120)"}
+                 (1024, 2688, 512, 22): "Nemotron-3 Super (512 experts, top-22, width 2688, "
+                                        "at its latent width 1024)",
+                 (2048, 5120, 512, 22): "Nemotron-3 Ultra (512 experts, top-22, width 5120, "
+                                        "at its latent width)"}
 """(hidden, inter, experts, top-k) of the measured MoE layers whose model has experts
 without a gate: NVIDIA's Nemotron-H models (aiconfigurator's
 `collector/cases/models/NemotronHForCausalLM_cases.yaml` lists their MoE cases; their
-config.json has `mlp_hidden_act: relu2`, squared ReLU on one up projection)."""
+config.json has `mlp_hidden_act: relu2`, squared ReLU on one up projection). Super and
+Ultra route in a latent space (`moe_latent_size`: 1024 for Super), so their experts' input
+is that width, not the model's hidden size (the older collector's rows of Super take its
+hidden 4096)."""
 
 
 def moe_rows_gated(kernel_source, hidden, inter, experts, topk) -> np.ndarray:
