@@ -103,7 +103,7 @@ class Overload:
                          f"{self.queue_floor:,} requests waited throughout)")
         if self.backlog_s is not None:
             parts.append(f"{MIN_QUEUE_FLOOR} or more requests waited without a break for "
-                         f"{self.backlog_s:,.0f} s of the {self.arrival_span_s:,.0f} s of arrivals "
+                         f"{_secs(self.backlog_s)} s of the {_secs(self.arrival_span_s)} s of arrivals "
                          f"(up to {self.peak_waiting:,} at once)")
         if self.drained:
             parts.append(f"the run took {_secs(self.run_s)} simulated s for {_secs(self.arrival_span_s)} s "
