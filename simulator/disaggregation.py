@@ -110,11 +110,11 @@ def check_disaggregation(config) -> None:
     c, d = config, config.disaggregation
     if not isinstance(d, DisaggregationConfig):
         raise ValueError(f"SimulationConfig.disaggregation must be a DisaggregationConfig or None, got {d!r}")
+    if c.ep != 1:   # first: --ep above --tp also sets replicas (its data-parallel ranks)
+        raise ValueError("disaggregated prefill/decode is not modelled with expert parallelism (--ep)")
     if c.replicas != 1:
         raise ValueError(f"SimulationConfig.replicas={c.replicas}: a disaggregated run sizes its pools "
                          "with --prefill-replicas and --decode-replicas instead")
-    if c.ep != 1:
-        raise ValueError("disaggregated prefill/decode is not modelled with expert parallelism (--ep)")
     if c.scheduler.speculative.enabled:
         raise ValueError("disaggregated prefill/decode is not modelled with speculative decoding")
     for name, run_value in (("model", c.model), ("kv_dtype", c.kv_dtype), ("block_size", c.block_size)):

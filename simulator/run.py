@@ -679,10 +679,16 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Rerun a simulation from its config.json.")
     parser.add_argument("config", help="a run directory's config.json")
     parser.add_argument("--out", required=True, help="run directory to write")
+    parser.add_argument("--force", action="store_true",
+                        help="replace what --out holds, even another run")
     add_output_options(parser)
     args = parser.parse_args(argv)
     try:
-        sim = build_simulation(load_config(args.config))
+        from servelab.outdir import check_out_dir
+
+        config = load_config(args.config)
+        check_out_dir(Path(args.out), config.to_dict(), force=args.force)
+        sim = build_simulation(config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

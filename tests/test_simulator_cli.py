@@ -395,3 +395,28 @@ def test_vllms_kv_cache_dtype_flag_is_an_alias(tmp_path, trace_file):
                     "--out", str(tmp_path / "run")) == 0
     config = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
     assert config["kv_dtype"] == "fp8"
+
+
+def test_expert_parallelism_with_disaggregation_is_refused_for_what_it_is(tmp_path, capsys):
+    """--ep 2 above --tp 1 makes two data-parallel ranks (replicas); the refusal is about
+    expert parallelism, not about a --replicas the user never gave."""
+    assert simulate("--num-requests", "5", "--model", "qwen3-30b-a3b", "--ep", "2",
+                    "--prefill-replicas", "1", "--decode-replicas", "1",
+                    "--out", str(tmp_path / "x")) == 2
+    assert capsys.readouterr().err == ("servelab simulate: error: disaggregated prefill/decode is "
+                                       "not modelled with expert parallelism (--ep)\n")
+
+
+def test_a_rerun_from_config_json_guards_out_as_simulate_does(tmp_path, trace_file, capsys):
+    from servelab.simulator.run import main as rerun
+
+    first, other = tmp_path / "first", tmp_path / "other"
+    assert simulate("--trace", str(trace_file), "--num-requests", "5", "--out", str(first)) == 0
+    assert simulate("--trace", str(trace_file), "--num-requests", "6", "--out", str(other)) == 0
+    config = str(first / "config.json")
+    assert rerun([config, "--out", str(first)]) == 0             # the same run: rewritten
+    assert rerun([config, "--out", str(other)]) == 2             # another run: refused
+    assert "holds another run" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert rerun([config, "--out", str(tmp_path / "file")]) == 2
+    assert rerun([config, "--out", str(other), "--force"]) == 0

@@ -284,7 +284,8 @@ class ValidateOptions:
             raise ValueError(f"train_fraction must be in (0, 1), got {self.train_fraction!r}")
         check_bounded("split_seed", self.split_seed, 0, integer=True, noun="an integer")
         if self.simulate and not (self.fit or self.calibration):
-            raise ValueError("simulate needs a calibration: fit one (fit=True) or pass a profile")
+            raise ValueError("simulate needs a calibration: fit one (--fit) or pass a profile "
+                             "(--calibration FILE)")
         for name in ("max_mape_pct", "max_total_error_pct"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
