@@ -113,11 +113,16 @@ def _ms(value: float) -> str:
     return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms"
 
 
-def _dollars_per_m_tokens(row: _Row, price_per_gpu: float | None) -> str:
+def _dollars_per_m_tokens(data: Mapping[str, Any], row: _Row, price_per_gpu: float | None) -> str:
+    """The layout's dollars an hour over its output tokens an hour. Its cost is the plan's
+    own where the plan priced it (every pool at its own GPU's price: a disaggregated
+    layout's decode pool may run other GPUs), else its GPU's price times its GPUs."""
     tokens_per_s = row.summary["output_throughput"]
-    if price_per_gpu is None or not tokens_per_s:
+    per_hour = row.layout["cost"] if data["objective"] == "cost" else \
+        None if price_per_gpu is None else price_per_gpu * row.gpus
+    if per_hour is None or not tokens_per_s:
         return "n/a"
-    return f"${price_per_gpu * row.gpus / (tokens_per_s * HOUR_S) * 1e6:,.2f}"
+    return f"${per_hour / (tokens_per_s * HOUR_S) * 1e6:,.2f}"
 
 
 def _answer(data: Mapping[str, Any], rows: Sequence[_Row]) -> str:
@@ -176,7 +181,7 @@ def _table(data: Mapping[str, Any], rows: Sequence[_Row], targets: SloTargets) -
         price = data["prices"].get(gpu)
         body.append([row.name, str(row.gpus), _cost(data, row.layout["cost"]), _reached(targets, row.summary),
                      f"{row.offered / row.gpus:.2f}",
-                     _dollars_per_m_tokens(row, price),
+                     _dollars_per_m_tokens(data, row, price),
                      "; ".join(row.layout["edge_notes"]) or "-"])
     return Table(["Layout", "GPUs", "Cost", "Reached", "req/s per GPU", "$ per M output tokens", "Edge"], body)
 

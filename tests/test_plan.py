@@ -251,3 +251,17 @@ def test_capacity_holds_a_percentile_target(tmp_path, capsys):
     broke = json.loads((out / "runs" / group["broke"]["run"] / "summary.json").read_text())
     assert held["p99_ttft_ms"] <= 400 < broke["p99_ttft_ms"]
     assert "Capacity at p99 TTFT <= 400 ms" in (out / "report.md").read_text()
+
+
+def test_dollars_per_million_tokens_price_each_pool_at_its_own_gpu():
+    """A disaggregated layout of one H100 prefill replica and two TP2 L40S decode replicas:
+    its cost an hour is the plan's ($10.36, each pool at its GPU's price), not five H100s."""
+    from servelab.reports.plan_report import _Row, _dollars_per_m_tokens
+
+    row = _Row({"cost": 10.36, "replicas": 1, "gpus_per_replica": 5}, {"output_throughput": 2700.0},
+               {}, 30.0)
+    cost_plan = {"objective": "cost"}
+    assert _dollars_per_m_tokens(cost_plan, row, 4.76) == f"${10.36 / (2700 * 3600) * 1e6:,.2f}"
+    assert _dollars_per_m_tokens({"objective": "gpus"}, row, 4.76) == \
+        f"${4.76 * 5 / (2700 * 3600) * 1e6:,.2f}"
+    assert _dollars_per_m_tokens({"objective": "gpus"}, row, None) == "n/a"
