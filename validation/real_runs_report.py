@@ -164,15 +164,13 @@ def _unbiased(rp: Replay):
     the replay already chose this profile for the run's engine (one carried from another
     version, as the RTX 4090's is, included), and a profile file naming another version
     would be refused."""
-    from dataclasses import replace
-
     from servelab.simulator.calibration import OP_CLASSES
 
     profile = rp.cost_model.profile
     factor = 100.0 / (100.0 + rp.errors["tpot"]["median_signed_pct"])
-    return _PROBE_ROW.format(factor), replace(
-        profile, scales={c: profile.scale(c) * factor for c in OP_CLASSES},
-        step_overhead_s=profile.step_overhead_s * factor, engine_version=None)
+    return _PROBE_ROW.format(factor), profile.with_fit(
+        {c: profile.scale(c) * factor for c in OP_CLASSES}, profile.step_overhead_s * factor,
+        profile.fit_stats, engine_version=None)
 
 
 def _exchange_variant(rp: Replay):

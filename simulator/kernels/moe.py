@@ -333,7 +333,8 @@ class MoEParams(_Params):
     """Bytes moved per (token, expert) pair of the whole step — every GPU's, as each writes
     zeros for the others' (EP; `remote_pair_share` of them where a kernel skips them) — by
     the activation and the top-k sum, as a multiple of the pair's activations (4 x hidden
-    + 6 x inter/TP bytes); 0 in the bare roofline."""
+    + 6 x inter/TP bytes; 4 x inter/TP for experts without a gate); 0 in the bare
+    roofline."""
     quant_elem_s: float = 0.0
     """Seconds per activation element quantised to FP8 before each GEMM (W8A8 only)."""
     small_tile_rows: float = 1.0
