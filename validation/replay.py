@@ -14,18 +14,31 @@ output throughput. Given several runs of one trace under different policies, eac
 ranks the policies twice — by the real and by the simulated values — and Kendall's tau-b
 between the two says whether the simulator would have picked the same winner.
 
+A disaggregated run (`--prefill-replicas 1 --decode-replicas 1`) replays as the
+simulator's prefill and decode pools with each engine's KV blocks; on the run's virtual
+clock each engine advanced by its own steps, the timeline of two devices, which is what
+the pools model. Its KV copies ran within one device's memory (a fraction of a
+millisecond), so the replay prices them free (the `ideal` link). A speculative run
+replays at the per-token acceptance that gives the acceptance the run measured
+(accepted / proposed tokens in speculation.json, under the simulator's independent-token
+model, `servelab.speculative`).
+
 What a replay cannot reproduce, and says so in its notes: prefix-cache sharing (the
 request rows do not carry prompt hashes), more than one sample per request (the trace
-schema has no n), and early stops at EOS (the replay generates the recorded lengths).
+schema has no n), early stops at EOS (the replay generates the recorded lengths), each
+request's own acceptance (the replay uses the run's overall one), and, on the wall clock,
+two disaggregated engines sharing one device (the replay gives each its own).
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    from servelab.simulator.disaggregation import DisaggregationConfig
     from servelab.simulator.run import SimulationConfig
     from servelab.validation.validate import RealRun
     from servelab.traces.record import Trace
@@ -70,6 +83,22 @@ def trace_from_requests(run: RealRun) -> Trace:
 
 def _notes(run: RealRun) -> list[str]:
     notes = []
+    if run.config.get("disaggregation"):
+        copies = _read_json(run.path / "disaggregation.json")["handoff_ms"]["transfer"]["mean"]
+        notes.append(f"replayed as the simulator's prefill and decode pools, one engine each; "
+                     f"KV copies priced free (the real ones took {copies:.3g} ms on average)")
+        if run.config.get("clock") == "wall":
+            notes.append("on the wall clock the real engines shared one device; the replay "
+                         "gives each engine a device of its own")
+    if run.config["scheduler"].get("speculative", {}).get("method"):
+        stats = _read_json(run.path / "speculation.json")
+        notes.append(f"replayed at a per-token acceptance of {_acceptance(run):.3f}, which gives "
+                     f"the run's measured acceptance rate {stats['acceptance_rate']:.3f} to "
+                     f"every request alike")
+        if run.device == "cpu" and run.config["scheduler"]["speculative"]["method"] == "draft":
+            notes.append("the replay prices the draft's forwards inside the verify step, as a GPU "
+                         "runs them; the real CPU backend pays each one's host overhead, so the "
+                         "replay comes out faster")
     if run.derived["cache"].get("enable_prefix_caching"):
         notes.append("prefix caching was on in the real run; the replay has no prompt hashes, "
                      "so it sees no sharing")
@@ -94,11 +123,16 @@ def replay_config(run: RealRun, profile_path: str, gpu: str, out_dir: Path) -> S
     model_path = out_dir / f"{_safe(run.model.name)}.json"
     write_json(model_path, run.model.hf_config)
     cache, cfg = run.derived["cache"], run.config
+    scheduler = SchedulerConfig(**cfg["scheduler"])
+    if scheduler.speculative.enabled:
+        scheduler = replace(scheduler, speculative=replace(scheduler.speculative,
+                                                           acceptance=_acceptance(run)))
     try:
         return SimulationConfig(
             trace=str(trace_path), trace_format="servelab", seed=cfg.get("seed", 0),
             model=str(model_path), gpu=gpu, tp=1, weight_dtype=run.dtype, kv_dtype=run.dtype,
-            calibration=str(profile_path), scheduler=SchedulerConfig(**cfg["scheduler"]),
+            calibration=str(profile_path), scheduler=scheduler,
+            disaggregation=_pools(run),
             policy=cfg["policy"], policy_options=dict(cfg.get("policy_options") or {}),
             block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
             cpu_kv_blocks=cache.get("num_cpu_blocks", 0),
@@ -108,6 +142,46 @@ def replay_config(run: RealRun, profile_path: str, gpu: str, out_dir: Path) -> S
             slo_tpot_ms=cfg.get("slo_tpot_ms"))
     except ValueError as exc:
         raise ValueError(f"cannot replay {run.path} in the simulator: {exc}") from None
+
+
+def _pools(run: RealRun) -> DisaggregationConfig | None:
+    """The simulator's pools of a disaggregated real run (one engine each, its KV blocks),
+    None for a co-located one."""
+    from servelab.simulator.disaggregation import DisaggregationConfig, PoolConfig
+
+    given = run.config.get("disaggregation")
+    if not given:
+        return None
+    blocks = run.derived["disaggregation"]
+    return DisaggregationConfig(
+        prefill=PoolConfig(kv_blocks=blocks["prefill"]["kv_blocks"]),
+        decode=PoolConfig(kv_blocks=blocks["decode"]["kv_blocks"]),
+        kv_link="ideal", kv_transfer=given.get("kv_transfer") or "after-prefill")
+
+
+def _acceptance(run: RealRun) -> float:
+    """The per-token acceptance α whose expected accepted share of K proposals,
+    (α + α² + ... + α^K) / K, is the run's measured accepted / proposed tokens."""
+    from scipy.optimize import brentq
+
+    from servelab.speculative import expected_tokens_per_step
+
+    stats = _read_json(run.path / "speculation.json")
+    k, measured = stats["num_speculative_tokens"], stats["acceptance_rate"]
+    if measured is None or measured <= 0.0:
+        return 0.0
+    if measured >= 1.0:
+        return 1.0
+    return float(brentq(lambda a: (expected_tokens_per_step(k, a) - 1) / k - measured, 0.0, 1.0))
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON file a disaggregated or speculative run writes; ValueError if it is missing."""
+    from servelab.reports.runio import read_json
+
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the run's config says it wrote one")
+    return read_json(path)
 
 
 def compare_runs(runs: Sequence[RealRun], profile_path: str, gpu: str,

@@ -302,6 +302,12 @@ def validate(runs: Sequence[RealRun], options: ValidateOptions,
         raise ValueError("no runs to validate")
     if options.simulate and out_dir is None:
         raise ValueError("simulate writes replay run directories: give an out_dir")
+    speculative = [r for r in runs if r.config["scheduler"].get("speculative", {}).get("method")]
+    if options.fit and speculative:
+        raise ValueError(f"{speculative[0].path} is a speculative run: its steps.csv records a step by "
+                         "its sequences, not the K + 1-token verifies and proposals it ran, so a fit "
+                         "would take that work for plain decodes. Fit on a run without speculation "
+                         "(--fit) and replay this one with --calibration FILE --simulate")
     base = _common_cost_model(runs, options)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
