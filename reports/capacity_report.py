@@ -53,7 +53,7 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
         suffix = f" ({describe_labels(dict(labels))})" if labels else ""
         slug = "_".join(f"{a}-{show_value(v)}" for a, v in labels).replace("/", "-")
         doc.append(Image(f"attainment{'_' + slug if slug else ''}", "SLO attainment vs request rate" + suffix,
-                         f"The share of requests within their SLOs at every rate the search probed, per "
+                         "The share of requests within their SLOs at every rate the search probed, per "
                          "policy" + ("" if target is None else f"; the dashed line is the {target:.0%} target")
                          + ". A star and a dotted line mark "
                          "each policy's capacity (the last rate that held); the right panel splits the "

@@ -118,8 +118,8 @@ def findings(group: Group) -> list:
         b = group.breaks[policy]
         if b is None:
             worst = min(group.attainment[p.name] for p in pts)
-            items.append(f"{policy} holds at every rate run (up to {top:g} req/s; lowest SLO "
-                         f"attainment {worst:.0%}).")
+            items.append(f"{policy} holds at every rate run (up to {top:g} req/s"
+                         + (f"; lowest SLO attainment {worst:.0%})." if group.tiers else ")."))
         else:
             point = next(p for p in pts if p.rate == b.rate)
             items.append(f"{policy} breaks at {b.rate:g} req/s: {b.reason}{_misses(point)}.")

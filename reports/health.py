@@ -181,5 +181,8 @@ def longest_backlog_s(times: np.ndarray, waiting: np.ndarray, first: float, last
 
 
 def _secs(seconds: float) -> str:
-    """Seconds for a sentence: whole above 10 s, one decimal below (0.25 s is not "0 s")."""
-    return f"{seconds:,.0f}" if seconds >= 10 else f"{seconds:.1f}"
+    """Seconds for a sentence: whole above 10 s, one decimal down to 1 s, two significant
+    digits below (a 0.043 s burst is not "0.0 s")."""
+    if seconds >= 10:
+        return f"{seconds:,.0f}"
+    return f"{seconds:.1f}" if seconds >= 1 else f"{seconds:.2g}"

@@ -1,7 +1,7 @@
 """The report of a deployment plan: DIR/index.html and DIR/report.md, opening with the
 answer ("5 x h100-sxm (TP1), fcfs, round-robin: p99 TTFT 1.59 s at 10.3 req/s, $23.80/h"),
-then every layout ranked (GPUs, cost, what it reached, req/s per GPU, $ per million output
-tokens), the frontier of cost against the tightest target, what was pruned or could not
+then every layout ranked (GPUs, cost, what it reached, the req/s per GPU it was offered,
+$ per million output tokens; a run that had not settled also says what it served), the frontier of cost against the tightest target, what was pruned or could not
 run, and the comparison report of the finalists.
 
     report = write_plan_report(Path("runs/plan"))   # DIR as `servelab plan` left it
@@ -93,7 +93,9 @@ def _met(layout: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _cost(data: Mapping[str, Any], value: float) -> str:
-    return f"${value:,.2f}/h" if data["objective"] == "cost" else f"{value:g} GPUs"
+    if data["objective"] == "cost":
+        return f"${value:,.2f}/h"
+    return f"{value:g} GPU{'' if value == 1 else 's'}"
 
 
 def _reached(targets: SloTargets, summary: Mapping[str, Any]) -> str:
@@ -170,7 +172,8 @@ def _document(data: Mapping[str, Any], rows: Sequence[_Row], answer: str, out_di
     except ValueError:
         comparison = None
     if comparison is not None:
-        doc += build_document(comparison, title="The finalists compared", level=2)
+        doc += build_document(comparison, title="The finalists compared", level=2,
+                              run_targets=data["criterion"])
     return doc
 
 
@@ -182,8 +185,18 @@ def _table(data: Mapping[str, Any], rows: Sequence[_Row], targets: SloTargets) -
         body.append([row.name, str(row.gpus), _cost(data, row.layout["cost"]), _reached(targets, row.summary),
                      f"{row.offered / row.gpus:.2f}",
                      _dollars_per_m_tokens(data, row, price),
-                     "; ".join(row.layout["edge_notes"]) or "-"])
+                     "; ".join(_edge(row)) or "-"])
     return Table(["Layout", "GPUs", "Cost", "Reached", "req/s per GPU", "$ per M output tokens", "Edge"], body)
+
+
+def _edge(row: _Row) -> list[str]:
+    """The row's edge notes; a run that had not settled also says what it served, since its
+    offered rate (the req/s per GPU column) overstates it."""
+    notes = list(row.layout["edge_notes"])
+    if row.layout["unsettled"]:
+        served = row.summary["request_throughput"] / row.gpus
+        notes.append(f"not settled: served {served:.2f} req/s per GPU of the {row.offered / row.gpus:.2f} offered")
+    return notes
 
 
 def _other_layouts(data: Mapping[str, Any]) -> list:

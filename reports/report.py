@@ -57,14 +57,17 @@ def write_report(out_dir: Path) -> ReportFiles:
     return write_document(Path(out_dir), build_document(load_comparison(out_dir)))
 
 
-def build_document(c: Comparison, *, title: str | None = None, level: int = 1) -> list:
+def build_document(c: Comparison, *, title: str | None = None, level: int = 1,
+                   run_targets: str | None = None) -> list:
     """The report as blocks (Heading, Text, Bullets, Table, Image), figures not yet rendered.
     `title` replaces the heading; `level` is the heading level of the title (the sections
-    are one level below), so another report can embed this one."""
+    are one level below), so another report can embed this one. `run_targets` names the
+    whole-run targets an embedding report applied (a plan's "p99 TTFT <= 2000 ms"), which
+    the text then names where the runs carry no per-request SLO."""
     colours = plots.policy_colours(c.policies)
     sub = level + 1
     doc: list = [Heading(level, title or f"Policy comparison: {c.points[0].config['trace']}"),
-                 *_what_was_run(c)]
+                 *_what_was_run(c, run_targets)]
     groups, repeated = [], {}
     for labels, points in c.groups():
         repeats = repeated_policies(points)
@@ -102,7 +105,7 @@ def _slug(labels: dict[str, Any]) -> str:
     return "_".join(f"{a}-{show_value(v)}" for a, v in labels.items()).replace("/", "-")
 
 
-def _what_was_run(c: Comparison) -> list:
+def _what_was_run(c: Comparison, run_targets: str | None) -> list:
     cfg = c.points[0].config
     swept = {a for a, vals in c.axes.items() if len(vals) > 1}
     counts = sorted({p.summary["completed"] + p.summary["rejected"] for p in c.points})
@@ -125,7 +128,7 @@ def _what_was_run(c: Comparison) -> list:
             Text("Every point: " + "; ".join(fixed) + "."
                  + (f" Differing with the points' engines, GPUs or models (each run's config.json "
                     f"has them): {', '.join(differ)}." if differ else ""))]
-    text.append(Text(_slo_text(c)))
+    text.append(Text(_slo_text(c, run_targets)))
     return text
 
 
@@ -178,9 +181,13 @@ def _other_parallelism(cfg) -> list[tuple[str, str, str | None]]:
              if ep != 1 else None)]
 
 
-def _slo_text(c: Comparison) -> str:
+def _slo_text(c: Comparison, run_targets: str | None) -> str:
     first = c.points[0]
     tiers = slo_tiers(first.config, first.requests)
+    if not tiers and run_targets:
+        return (f"The targets ({run_targets}) are percentiles over each whole run, not SLOs of each "
+                "request, and no request carries its own: goodput equals throughput below, and a "
+                "policy breaks only on rejections.")
     if not tiers:
         return ("No SLO was given and no request carries its own: goodput equals throughput, and a "
                 "policy breaks only on rejections. Give --slo-ttft-ms / --slo-tpot-ms to compare "

@@ -26,6 +26,7 @@ from typing import Iterator
 
 from servelab.cli import CLIError
 from servelab.simulator.gpus import DTYPE_BYTES, gpu_names
+from servelab.models import catalog_names
 
 DTYPES = tuple(DTYPE_BYTES)
 """--weight-dtype / --kv-dtype choices: every dtype the cost model prices."""
@@ -53,10 +54,8 @@ def register(subparsers) -> None:
 
     h = p.add_argument_group("model, GPU and cost model")
     h.add_argument("--model", default="llama-3.1-8b", metavar="M",
-                   help="catalog model (llama-2-7b, llama-2-13b, llama-2-70b, llama-3.1-8b, "
-                        "llama-3.1-70b, mistral-7b, qwen2.5-7b, qwen3-32b, mixtral-8x7b, "
-                        "qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, tiny-llama, tiny-moe) or a "
-                        "config.json path (default %(default)s)")
+                   help=f"catalog model ({', '.join(catalog_names())}) or a config.json path "
+                        f"(default %(default)s)")
     h.add_argument("--gpu", default="h100-sxm", metavar="G",
                    help=f"catalog GPU ({', '.join(gpu_names())}) or a GPU spec .json file "
                         f"(default %(default)s)")

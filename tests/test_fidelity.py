@@ -102,6 +102,8 @@ def test_calibrate_real_h100_tables_writes_a_profile_and_prints_held_out_errors(
     lines = printed.out.splitlines()
     assert lines[0] == "h100-sxm: fitted on 75% of each table, error on the held-out 25%"
     assert lines[-1] == f"wrote {out}"
+    sampled = re.search(r"^fitting gemm on 400 points \(sampled from ([\d,]+)\) \.\.\.$", printed.err, re.M)
+    assert sampled and int(sampled.group(1).replace(",", "")) > 400, printed.err
     for name in (*FITTED_FAMILIES, "gemm_fp8", "elementwise"):
         line = re.search(rf"^  {name} +(\d+) points  held-out MAPE +(\d+\.\d)%", printed.out, re.M)
         assert line, f"no held-out figure for {name}"

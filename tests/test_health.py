@@ -3,6 +3,8 @@ queue the request records imply (a backlog that never empties, not a late burst)
 a backlog drained after the last arrival."""
 from __future__ import annotations
 
+import pytest
+
 from servelab.records import RequestRecord
 from servelab.reports.health import MIN_QUEUE_FLOOR, format_reasons, overload, rejection_reasons
 
@@ -82,3 +84,11 @@ def test_rejection_reasons_group_alike_reasons_and_count_them():
     assert reasons == [("prompt of 100 tokens + 1 exceeds max_model_len 64", 3), ("waiting queue full", 1)]
     assert format_reasons(reasons) == ("3 x prompt of 100 tokens + 1 exceeds max_model_len 64 (and alike); "
                                        "1 x waiting queue full")
+
+
+@pytest.mark.parametrize("seconds, text", [(0.043, "0.043"), (0.25, "0.25"), (3.14, "3.1"), (68.2, "68"),
+                                           (1234.0, "1,234")])
+def test_seconds_in_a_sentence_keep_two_digits_below_a_second(seconds, text):
+    from servelab.reports.health import _secs
+
+    assert _secs(seconds) == text

@@ -265,3 +265,36 @@ def test_dollars_per_million_tokens_price_each_pool_at_its_own_gpu():
     assert _dollars_per_m_tokens({"objective": "gpus"}, row, 4.76) == \
         f"${4.76 * 5 / (2700 * 3600) * 1e6:,.2f}"
     assert _dollars_per_m_tokens({"objective": "gpus"}, row, None) == "n/a"
+
+
+def test_a_row_that_had_not_settled_says_what_it_served():
+    """Its req/s per GPU is the offered rate, which an overloaded run did not serve: the
+    Edge column gives the served rate beside it (plan_report._edge)."""
+    from servelab.reports.plan_report import _edge, _Row
+
+    layout = {"replicas": 3, "gpus_per_replica": 2, "edge_notes": ["3 replicas met with little margin"],
+              "unsettled": "the waiting queue never emptied"}
+    row = _Row(layout, {"request_throughput": 43.2}, {}, offered=600.0)
+    assert _edge(row) == ["3 replicas met with little margin",
+                          "not settled: served 7.20 req/s per GPU of the 100.00 offered"]
+    settled = _Row({**layout, "unsettled": None}, {"request_throughput": 99.0}, {}, offered=100.0)
+    assert _edge(settled) == ["3 replicas met with little margin"]
+
+
+def test_a_plan_without_per_request_slos_names_its_targets_in_the_comparison(tmp_path, capsys):
+    """The finalists' comparison does not say "No SLO was given" (nor report an SLO
+    attainment) when the plan was sized to whole-run percentiles."""
+    out = tmp_path / "p"
+    assert main(["plan", "--trace", str(_plain_trace(tmp_path)), "--num-requests", "40", "--gpus", "h100-sxm",
+                 "--tps", "1", "--p99-ttft-ms", "2000", "--max-gpus", "2", "--workers", "1",
+                 "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "The targets (p99 TTFT <= 2000 ms) are percentiles over each whole run" in report
+    assert "No SLO was given" not in report and "lowest SLO attainment" not in report
+
+
+def test_a_gpu_count_objective_reads_in_the_singular_for_one():
+    from servelab.reports.plan_report import _cost
+
+    gpus, cost = {"objective": "gpus"}, {"objective": "cost"}
+    assert (_cost(gpus, 1), _cost(gpus, 3), _cost(cost, 4.76)) == ("1 GPU", "3 GPUs", "$4.76/h")

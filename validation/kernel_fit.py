@@ -285,7 +285,10 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
             continue
         mask = holdout_mask(table, holdout, seed)
         if progress:
-            progress(f"fitting {name} on {int((~mask).sum())} points ...")
+            train = int((~mask).sum())
+            sampled = f" (sampled from {train:,})" if max_points is not None \
+                and train > max_points else ""
+            progress(f"fitting {name} on {min(train, max_points or train):,} points{sampled} ...")
         fit = fit_family(fam, table, gpu, mask, getattr(K.KernelParams.roofline(), name),
                          max_points)
         fits[name] = fit
