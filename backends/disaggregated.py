@@ -45,7 +45,6 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 
 from servelab._validate import check_int
 from servelab.config import CacheConfig, SchedulerConfig
