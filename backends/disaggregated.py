@@ -45,7 +45,6 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
-
 from servelab._validate import check_int
 from servelab.config import CacheConfig, SchedulerConfig
 from servelab.engine import engine_step
