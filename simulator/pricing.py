@@ -194,7 +194,8 @@ def _moe(opts: dict) -> dict:
     # dispatch and combine: each token's hidden state to and from the GPUs of its experts
     a2a_bytes = t / ep * k * h * (1.0 if w8a8 else 2.0)
     a2a = 2.0 * float(K.alltoall_time(a2a_bytes, ep, gpu, profile.kernels.alltoall))
-    tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, dtype, e, ep, inter / tp))
+    tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, K.moe.kernel_dtype(dtype, gpu),
+                                                          e, ep, inter / tp))
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,

@@ -230,6 +230,20 @@ def test_a_layers_efficiency_is_the_tuned_rate_or_the_width_lowered_one():
     assert untuned == pytest.approx(p.compute_eff / (1 + 14336 / p.width_knee))
 
 
+def test_weight_only_fp8_takes_the_bf16_kernels_tuned_configs_and_is_never_slower():
+    """On the A100 FP8 weights run weight-only with BF16 maths (docs/moe-mla.md): the tuned
+    configs and efficiencies are the BF16 kernel's, so half the weight bytes never cost
+    more than BF16 (Mixtral at TP 2, tuned for BF16 only: vllm_tuned has no A100 FP8 file)."""
+    p = packaged("a100-80gb").kernels
+    assert M.kernel_dtype("fp8", A100) == "bf16" and M.kernel_dtype("fp8", H100) == "fp8"
+    assert M.layer_compute_eff(p.moe, A100, "fp8", 8, 1, 7168) == pytest.approx(p.moe.tuned_compute_eff)
+    tokens = np.array([1, 8, 32, 256, 2048, 8192])
+    bf16, fp8 = (K.moe_experts_time(tokens, 4096, 14336, 8, 2, A100, p.moe_for(d, A100), 1, 2, d)
+                 for d in ("bf16", "fp8"))
+    assert np.all(fp8 <= bf16 * (1 + 1e-9)), (bf16, fp8)
+    assert fp8[0] < 0.7 * bf16[0]     # memory-bound: half the weight bytes
+
+
 def test_the_shape_error_script_prints_the_held_out_rows_per_shape(monkeypatch, capsys):
     """scripts/moe_shape_errors.py (docs/moe-mla.md reads the per-shape misses from it): one
     line per (shape, tokens band) with its held-out rows, median and MAPE."""

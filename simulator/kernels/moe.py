@@ -450,7 +450,8 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"MoE dtype must be bf16 or fp8, got {dtype!r}")
     t = np.asarray(tokens, dtype=np.float64)
-    w8a8 = dtype == "fp8" and gpu.fp8_tflops is not None
+    kernel = kernel_dtype(dtype, gpu)
+    w8a8 = kernel == "fp8"
     weight_bytes, act_bytes = (1.0 if dtype == "fp8" else 2.0), (1.0 if w8a8 else 2.0)
     inter_gpu = np.asarray(inter_gpu, dtype=np.float64)
     projections = np.where(gated, 3.0, 2.0)                 # (gate,) up, down
@@ -468,9 +469,9 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         naive = (np.asarray(ep) == 1) & (t * topk * p.naive_sparsity <= experts)
         active, tiles = np.where(naive, pairs, active), np.where(naive, pairs, tiles)
         passes = np.where(naive, pairs, passes)
-    eff = layer_compute_eff(p, gpu, dtype, experts, ep, inter_gpu) \
+    eff = layer_compute_eff(p, gpu, kernel, experts, ep, inter_gpu) \
         * np.where(rows < 64, p.small_tile_eff, 1.0)
-    compute = tiles * rows * 2.0 * per_expert / (gpu.peak_flops("fp8" if w8a8 else "bf16") * eff)
+    compute = tiles * rows * 2.0 * per_expert / (gpu.peak_flops(kernel) * eff)
     bw = gpu.hbm_bandwidth_gbps * 1e9
     weights = passes * per_expert * weight_bytes
     if p.l2_fraction:
@@ -482,7 +483,7 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         weights = (first * ((1.0 - warm) + warm / p.l2_gain)
                    + (weights - first) * ((1.0 - again) + again / p.l2_gain))
     if p.large_memory_eff != 1.0:     # the default config's large tiles (a tuned file's own)
-        default = ~small & ~vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
+        default = ~small & ~vllm_tuned(gpu.name, kernel, experts, ep, inter_gpu)
         weights = np.where(default, weights / p.large_memory_eff, weights)
     memory = (weights + pairs * (2.0 * hidden + projections * inter_gpu) * act_bytes) \
         / (bw * p.memory_eff)
@@ -499,14 +500,22 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
 
 
+def kernel_dtype(dtype: str, gpu: GPUSpec) -> str:
+    """The maths a layer of `dtype` weights runs in: "fp8" (W8A8) where the GPU has FP8
+    tensor cores, else "bf16" (BF16 weights, or FP8 weights run weight-only, which take
+    the BF16 kernel's tuned configs and efficiencies)."""
+    return "fp8" if dtype == "fp8" and gpu.fp8_tflops is not None else "bf16"
+
+
 def layer_compute_eff(p: MoEParams, gpu: GPUSpec, dtype: str, experts, ep, inter_gpu):
-    """The fraction of peak a layer's full tiles reach: `tuned_compute_eff` where vLLM has
-    a tuned config for it, else `compute_eff`, lowered for wide experts (`width_knee`)."""
+    """The fraction of peak a layer's full tiles of `dtype` weights reach: `tuned_compute_eff`
+    where vLLM has a tuned config for its kernel (`kernel_dtype`), else `compute_eff`,
+    lowered for wide experts (`width_knee`)."""
     eff = p.compute_eff
     if p.width_knee:
         eff = eff / (1.0 + np.asarray(inter_gpu, dtype=np.float64) / p.width_knee)
     if p.tuned_compute_eff:
-        tuned = vllm_tuned(gpu.name, dtype, experts, ep, inter_gpu)
+        tuned = vllm_tuned(gpu.name, kernel_dtype(dtype, gpu), experts, ep, inter_gpu)
         eff = np.where(tuned, p.tuned_compute_eff, eff)
     return eff
 
