@@ -225,7 +225,6 @@ def test_remote_pairs_pay_their_share_of_the_combine_traffic():
     # the Triton tables keep every zero row; vLLM 0.24's FlashInfer kernels drop most
     assert packaged("h100-sxm").kernels.moe.remote_pair_share == 1.0
     assert packaged("b200.vllm-0.24").kernels.moe.remote_pair_share < 0.3
-    assert packaged("h100-sxm.vllm-0.24").kernels.moe_fp8.remote_pair_share < 0.05
 
 
 def test_the_k_loops_wait_adds_the_reduction_depths_of_both_gemms():

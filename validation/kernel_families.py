@@ -262,6 +262,18 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "remote_pair_share": (0.01, 1.0, 0.5)}
 
 
+def _fp8_moe_rows(t: Table) -> np.ndarray:
+    """The FP8 fused-MoE rows the `moe_fp8` family is fitted to: block-scaled ones
+    (`fp8_block`, 128 x 128 weight scales) where the table has any, else per-tensor ones.
+    The catalog's FP8 MoE checkpoints are block-scaled (DeepSeek-V3's and Qwen3's -FP8:
+    `quantization_config.weight_block_size` [128, 128]), and the two scalings run different
+    kernels: under vLLM 0.24 on H100 the per-tensor rows are ModelOpt checkpoints on
+    FlashInfer's CUTLASS kernel, 2-4x the block rows' times (Triton without EP, CUTLASS with
+    it); on B200 TRT-LLM's block kernel runs about 30% slower than its per-tensor one."""
+    block = t["dtype"] == "fp8_block"
+    return block if block.any() else t["dtype"] == "fp8"
+
+
 def _moe_family(name: str, dtype: str) -> Family:
     fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
     # the grouped-GEMM libraries do not read vLLM's tuned Triton configs
@@ -274,7 +286,7 @@ def _moe_family(name: str, dtype: str) -> Family:
         return dict(fixed, **({} if tuned else {"tuned_compute_eff": 0.0}))
 
     return Family(
-        name, "moe", lambda t: t["dtype"] == dtype, _MOE_FITTED,
+        name, "moe", _fp8_moe_rows if dtype == "fp8" else (lambda t: t["dtype"] == dtype), _MOE_FITTED,
         lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
         fixed=triton, alternatives=lambda gpu: (dict(other),),
         # the third start: a low floor, the rest of it in the K loops (`k_depth_s`), near
