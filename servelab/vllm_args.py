@@ -140,8 +140,14 @@ _APPROXIMATED = {
     "--compilation-config": "not modelled: the kernel profiles price the engine's default "
                             "compilation",
     "-O": "not modelled: the kernel profiles price the engine's default compilation",
+    "--enable-eplb": "expert load balancing (EPLB) is not modelled: experts stay where they "
+                     "are, loaded as --expert-load says",
+    "--eplb-config": "expert load balancing (EPLB) is not modelled",
+    "--cuda-graph-sizes": "not modelled: the kernel profiles price CUDA-graph execution at "
+                          "every batch size",
+    "--max-seq-len-to-capture": "not modelled: the kernel profiles price CUDA-graph execution",
 }
-_NOTE_SWITCHES = frozenset({"--enforce-eager"})
+_NOTE_SWITCHES = frozenset({"--enforce-eager", "--enable-eplb"})
 """Approximated flags that take no value."""
 _UNSUPPORTED = {
     "--speculative-config": "its JSON is not read: give servelab's --speculative "
@@ -163,12 +169,18 @@ _NO_EFFECT = frozenset({
     "--ssl-keyfile", "--ssl-certfile", "--logprobs-mode", "--otlp-traces-endpoint",
     "--max-parallel-loading-workers", "--model-loader-extra-config", "--hf-overrides",
     "--override-generation-config", "--structured-outputs-config", "--prefix-caching-hash-algo",
+    # how the data-parallel ranks are spread over hosts and API servers: the deployment is
+    # --data-parallel-size's either way
+    "--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port",
+    "--data-parallel-start-rank", "--data-parallel-backend", "--api-server-count",
+    "--stream-interval",
 })
 _NO_EFFECT_SWITCHES = frozenset({
     "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",
     "--disable-log-stats", "--enable-auto-tool-choice", "--disable-frontend-multiprocessing",
     "--disable-fastapi-docs", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
     "--enable-force-include-usage", "--disable-custom-all-reduce", "--headless",
+    "--calculate-kv-scales",
 })
 
 

@@ -100,8 +100,10 @@ def register(subparsers) -> None:
     c.add_argument("--replicas", type=positive_int, default=1,
                    help="engine replicas, each with --tp GPUs (default %(default)s; with --dp "
                         "or --ep above --tp, the data-parallel ranks: a multiple of them)")
-    c.add_argument("--router", choices=router_names(), default="round-robin",
-                   help="how arrivals are spread over replicas (default %(default)s)")
+    c.add_argument("--router", choices=router_names(), default=None,
+                   help="how arrivals are spread over replicas (default round-robin; over the "
+                        "data-parallel ranks of --dp, or of --ep above --tp, least-outstanding, "
+                        "the closest to vLLM's data-parallel load balancer)")
     c.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="simulate every decode step one by one (slower; same results)")
     c.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -138,6 +140,7 @@ def config_from_args(args: argparse.Namespace):
         context = None if args.max_model_len else spec.max_position_embeddings
         gpu = get_gpu(args.gpu)
     ep, replicas = expert_layout(args, spec)
+    router = args.router or default_router(args, spec, ep)
     opts = configs_from_args(args, default_max_model_len=context,
                              device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)
     cache = opts.cache
@@ -161,7 +164,7 @@ def config_from_args(args: argparse.Namespace):
             cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
             prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
             kv_offload_gb=opts.kv_offload_gb,
-            replicas=replicas, router=args.router, slo_ttft_ms=args.slo_ttft_ms,
+            replicas=replicas, router=router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
             async_scheduling=_async_scheduling(args, opts),
             disaggregation=disaggregation)
@@ -207,7 +210,17 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
     return ep, replicas
 
 
-_VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "pp": 1, "replicas": 1, "router": "round-robin",
+def default_router(args: argparse.Namespace, model, ep: int) -> str:
+    """The router when --router is not given: least-outstanding over data-parallel ranks
+    (--dp above 1, or --ep above --tp on a mixture-of-experts model), as `--vllm-args
+    -dp N` picks it (`servelab.vllm_args`: vLLM's coordinator sends a request to the rank
+    with the fewest waiting and running requests); round-robin otherwise."""
+    dp = getattr(args, "dp", None) or 1
+    ranks = dp if dp > 1 else (ep // args.tp if model.moe is not None and ep > args.tp else 1)
+    return "least-outstanding" if ranks > 1 else "round-robin"
+
+
+_VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "pp": 1, "replicas": 1,
                         "kv_dtype": "bf16", "policy": "fcfs"}
 """Flags --vllm-args may set whose parser default is not None: a value equal to the default
 counts as not given (so that --vllm-args can set it). tests/test_engines.py keeps these

@@ -93,7 +93,7 @@ def _layout_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
     if args.sweep_policy is None:   # compare's default is four policies; plan's is --policy
         args.sweep_policy, args.policy = (args.policy,), parser.get_default("policy")
     if args.sweep_router is None:   # named in every layout, as the answer names it
-        args.sweep_router, args.router = (args.router,), parser.get_default("router")
+        args.sweep_router, args.router = (args.router or "round-robin",), parser.get_default("router")
     if args.sweep_tp is None:
         args.sweep_tp, args.tp = ((args.tp,) if args.tp is not None else DEFAULT_TPS), None
     return args   # args.gpu / args.tp stay as given: grid_axes refuses --gpu with --gpus

@@ -63,6 +63,11 @@ def test_approximated_flags_give_one_note_each():
     assert [n.split(":")[0] for n in parsed.notes] == [
         "--vllm-args --enforce-eager", "--vllm-args --swap-space", "--vllm-args -O"]
     assert parsed.values == {}
+    # vLLM's data-parallel deployment flags: EPLB is noted, process layout has no effect
+    multi = translate("-dp 4 --data-parallel-size-local 2 --api-server-count 2 "
+                      "--enable-expert-parallel --enable-eplb --stream-interval 5")
+    assert multi.values == {"replicas": 4, "router": "least-outstanding", "dp": 4}
+    assert [n.split(":")[0] for n in multi.notes] == ["--vllm-args --enable-eplb"]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -207,3 +212,24 @@ def test_the_defaults_vllm_args_may_override_are_the_parsers():
 
     args = build_parser().parse_args(["simulate", "--out", "unused"])
     assert {dest: getattr(args, dest) for dest in _VLLM_DESTS_DEFAULTS} == _VLLM_DESTS_DEFAULTS
+
+
+@pytest.mark.parametrize("flags, router", [
+    (["--model", "qwen3-30b-a3b", "--dp", "2"], "least-outstanding"),
+    (["--vllm-args", "vllm serve Qwen/Qwen3-30B-A3B -dp 2 --enable-expert-parallel"], "least-outstanding"),
+    (["--model", "qwen3-30b-a3b", "--ep", "2"], "least-outstanding"),     # ep / tp = 2 ranks
+    (["--model", "qwen3-30b-a3b", "--ep", "2", "--tp", "2"], "round-robin"),  # one engine
+    (["--dp", "2"], "least-outstanding"),                                 # dense: 2 replicas
+    (["--vllm-args", "-dp 2"], "least-outstanding"),
+    (["--replicas", "2"], "round-robin"),
+    (["--model", "qwen3-30b-a3b", "--dp", "2", "--router", "round-robin"], "round-robin"),
+])
+def test_data_parallel_ranks_get_the_same_router_however_they_are_spelled(flags, router):
+    """vLLM's DP load balancer sends a request to the rank with the fewest waiting and
+    running requests; --dp, --ep above --tp and --vllm-args -dp all take least-outstanding,
+    the closest router, unless --router says otherwise."""
+    from servelab.cli import build_parser
+    from servelab.simulator.cli import config_from_args
+
+    args = build_parser().parse_args(["simulate", "--out", "unused", *flags])
+    assert config_from_args(args).router == router
