@@ -22,9 +22,10 @@ prefill pool's backlog among its decode replicas' empty queues). Three signals:
   azure-conv-2023 trace queues hundreds of requests for most of the hour and empties just
   before the last arrival);
 - a backlog drained after the last arrival: MIN_QUEUE_FLOOR or more requests were still
-  waiting when the last one arrived, and the run lasted more than DRAIN_RATIO times its
-  arrival span. (The length alone is no sign: a short run of a slow model, its queue empty
-  throughout, lasts as long as its last requests take to decode.)
+  waiting when the last one arrived, and fewer than that were waiting only DRAIN_FRACTION
+  of the arrival span or more later. (The run's length is no sign: a short run of a slow
+  model, its queue empty throughout, lasts as long as its last requests take to decode; nor
+  is a burst of arrivals in its last step, which the next steps take in.)
 
 Cost: a sort of the requests' arrivals and first schedulings, O(requests log requests).
 """
@@ -44,9 +45,9 @@ MIN_QUEUE_FLOOR = 5
 """Requests that must wait throughout the last quarter of the arrivals for the queue to
 count as never emptying (and at the last arrival, for a long run to have drained a
 backlog): one or two stragglers are not a backlog."""
-DRAIN_RATIO = 1.5
-"""A run longer than this many times its arrival span, a backlog left at the last arrival,
-drained that backlog."""
+DRAIN_FRACTION = 0.5
+"""A backlog left at the last arrival that takes this share of the arrival span or more to
+fall below MIN_QUEUE_FLOOR was drained after the arrivals ended."""
 LONG_BACKLOG_FRACTION = 0.5
 """A backlog of MIN_QUEUE_FLOOR or more that lasts this share of the arrival span without
 a break is overload, however it ends."""
@@ -86,14 +87,16 @@ class Overload:
     """First arrival to last finish (or rejection)."""
     arrival_span_s: float
     drained: bool
-    """A backlog was left at the last arrival and the run lasted more than DRAIN_RATIO x
-    the arrival span."""
+    """A backlog was left at the last arrival and took DRAIN_FRACTION x the arrival span or
+    more to fall below MIN_QUEUE_FLOOR (`clear_s`)."""
     backlog_s: float | None = None
     """The longest stretch of the arrivals during which MIN_QUEUE_FLOOR or more requests
     waited without a break, when it lasted LONG_BACKLOG_FRACTION of them (else None)."""
     peak_waiting: int = 0
     waiting_at_last: int = 0
     """Requests waiting right after the last arrival."""
+    clear_s: float = 0.0
+    """From the last arrival until fewer than MIN_QUEUE_FLOOR requests waited."""
 
     def evidence(self) -> str:
         """What was seen, in words ("the waiting queue never emptied ...")."""
@@ -106,8 +109,9 @@ class Overload:
                          f"{_secs(self.backlog_s)} s of the {_secs(self.arrival_span_s)} s of arrivals "
                          f"(up to {self.peak_waiting:,} at once)")
         if self.drained:
-            parts.append(f"the run took {_secs(self.run_s)} simulated s for {_secs(self.arrival_span_s)} s "
-                         f"of arrivals, {self.waiting_at_last:,} requests still waiting at the last one")
+            parts.append(f"{self.waiting_at_last:,} requests were still waiting at the last of "
+                         f"{_secs(self.arrival_span_s)} s of arrivals, and the queue took "
+                         f"{_secs(self.clear_s)} s more to drain (the run lasted {_secs(self.run_s)} s)")
         return " and ".join(parts)
 
     def describe(self) -> str:
@@ -135,11 +139,13 @@ def overload(requests: Sequence[RequestRecord]) -> Overload | None:
     backlog = longest_backlog_s(times, waiting, first, last)
     long_backlog = backlog >= LONG_BACKLOG_FRACTION * (last - first)
     at_last = queue_at(times, waiting, last)
-    drained = at_last >= MIN_QUEUE_FLOOR and (end - first) > DRAIN_RATIO * (last - first)
+    after = (times > last) & (waiting < MIN_QUEUE_FLOOR)
+    clear = float(times[after][0]) - last if after.any() else end - last
+    drained = at_last >= MIN_QUEUE_FLOOR and clear >= DRAIN_FRACTION * (last - first)
     if not (never_empty or long_backlog or drained):
         return None
     return Overload(floor if never_empty else None, end - first, last - first, drained,
-                    backlog if long_backlog else None, int(waiting.max()), at_last)
+                    backlog if long_backlog else None, int(waiting.max()), at_last, clear)
 
 
 def waiting_queue(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from servelab.records import RequestRecord
-from servelab.reports.health import MIN_QUEUE_FLOOR, format_reasons, overload, rejection_reasons
+from servelab.reports.health import (MIN_QUEUE_FLOOR, format_reasons, overload, queue_at,
+                                     rejection_reasons, waiting_queue)
 
 
 def _requests(waits=lambda t: 0.0, n: int = 401, span: float = 100.0,
@@ -54,13 +55,20 @@ def test_a_run_far_longer_than_its_arrivals_drained_a_backlog_an_empty_queue_did
     late = lambda t: 0.0 if t < 95 else 80.0                   # the last 5 s wait 80 s each
     sign = overload(_requests(late))
     assert sign is not None and sign.drained and sign.queue_floor is None
-    assert "took 180 simulated s for 100 s of arrivals, 21 requests still waiting" in sign.evidence()
+    assert ("21 requests were still waiting at the last of 100 s of arrivals, and the queue took 79 s "
+            "more to drain (the run lasted 180 s)") in sign.evidence()
     # the same length, but nothing waits: the last request's own decode is long (a slow
     # model, a short run), which is no backlog
     assert overload(_requests(drain=80.0)) is None
     short = overload(_requests(lambda t: 0.0 if t < 3 else 80.0, span=4.0, n=17))
-    assert short.evidence() == ("the run took 84 simulated s for 4.0 s of arrivals, 5 requests "
-                                "still waiting at the last one")
+    assert short.evidence() == ("5 requests were still waiting at the last of 4.0 s of arrivals, and "
+                                "the queue took 79 s more to drain (the run lasted 84 s)")
+    # a burst in the last step, taken in by the next steps while the last requests decode
+    # for 10 s: the run lasts 3x its arrivals, but no backlog was drained
+    step = _requests(lambda t: 1.0 if t >= 4.0 else 0.0, span=5.0, n=41, drain=10.0)
+    times, waiting = waiting_queue(step)
+    assert queue_at(times, waiting, 5.0) == 8 and max(r.finish_s for r in step) == 15.0
+    assert overload(step) is None
 
 
 def test_the_queue_counts_every_replica_and_rejections_leave_it():
