@@ -127,7 +127,8 @@ def register(subparsers) -> None:
                         "(default 1; above --tp, this GPU is one of N / tp data-parallel "
                         "ranks, each carrying the step's tokens)")
     s.add_argument("--dp", type=positive_int, default=None, metavar="N",
-                   help="data-parallel ranks, as `simulate --dp` (on a MoE model: --ep N x tp)")
+                   help="data-parallel ranks, as `simulate --dp` (on a MoE model: --ep N x tp; on a "
+                        "dense model independent replicas, each priced as one)")
     s.add_argument("--pp", type=positive_int, default=1, metavar="N",
                    help="pipeline stages, as `simulate --pp`: the layers split as vLLM splits "
                         "them, each stage priced on its tp GPUs, the activations sent between "

@@ -279,6 +279,9 @@ def _step(opts: dict) -> dict:
         raise ValueError("cost step needs --prefill and/or --decode")
     profile, label = _profile(get_gpu(opts["gpu"]), opts)
     tp, ep, dp = opts.get("tp") or 1, opts.get("ep"), opts.get("dp")
+    model = load_model_spec(opts["model"])
+    if dp is not None and model.moe is None:
+        dp = None   # a dense model's data-parallel ranks are independent replicas: one's step
     if dp is not None:   # vLLM's expert-parallel group is the TP x DP GPUs (`simulator/cli.expert_layout`)
         if ep is not None and ep != dp * tp:
             raise ValueError(f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's "
@@ -290,7 +293,6 @@ def _step(opts: dict) -> dict:
     if pp > 1 and (ep or 1) > tp:   # as `simulate` refuses it (`run._check_pipeline`)
         raise ValueError(f"--pp {pp} with data-parallel expert parallelism (ep={ep} above tp={tp}) "
                          "is not modelled: pipeline stages run without data-parallel ranks")
-    model = load_model_spec(opts["model"])
     cm = CostModel(model, opts["gpu"], tp=tp,   # weights: the checkpoint's, as `simulate` takes them
                    weight_dtype=opts.get("weight_dtype") or model.checkpoint_weight_dtype,
                    kv_dtype=opts.get("kv_dtype") or "bf16", calibration=profile,
@@ -315,8 +317,16 @@ def _step(opts: dict) -> dict:
             "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
-            "per_layer_ms": _ms(sum(op.time_s for op in breakdown.values() if op.per_layer) / layers),
+            "per_layer_ms": _ms(_layer_time(breakdown.values()) / layers),
             "ops": _op_rows(list(breakdown.items()), layers, total)}
+
+
+def _layer_time(ops) -> float:
+    """Seconds of a step's layers: every op but those run once per step (one call, not
+    one per layer: the step overhead, embedding, final norm, LM head, sampler). Over the
+    layer count it is the mean layer, MoE layers and a model's dense leading layers alike
+    (DeepSeek-V3's experts run in 58 of its 61 layers)."""
+    return sum(op.time_s for op in ops if op.per_layer or op.calls > 1)
 
 
 def _shape(prefill: list[tuple[int, int]], decode: list[tuple[int, int]]):
@@ -368,7 +378,7 @@ def _pipelined_step(cm, pp: int, label: str, profile, prefill, decode, shape) ->
     # a once-per-step op (embedding, LM head, step overhead...) counts on the stages that run it
     ops = [(name, op) for stage in layout.stages for name, op in stage.breakdown(shape).items()
            if op.per_layer or op.time_s > 0]
-    per_layer = sum(op.time_s for _, op in ops if op.per_layer)
+    per_layer = _layer_time(op for _, op in ops)
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "model": cm.model.name, "tp": cm.tp,
             "pp": pp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
@@ -438,7 +448,7 @@ def describe(kind: str, r: dict) -> str:
     experts = f", ep={r['ep']}, {r['expert_load']} expert load" if "ep" in r else ""
     pp = f", pp={r['pp']}" if "pp" in r else ""
     lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{pp}{experts}, {r['layers']} layers, "
-             f"{r['tokens']} tokens) {where}; per layer {r['per_layer_ms']:.4f} ms"]
+             f"{r['tokens']} tokens) {where}; mean layer {r['per_layer_ms']:.4f} ms"]
     if pp:
         lines += [f"  stage {st['stage']} (layers {st['layers'][0]}-{st['layers'][1] - 1}): "
                   f"{st['ms']:.4f} ms" + ("  <- slowest" if st["stage"] == r["slowest_stage"] else "")

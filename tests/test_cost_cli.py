@@ -187,6 +187,20 @@ def test_json_keys_per_kind(capsys):
                                    "share_pct", "bound"}
 
 
+def test_a_steps_mean_layer_counts_every_layer_op_moe_layers_and_dense_ones_alike(capsys):
+    """DeepSeek-V3's experts run in 58 of its 61 layers (three dense leading layers): the
+    headline's mean layer still includes them; with the ops run once per step it makes up
+    the step."""
+    step = cost_json(capsys, "step", "--gpu", "h200", "--model", "deepseek-v3", "--tp", 8,
+                     "--decode", "64:2000")
+    calls = {op["op"]: op["calls"] for op in step["ops"]}
+    assert (step["layers"], calls["moe_experts"], calls["mlp_gate_up"]) == (61, 58, 3)
+    once = sum(op["total_ms"] for op in step["ops"] if op["calls"] == 1)
+    assert step["per_layer_ms"] * 61 + once == pytest.approx(step["predicted_ms"], rel=1e-3)
+    experts = next(op for op in step["ops"] if op["op"] == "moe_experts")
+    assert step["per_layer_ms"] > experts["total_ms"] / 61
+
+
 def test_bare_roofline_is_faster_than_the_profile_for_a_small_gemm(capsys):
     """No floor and no k-latency: a small GEMM is its bytes over the full HBM bandwidth."""
     argv = ("gemm", "--gpu", GPU, "--m", 1, "--n", 1024, "--k", 1024)
@@ -388,3 +402,10 @@ def test_points_refuse_a_dtype_the_flag_refuses(capsys, tmp_path, kind, header, 
     src = write_csv(tmp_path / "p.csv", header, [row])
     assert_one_line_error(*cost(capsys, kind, "--gpu", GPU, "--points", src),
                           f"{src}: line 2: ", refused)
+
+
+def test_data_parallel_ranks_of_a_dense_model_are_replicas_priced_one_at_a_time(capsys):
+    """`simulate --dp 2` on a dense model runs two independent replicas; `cost step --dp 2`
+    prices one of them, not a refusal naming --ep."""
+    argv = ("step", "--gpu", GPU, "--model", "tiny-llama", "--decode", "8:100")
+    assert cost_json(capsys, *argv, "--dp", 2)["predicted_ms"] == cost_json(capsys, *argv)["predicted_ms"]
