@@ -462,14 +462,17 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
     if weights >= budget:
         layout, hints = ((f"tp={tp}", ["raise tp"]) if model.moe is None
                          else (f"tp={tp}, ep={ep}", ["raise tp or ep"]))
-        hints.append("split the layers over pipeline stages (pp)")
+        if proposer is None:   # pipeline stages are not modelled with a proposer
+            hints.append("split the layers over pipeline stages (pp)")
         if weight_dtype != "fp8":
             hints.append("use fp8 weights")
+        whose = f"{model.name} weights" if proposer is None else \
+            f"{model.name}'s weights and its draft {proposer.name}'s ({extra.weight_bytes / GIB:.1f} GiB)"
         raise ValueError(
-            f"{model.name} weights need {weights / GIB:.1f} GiB per GPU at {layout} "
+            f"{whose} need {weights / GIB:.1f} GiB per GPU at {layout} "
             f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
-            f"gpu_memory_utilization={gpu_memory_utilization}: {', '.join(hints[:-1])} "
-            f"or {hints[-1]}")
+            f"gpu_memory_utilization={gpu_memory_utilization}: "
+            + (f"{', '.join(hints[:-1])} or {hints[-1]}" if len(hints) > 1 else hints[0]))
     return engine_kv_capacity_blocks(
         memory_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, reserve_bytes=reserve,

@@ -51,8 +51,19 @@ def proposer_spec(config: SpeculativeConfig, target: ModelSpec) -> ModelSpec | N
             raise ValueError(f"draft model {draft.name} ({draft.num_params / 1e9:.1f}B parameters) is larger "
                              f"than the target {target.name} ({target.num_params / 1e9:.1f}B)")
         return draft
+    if config.method == "mtp" and target.architecture not in MTP_ARCHITECTURES:
+        raise ValueError(f"--speculative mtp needs a model with multi-token-prediction layers "
+                         f"(`num_nextn_predict_layers`: DeepSeek-V3); {target.name} "
+                         f"({target.architecture}) has none: use eagle, ngram or draft:MODEL")
     # EAGLE / MTP: one decoder layer of the target's shape, through the target's LM head
     return replace(target, num_layers=1, name=f"{target.name} {config.method} head")
+
+
+MTP_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
+"""The architectures servelab reads whose checkpoints carry multi-token-prediction layers
+that vLLM runs as the `mtp` proposer (`SpeculativeConfig.hf_config_override`,
+vllm/config/speculative.py: deepseek_v3 -> DeepSeekMTPModel; vLLM also has MTP for
+GLM-4.5, MiMo, Qwen3-Next and others, which servelab's loader does not read)."""
 
 
 @dataclass

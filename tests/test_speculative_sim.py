@@ -148,3 +148,35 @@ def test_bad_speculation_is_one_line(tmp_path, capsys, flags, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_weights_that_do_not_fit_with_a_draft_name_the_draft_and_no_pipeline_stages():
+    """Pipeline stages are not modelled with speculation, so the refusal does not offer
+    them; the draft's share of the weights is named."""
+    from servelab.models import load_model_spec
+    from servelab.simulator.footprint import kv_capacity_blocks
+    from servelab.simulator.gpus import get_gpu
+
+    model = load_model_spec("qwen3-30b-a3b")
+    with pytest.raises(ValueError) as refused:
+        kv_capacity_blocks(model, get_gpu("h100-sxm"), tp=1, ep=2, proposer=model)
+    message = str(refused.value)
+    assert message.startswith("qwen3-30b-a3b's weights and its draft qwen3-30b-a3b's (56.9 GiB) need "
+                              "86.7 GiB per GPU at tp=1, ep=2 (bf16)")
+    assert "pipeline" not in message and message.endswith("raise tp or ep or use fp8 weights")
+    assert kv_capacity_blocks(model, get_gpu("h100-sxm"), tp=1, ep=2) > 0   # alone it fits
+
+
+def test_mtp_needs_a_model_with_multi_token_prediction_layers():
+    from servelab.config import SpeculativeConfig
+    from servelab.models import load_model_spec
+    from servelab.simulator.speculation import proposer_spec
+
+    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+    head = proposer_spec(mtp, load_model_spec("deepseek-v3"))
+    assert head.num_layers == 1 and head.name == "deepseek-v3 mtp head"
+    with pytest.raises(ValueError, match=r"^--speculative mtp needs a model with multi-token-prediction "
+                                         r"layers .*llama-3.1-8b \(LlamaForCausalLM\) has none"):
+        proposer_spec(mtp, load_model_spec("llama-3.1-8b"))
+    eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=1)
+    assert proposer_spec(eagle, load_model_spec("llama-3.1-8b")).num_layers == 1
