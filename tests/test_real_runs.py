@@ -4,6 +4,8 @@ run's meta maps to, and one replay end to end through the CLI. Synthetic runs ar
 into tmp_path; the public runs of ../shared/real-runs are read when present."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -143,6 +145,16 @@ def test_gpu_from_device_name_or_folder_and_model_from_catalog(tmp_path):
     by_folder = load_recorded_run(write_run(tmp_path / "RTXPRO6000" / "Qwen3-32B", [row(0, 1.0)],
                                             model="Qwen/Qwen3-32B", device=None))
     assert (run_gpu(by_folder), catalog_model(by_folder)) == ("rtx-pro-6000", "qwen3-32b")
+    # a copy under any folder: the recording simulator's config.json names the hardware,
+    # which wins over a folder named after another GPU
+    copied = write_run(tmp_path / "h100" / "copy", [row(0, 1.0)], device=None)
+    (copied / "config.json").write_text(json.dumps(
+        {"nodes": [{"instances": [{"hardware": "RTXPRO6000"}, {"hardware": "RTXPRO6000"}]}]}))
+    assert run_gpu(load_recorded_run(copied)) == "rtx-pro-6000"
+    (copied / "config.json").write_text("{not json")
+    assert run_gpu(load_recorded_run(copied)) == "h100-sxm"          # the folder, as before
+    given = dataclasses.replace(load_recorded_run(copied), gpu="l40s")   # --gpu
+    assert run_gpu(given) == "l40s"
 
 
 def test_engine_config_is_vllm_defaults_overridden_by_the_run(tmp_path):
@@ -245,6 +257,41 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     assert sorted(p.name for p in (out.parent / "real").glob("*.png")) == [
         "RTX4090_tiny_engine.png", "RTX4090_tiny_latency.png"]
     assert "not replayed: RTX4090/moe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version, engine", [("0.19.0", "vllm-0.19"), ("0.24.1", "vllm-0.24"),
+                                             ("0.9.2", "vllm-0.14"), ("0.22.0", "vllm-0.24"),
+                                             ("1.0.0", "vllm-0.24"), (None, "vllm-0.19")])
+def test_a_run_replays_under_the_preset_of_its_vllm_version_or_the_nearest(version, engine):
+    from types import SimpleNamespace as NS
+    from servelab.validation.real_runs import run_engine
+
+    assert run_engine(NS(meta={"vllm_version": version})) == engine
+
+
+def test_the_setup_line_says_when_the_preset_is_not_the_runs_own_version():
+    from types import SimpleNamespace as NS
+    from servelab.validation.real_runs_report import _version_note
+
+    replay = lambda version, engine: NS(run=NS(meta={"vllm_version": version}),  # noqa: E731
+                                        config=NS(engine=engine))
+    assert _version_note(replay("0.9.2", "vllm-0.14")) == " (the run's vLLM 0.9.2 has no preset: the nearest)"
+    assert _version_note(replay("0.14.1", "vllm-0.14")) == ""
+    assert _version_note(replay(None, "vllm-0.19")) == ""
+
+
+def test_gpu_names_the_gpu_of_a_run_that_cannot_tell_its_own(tmp_path, capsys):
+    nogpu = write_run(tmp_path / "a" / "x", [row(0, 1.0), row(1, 1.2)], device=None)
+    out = tmp_path / "r.md"
+    assert main(["validate", "--real-requests", str(nogpu), "--out", str(out), "--no-plots"]) == 0
+    assert "cannot tell its GPU" in capsys.readouterr().err and "Not replayed" in out.read_text()
+    assert main(["validate", "--real-requests", str(nogpu), "--gpu", "rtx-4090", "--out", str(out),
+                 "--no-plots"]) == 0
+    data = json.loads((tmp_path / "r" / "real-runs.json").read_text())
+    assert list(data["runs"]) == ["a/x"] and not data["not_replayed"]
+    assert "--gpu rtx-4090" in out.read_text()
+    assert main(["validate", "--real-requests", str(nogpu), "--gpu", "tpu-v9", "--out", str(out)]) == 2
+    assert "unknown GPU 'tpu-v9'" in capsys.readouterr().err
 
 
 def test_cli_refuses_step_record_options_and_non_markdown_out(tmp_path, capsys):

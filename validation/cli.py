@@ -32,7 +32,7 @@ from servelab.options import non_negative_int, number, positive_float
 _fraction = number(float, low=0, high=1, low_open=True, high_open=True)
 """--train-fraction: the share of steps the fit trains on, in (0, 1)."""
 
-_STEP_RECORD_OPTIONS = {"gpu": None, "fit": False, "train_fraction": 0.5, "split_seed": 0,
+_STEP_RECORD_OPTIONS = {"fit": False, "train_fraction": 0.5, "split_seed": 0,
                         "loss": "l1", "simulate": False, "probe": None,
                         "max_mape": 15.0, "max_total_error": 10.0, "strict": False}
 """Options that read a servelab run's step records, with their defaults: given another
@@ -107,12 +107,14 @@ def _cmd_real_requests(args: argparse.Namespace) -> int:
         raise CLIError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --run "
                        "(servelab run directories), not to --real-requests")
     calibration = ["--calibration", shlex.quote(args.calibration)] if args.calibration else []
+    gpu = ["--gpu", shlex.quote(args.gpu)] if args.gpu else []
     command = " ".join(["servelab validate --real-requests",
-                        *map(shlex.quote, args.real_requests), *calibration,
+                        *map(shlex.quote, args.real_requests), *calibration, *gpu,
                         "--out", shlex.quote(args.out)])
     try:
         write_report(args.real_requests, args.out, command, calibration=args.calibration,
-                     plots=args.plots, progress=lambda line: print(line, file=sys.stderr))
+                     plots=args.plots, progress=lambda line: print(line, file=sys.stderr),
+                     gpu=args.gpu)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(f"-> {args.out}")

@@ -88,6 +88,9 @@ class RecordedRun:
     """validation_summary.txt: metric -> stat -> {"real", "sim", "error_pct"}."""
     timeseries: dict[str, np.ndarray] | None
     """vllm_timeseries.csv's columns (engine state once a second: t, running, waiting, ...)."""
+    gpu: str | None = None
+    """The catalog GPU to price it with, when the user names one (`--gpu`); else `run_gpu`
+    reads it from the run."""
 
     @property
     def model_name(self) -> str:
@@ -231,30 +234,65 @@ def catalog_model(run: RecordedRun) -> str:
 
 
 def run_gpu(run: RecordedRun) -> str:
-    """The catalog GPU of a run: `hardware.device_name` in its meta when recorded, else a
-    folder of its path named after a catalog GPU or alias ("RTXPRO6000" = rtx-pro-6000)."""
+    """The catalog GPU of a run: the one given (`RecordedRun.gpu`), else
+    `hardware.device_name` in its meta when recorded, else the `hardware` of the recording
+    simulator's config.json beside it (LLMServingSim's cluster config: "RTXPRO6000" =
+    rtx-pro-6000, by catalog name or alias), else a folder of its path so named."""
     from servelab.simulator.gpus import get_gpu, gpu_for_device_name, gpu_names
 
+    if run.gpu is not None:
+        return run.gpu
     device = (run.meta.get("hardware") or {}).get("device_name")
     if device and gpu_for_device_name(device):
         return gpu_for_device_name(device)
     squash = lambda s: re.sub(r"[^a-z0-9]", "", s.lower())  # noqa: E731
     names = {squash(a): n for n in gpu_names() for a in (n, *get_gpu(n).aliases)}
+    named = {squash(h) for h in _config_hardware(run.path)} & set(names)
+    if len(named) == 1:
+        return names[named.pop()]
     for part in reversed(run.path.resolve().parts):
         if squash(part) in names:
             return names[squash(part)]
-    raise NotReplayable(f"{run.label}: cannot tell its GPU (device_name {device!r}, no folder "
-                        f"named after a catalog GPU); catalog: {', '.join(gpu_names())}")
+    raise NotReplayable(f"{run.label}: cannot tell its GPU (device_name {device!r}, no hardware "
+                        f"in a config.json, no folder named after a catalog GPU): give --gpu; "
+                        f"catalog: {', '.join(gpu_names())}")
+
+
+def _config_hardware(folder: Path) -> list[str]:
+    """The `hardware` names of every instance in the recording simulator's config.json
+    (nodes -> instances -> hardware); [] when there is none or it cannot be read."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return [str(i["hardware"]) for node in config["nodes"] for i in node["instances"]
+                if "hardware" in i]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 ENGINE = "vllm-0.19"
-"""The engine preset of the recorded runs (vLLM 0.19.0, `vllm_version` in their meta)."""
+"""The engine preset of a run that does not say its vLLM version (the shared runs are
+vLLM 0.19.0, `vllm_version` in their meta)."""
+
+
+def run_engine(run: RecordedRun) -> str:
+    """The vLLM preset of the run's `vllm_version` (its major.minor), else the preset
+    nearest to it (`servelab.engines`; the report's setup line then says so), else ENGINE."""
+    from servelab.engines import PRESETS
+
+    version = re.match(r"(\d+)\.(\d+)", str(run.meta.get("vllm_version") or ""))
+    presets = {tuple(int(x) for x in p.engine_version.split(".")[:2]): name
+               for name, p in PRESETS.items() if p.engine_version}
+    if version is None:
+        return ENGINE
+    wanted = (int(version[1]), int(version[2]))
+    step = lambda v: 1000 * v[0] + v[1]  # noqa: E731  (a major version outweighs any minor)
+    return presets.get(wanted) or presets[min(presets, key=lambda v: abs(step(v) - step(wanted)))]
 
 
 def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
                        calibration: str | None = None):
     """The `SimulationConfig` of the engine that ran `run`: what `servelab simulate --engine
-    vllm-0.19 --vllm-args FLAGS` builds from the flags the run's own config names (its
+    vllm-X.Y --vllm-args FLAGS` builds (the preset of its vLLM version, `run_engine`) from the flags the run's own config names (its
     engine kwargs: max_num_seqs, max_num_batched_tokens, max_model_len, tensor and data
     parallel sizes, dtype, kv_cache_dtype; its recorded KV cache: num_gpu_blocks as
     --num-gpu-blocks-override, block_size, gpu_memory_utilization, enable_prefix_caching).
@@ -265,7 +303,7 @@ def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
     from servelab.simulator.cli import config_from_args
 
     argv = ["simulate", "--trace", trace_path, "--trace-format", "servelab", "--model", model,
-            "--gpu", gpu, "--engine", ENGINE, "--out", "unused",
+            "--gpu", gpu, "--engine", run_engine(run), "--out", "unused",
             "--vllm-args", " ".join(vllm_flags(run))]
     if calibration is not None:
         argv += ["--calibration", calibration]

@@ -15,6 +15,8 @@ other runs are reported against them too, with the profile they borrow named.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import tempfile
@@ -43,15 +45,21 @@ _CONTEXT_FROM = {"kv": "from the recorded KV usage",
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path, command: str,
                  calibration: str | None = None, plots: bool = True,
-                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+                 progress: Callable[[str], None] = print, gpu: str | None = None) -> dict[str, Any]:
     """Replay every run, write `out` (.md) and its folder (the figures, unless `plots` is
     False, and real-runs.json); returns what real-runs.json holds. ValueError (one line)
-    for a folder that is not a recorded run."""
+    for a folder that is not a recorded run. `gpu`: the catalog GPU of every run (else
+    each run's own, `run_gpu`)."""
     out = Path(out)
     if out.suffix != ".md":
         raise ValueError(f"--out {out}: expected a Markdown file (FILE.md); its figures go "
                          f"to the folder FILE/ beside it")
     runs = [load_recorded_run(p) for p in run_dirs]
+    if gpu is not None:
+        from servelab.simulator.gpus import get_gpu
+
+        gpu = get_gpu(gpu).name
+        runs = [dataclasses.replace(run, gpu=gpu) for run in runs]
     replays: list[Replay] = []
     skipped: dict[str, str] = {}
     for run in runs:
@@ -234,6 +242,18 @@ def _measured(rp: Replay) -> bool:
         not str(cost.get("calibration_source", "")).startswith("carried over")
 
 
+def _version_note(rp: Replay) -> str:
+    """" (the run's vLLM 0.9.2 has no preset: the nearest)" where the preset is not the
+    run's own version's."""
+    from servelab.engines import get_preset
+
+    version = str(rp.run.meta.get("vllm_version") or "")
+    preset = get_preset(rp.config.engine).engine_version or ""
+    if not version or version.split(".")[:2] == preset.split(".")[:2]:
+        return ""
+    return f" (the run's vLLM {version} has no preset: the nearest)"
+
+
 def _setup_line(rp: Replay) -> str:
     c, d, s = rp.config, rp.derived, rp.config.scheduler
     cost = d["cost_model"]
@@ -249,7 +269,7 @@ def _setup_line(rp: Replay) -> str:
         dp = (f", {c.replicas} data-parallel ranks, experts spread over {c.ep} GPUs (expert "
               "parallelism; the ranks step in lock-step)")
     return (f"`{c.model}` on `{c.gpu}` × {gpus} (tp {c.tp}{dp}), {c.weight_dtype} weights, "
-            f"{c.kv_dtype} KV; engine `{c.engine}`: max_num_seqs {s.max_num_seqs}, "
+            f"{c.kv_dtype} KV; engine `{c.engine}`{_version_note(rp)}: max_num_seqs {s.max_num_seqs}, "
             f"max_num_batched_tokens {s.max_num_batched_tokens}, prefill chunk "
             f"{s.chunked_prefill}, {s.preemption} preemption, watermark {c.watermark:g}, "
             f"prefix caching {'on' if c.prefix_caching else 'off'}, "
