@@ -73,7 +73,12 @@ def test_convert_writes_canonical_csv_that_loads_back_identically(traces_dir, tm
     azure = tmp_path / "azure.csv"
     assert main(["trace", "convert", str(traces_dir / "AzureLLMInferenceTrace_conv.csv"), str(azure)]) == 0
     assert load_trace(azure).records == load_trace(traces_dir / "AzureLLMInferenceTrace_conv.csv").records
-    assert main(["trace", "convert", "default", str(tmp_path / "no" / "dir.csv")]) == 2
+    # a missing folder is made, as `simulate --out` makes its own (the README writes runs/...)
+    assert main(["trace", "convert", "default", str(tmp_path / "new" / "dir.csv")]) == 0
+    assert load_trace(tmp_path / "new" / "dir.csv").records
+    (tmp_path / "file").write_text("x")
+    assert main(["trace", "convert", "default", str(tmp_path / "file" / "t.csv")]) == 2
+    assert "cannot write" in capsys.readouterr().err
 
 
 def test_datasets_lists_names_and_presence(traces_dir, tmp_path, capsys):

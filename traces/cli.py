@@ -155,6 +155,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from servelab.traces.canonical import write_csv
     trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
     try:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)   # as simulate --out does
         write_csv(trace, args.output)
     except OSError as exc:
         raise CLIError(f"cannot write {args.output}: {exc}") from exc
