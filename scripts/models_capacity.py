@@ -68,9 +68,8 @@ def _by(start: float, stop: float, step: float) -> tuple[float, ...]:
 QWEN, LLAMA, DEEPSEEK = "qwen3-30b-a3b", "llama-3.1-70b", "deepseek-v3"
 QWEN_2GPU = (24, 32, 40, *_by(48, 64, 4), 72)
 LLAMA_1GPU = (0.25, 0.5, 1, 2)
-DS_RATES = (1, 2, 3, 4, 6, 8, 12)
+DS_RATES = (2, 4, 6, 8, 10, 12, 14, 16, 20, 24)
 DS_FP8 = ("--weight-dtype", "fp8")
-DS_ENGINE = ("--engine", "vllm-0.14")
 LAYOUTS = (
     Layout("qwen-tp1", "qwen3-30b-a3b on h100-sxm, TP1 (none)", QWEN, "h100-sxm", 1, (), _by(4, 24, 4)),
     Layout("qwen-2x-tp1", "qwen3-30b-a3b, 2 TP1 replicas (`--replicas 2 --router least-outstanding`)",
@@ -86,12 +85,12 @@ LAYOUTS = (
            (0.5, 1, 1.5, 2, 3, 4)),
     Layout("llama-fp8-tp2", "llama-3.1-70b, FP8 TP2 (`--tp 2 --weight-dtype fp8`)", LLAMA, "h100-sxm", 2,
            ("--tp", "2", "--weight-dtype", "fp8"), _by(1, 6, 1)),
-    Layout("ds-tp8", "deepseek-v3 on h200, FP8 TP8 (`--weight-dtype fp8 --tp 8 --engine vllm-0.14`)",
-           DEEPSEEK, "h200", 8, (*DS_FP8, "--tp", "8", *DS_ENGINE), DS_RATES),
-    Layout("ds-ep8", "deepseek-v3, FP8 EP8 with DP8 attention (`--weight-dtype fp8 --ep 8 --engine vllm-0.14`)",
-           DEEPSEEK, "h200", 8, (*DS_FP8, "--ep", "8", *DS_ENGINE), DS_RATES),
-    Layout("ds-tp8-fp8kv", "deepseek-v3, FP8 weights and KV TP8 (`... --kv-dtype fp8 --tp 8 --engine vllm-0.14`)",
-           DEEPSEEK, "h200", 8, (*DS_FP8, "--kv-dtype", "fp8", "--tp", "8", *DS_ENGINE), DS_RATES),
+    Layout("ds-tp8", "deepseek-v3 on h200, FP8 TP8 (`--weight-dtype fp8 --tp 8`)",
+           DEEPSEEK, "h200", 8, (*DS_FP8, "--tp", "8"), DS_RATES),
+    Layout("ds-ep8", "deepseek-v3, FP8 EP8 with DP8 attention (`--weight-dtype fp8 --ep 8`)",
+           DEEPSEEK, "h200", 8, (*DS_FP8, "--ep", "8"), DS_RATES),
+    Layout("ds-tp8-fp8kv", "deepseek-v3, FP8 weights and KV TP8 (`... --kv-dtype fp8 --tp 8`)",
+           DEEPSEEK, "h200", 8, (*DS_FP8, "--kv-dtype", "fp8", "--tp", "8"), DS_RATES),
 )
 
 
@@ -285,17 +284,10 @@ def _deepseek(rows: dict) -> str:
   MLA's latent is not split by TP, so TP8 stores it 8 times); its eight ranks step in lock-step, so a rank's decode step lasts as long as the slowest
   rank's, a prefill chunk on any of the eight included, and every MoE layer runs over all
   eight ranks' tokens with an all-gather before and a reduce-scatter after. An FP8 KV
-  cache ({kv8['kv_tokens'] / 1e6:.2f} M tokens) {kv_note}. Priced with the
-  vLLM 0.14 engine's profile (`--engine vllm-0.14`). DeepSeek-V3's checkpoint is
+  cache ({kv8['kv_tokens'] / 1e6:.2f} M tokens) {kv_note}. DeepSeek-V3's checkpoint is
   block-scaled FP8 (its config.json's `quantization_config.weight_block_size`: 128 × 128),
-  which vLLM 0.24 runs on H100 with its Triton kernel without EP; that table's rows for it
-  imply weight reads of 5.4 TB/s, above the H100's 3.35 TB/s, so they are not fitted, and
-  the vLLM 0.24 FP8 fit is of ModelOpt's per-tensor FP8 on FlashInfer's CUTLASS kernel
-  (about 0.6 TB/s of weight reads at small batches, 1.6 µs per expert), which would price
-  DeepSeek's TP8 MoE layer 4-8× above the block-FP8 rows of either table. The vLLM 0.14
-  FP8 fit is of per-tensor rows on the Triton kernel, which read weights at 2.1-2.5 TB/s,
-  the 0.14 block-FP8 rows at 2.3-2.9 TB/s; the H200 borrows the H100's kernels
-  ([moe-mla.md](moe-mla.md)).
+  and its MoE layers are priced by the FP8 fit of the block-scaled rows measured inside
+  vLLM 0.24 on H100, which the H200 borrows ([moe-mla.md](moe-mla.md)).
   For 16 × H100 with two pipeline stages against these 8 × H200 see
   [parallelism.md](parallelism.md)."""
 

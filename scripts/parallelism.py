@@ -55,8 +55,8 @@ class Layout:
         return [*self.flags, "--gpu", self.gpu, "--tp", str(self.tp), "--pp", str(self.pp)]
 
 
-DEEPSEEK = ("--model", "deepseek-v3", "--weight-dtype", "fp8", "--engine", "vllm-0.14")
-"""Priced with the vLLM 0.14 engine, as docs/models.md prices DeepSeek-V3 (why: there)."""
+DEEPSEEK = ("--model", "deepseek-v3", "--weight-dtype", "fp8")
+"""DeepSeek-V3's checkpoint FP8 weights, under the default engine as docs/models.md prices it."""
 LLAMA = ("--model", "llama-3.1-70b")
 LAYOUTS = (
     Layout("ds-h200-tp8", "deepseek", "8 x H200, TP8 (FP8)", "h200", 8, 1, DEEPSEEK),
@@ -333,9 +333,9 @@ percent, and p99 over {num_requests} requests is its third-worst request.
 
 Refused: 8 x H100 at TP8: `{refusals['ds-h100-tp8']}`
 
-Both layouts run the vLLM 0.14 preset (`--engine vllm-0.14`), its defaults and its H100
-kernels, as [models.md](models.md) prices DeepSeek-V3 and for the reason given there: the
-vLLM 0.24 tables hold no block-FP8 fused-MoE rows that can be fitted.
+Both layouts run the default engine (vLLM 0.24) and its H100 kernels, which the H200
+borrows; DeepSeek-V3's MoE layers are priced by the FP8 fit of the block-scaled rows
+measured inside vLLM 0.24 ([moe-mla.md](moe-mla.md)).
 
 {_table(ds)}
 
