@@ -301,8 +301,18 @@ def configs_from_args(args: argparse.Namespace, *, policy_classes: Mapping[str, 
     budget = given_or_default("max_num_batched_tokens", "max_num_batched_tokens")
     chunk = given_or_default("chunked_prefill", "chunked_prefill")
     chunk = budget if chunk == BUDGET else None if chunk == "off" else chunk
+    max_num_seqs = given_or_default("max_num_seqs", "max_num_seqs")
+    if engine.engine_version is not None:   # a vLLM preset: vLLM's own rule for the two
+        if getattr(args, "max_num_seqs", None) is None:
+            # `EngineArgs._set_default_args` (vllm/engine/arg_utils.py): the default
+            # max_num_seqs is at most the token budget
+            max_num_seqs = min(max_num_seqs, budget)
+        elif budget < max_num_seqs:   # `SchedulerConfig` (vllm/config/scheduler.py) refuses it
+            raise CLIError(f"--max-num-batched-tokens {budget} is below --max-num-seqs "
+                           f"{max_num_seqs}: vLLM refuses a step budget smaller than its "
+                           "sequences (each decoding sequence takes a token of it)")
     scheduler = _checked(SchedulerConfig, dict(
-        max_num_seqs=given_or_default("max_num_seqs", "max_num_seqs"),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, chunked_prefill=chunk,
         step_composition=args.step_composition,
         preemption=given_or_default("preemption", "preemption"), max_model_len=max_model_len,

@@ -78,8 +78,9 @@ def _fraction(flag: str, text: str) -> float:
 _DTYPES = {"auto": "bf16", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16",
            "fp16": "fp16", "float32": "fp32", "float": "fp32"}
 """--dtype: 'auto' takes the checkpoint's dtype, which for the catalog's models is bf16."""
-_KV_DTYPES = {"auto": None, "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-"""--kv-cache-dtype: 'auto' follows the model dtype (None: --kv-dtype keeps --dtype's)."""
+_KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+"""--kv-cache-dtype: 'auto' is the model's activation dtype (--dtype's, bf16 by default:
+an FP8 checkpoint computes in bf16), so a --kv-dtype fp8 beside it disagrees."""
 
 
 def _choice(flag: str, text: str, table: dict[str, Any]) -> Any:
@@ -265,6 +266,8 @@ def _resolve_dtypes(values: dict) -> None:
     kv_dtype = values.pop("_kv_dtype", None)
     if quantization or dtype:
         values["weight_dtype"] = quantization or dtype
+    if kv_dtype == "auto":
+        kv_dtype = dtype or _DTYPES["auto"]
     if kv_dtype or dtype:
         values["kv_dtype"] = kv_dtype or dtype
 

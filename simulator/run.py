@@ -391,7 +391,7 @@ class Simulation:
             weight_dtype=c.weight_dtype, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs, ep=c.ep,
             **({"proposer": proposer} if proposer is not None else {}))
-        _check_some_request_fits(trace, self.kv_blocks // c.pp, c.block_size)
+        _check_some_request_fits(trace, self.kv_blocks // c.pp, c.block_size, given=c.kv_blocks is not None)
         if c.prefix_caching:
             check_prefix_block_sizes(trace, c.block_size)
         replica_block_bytes = cost.block_bytes * c.tp
@@ -562,17 +562,19 @@ def _profile_choice(gpu, calibration: str | None, engine_version: str | None) ->
     return gpu.calibration or "none", f"{gpu.calibration or 'none'}: {gpu.name}'s catalog profile"
 
 
-def _check_some_request_fits(trace, kv_blocks: int, block_size: int) -> None:
+def _check_some_request_fits(trace, kv_blocks: int, block_size: int, given: bool = False) -> None:
     """Refuse a run in which no request can ever finish: each needs KV slots for its prompt
     and all its output but the last token, alone in the cache at best. (A run that passes
     may still reject every request, e.g. under contiguous reservations: the command says so
-    after the run.)"""
+    after the run.) `given`: the block count was set (--kv-blocks, vLLM's
+    --num-gpu-blocks-override), not derived from memory, which the hint then leaves out."""
     capacity = kv_blocks * block_size
     need = min(r.prompt_tokens + max(r.output_tokens, 1) - 1 for r in trace.records)
     if need > capacity:
+        hint = ("give more --kv-blocks (--num-gpu-blocks-override in --vllm-args)" if given else
+                "give --kv-blocks, a larger --gpu-memory-utilization or a larger GPU")
         raise ValueError(f"KV cache of {kv_blocks:,} blocks ({capacity:,} tokens) cannot hold any request: "
-                         f"the smallest needs {need:,} tokens (prompt + output); give more --kv-blocks "
-                         "or a larger --gpu-memory-utilization")
+                         f"the smallest needs {need:,} tokens (prompt + output); {hint}")
 
 
 def check_layout(config: SimulationConfig) -> None:

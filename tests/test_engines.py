@@ -53,6 +53,8 @@ def test_dtypes_resolve_whatever_their_order():
         "weight_dtype": "fp16", "kv_dtype": "fp16"}
     assert translate("--dtype bfloat16 --quantization fp8").values == {
         "weight_dtype": "fp8", "kv_dtype": "bf16"}
+    # 'auto' is the activations' dtype (bf16 unless --dtype says otherwise), not "unset"
+    assert translate("--kv-cache-dtype auto").values == {"kv_dtype": "bf16"}
     assert translate("--long-prefill-token-threshold 0").values == {"chunked_prefill": "budget"}
     assert translate("--no-enable-chunked-prefill").values == {"chunked_prefill": "off"}
     assert translate("-pp 2 -tp 8").values == {"pp": 2, "tp": 8}
@@ -233,3 +235,29 @@ def test_data_parallel_ranks_get_the_same_router_however_they_are_spelled(flags,
 
     args = build_parser().parse_args(["simulate", "--out", "unused", *flags])
     assert config_from_args(args).router == router
+
+
+def test_a_kv_dtype_disagreeing_with_the_vllm_kv_cache_dtype_auto_is_refused(capsys):
+    from servelab.cli import main
+
+    assert main(["simulate", "--trace", "default", "--num-requests", "5", "--kv-dtype", "fp8",
+                 "--vllm-args", "--kv-cache-dtype auto", "--out", "unused"]) == 2
+    assert "--kv-dtype fp8 disagrees with --vllm-args, which sets it to bf16" in capsys.readouterr().err
+
+
+def test_a_vllm_presets_sequences_never_exceed_its_token_budget():
+    """vLLM: the default max_num_seqs is at most max_num_batched_tokens
+    (`EngineArgs._set_default_args`), and a smaller budget than a given max_num_seqs is
+    refused (`SchedulerConfig`). servelab's own preset keeps its 128 sequences."""
+    from servelab.cli import CLIError, build_parser
+    from servelab.simulator.cli import config_from_args
+
+    def seqs(*flags):
+        args = build_parser().parse_args(["simulate", "--out", "unused", *flags])
+        return config_from_args(args).scheduler.max_num_seqs
+
+    assert seqs() == 1024 and seqs("--max-num-batched-tokens", "512") == 512
+    assert seqs("--vllm-args", "--max-num-batched-tokens 16") == 16
+    assert seqs("--engine", "servelab", "--max-num-batched-tokens", "64") == 128
+    with pytest.raises(CLIError, match=r"^--max-num-batched-tokens 16 is below --max-num-seqs 64: vLLM"):
+        seqs("--max-num-batched-tokens", "16", "--max-num-seqs", "64")

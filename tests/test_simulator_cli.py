@@ -190,6 +190,7 @@ def test_a_run_where_no_request_can_be_served_exits_non_zero_with_the_reason(tmp
     assert simulate("--trace", str(trace_file), "--kv-blocks", "2", "--out", str(tmp_path / "a")) == 2
     err = capsys.readouterr().err
     assert "KV cache of 2 blocks (32 tokens) cannot hold any request" in err and err.count("\n") == 1
+    assert err.rstrip().endswith("give more --kv-blocks (--num-gpu-blocks-override in --vllm-args)")
     assert not (tmp_path / "a").exists()
     # every prompt is longer than the model may hold: the run happens, rejects everything, says why
     assert simulate("--trace", str(trace_file), "--max-model-len", "30", "--out", str(tmp_path / "b")) == 1
