@@ -467,7 +467,9 @@ def describe(kind: str, r: dict) -> str:
 
 
 def price_points(kind: str, path: str | Path, defaults: dict) -> list[dict]:
-    """Price every row of a CSV; columns named like the flags override `defaults`."""
+    """Price every row of a CSV; columns named like the flags override `defaults`, except
+    in an empty cell (a decode row's `tokens` beside prefill rows), which leaves the flag's
+    value as given."""
     path = Path(path)
     try:
         with path.open(newline="") as f:
@@ -483,6 +485,8 @@ def price_points(kind: str, path: str | Path, defaults: dict) -> list[dict]:
             if key is None:
                 raise ValueError(f"{path}: line {line}: more cells than header columns")
             name = key.strip().replace("-", "_")
+            if not (value or "").strip():   # an empty cell: the flag not given on this row
+                continue
             opts[name] = _cell(name, value, path, line)
         try:
             result = price(kind, opts)

@@ -377,6 +377,21 @@ def test_bad_points_name_file_and_line(capsys, tmp_path, header, rows, fragments
     assert not out.exists()
 
 
+def test_an_empty_cell_leaves_the_flag_as_given_so_one_table_mixes_phases(capsys, tmp_path):
+    """An MLA table of prefill and decode rows: a decode row leaves `tokens` empty."""
+    src = write_csv(tmp_path / "mla.csv", ["phase", "batch", "tokens", "context", "heads", "tp"],
+                    [("prefill", 2, 512, 0, 128, 8), ("decode", 64, "", 4096, 128, 8)])
+    rows = cost_json(capsys, "mla", "--gpu", GPU, "--phase", "decode", "--points", src)
+    prefill = cost_json(capsys, "mla", "--gpu", GPU, "--phase", "prefill", "--batch", 2, "--tokens", 512,
+                        "--heads", 128, "--tp", 8)
+    decode = cost_json(capsys, "mla", "--gpu", GPU, "--phase", "decode", "--batch", 64, "--context", 4096,
+                       "--heads", 128, "--tp", 8)
+    assert [r["predicted_ms"] for r in rows] == [prefill["predicted_ms"], decode["predicted_ms"]]
+    gemm = write_csv(tmp_path / "gemm.csv", ["m", "n", "k"], [(1, 4096, 4096), (1, 4096, "")])
+    assert_one_line_error(*cost(capsys, "gemm", "--gpu", GPU, "--points", gemm),
+                          f"{gemm}: line 3: cost gemm needs --k")
+
+
 def test_bad_attention_point_names_its_line(capsys, tmp_path):
     src = write_csv(tmp_path / "attn.csv", ["batch", "context", "heads", "kv_heads"],
                     [(1, 10, 32, 8), (1, 10, 30, 8)])
