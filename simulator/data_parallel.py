@@ -39,10 +39,15 @@ tokens, no attention or LM head): the group's step is its slowest working rank's
 
 Not modelled: vLLM checks "unfinished anywhere" only every 32 steps, so after the last
 request of a busy period the ranks run up to 31 more dummy steps, which an arrival in
-that window waits behind (a few ms); and under CUDA graphs vLLM pads every rank's batch
-to the largest rank's token count (`vllm/v1/worker/dp_utils.py::coordinate_batch_across_dp`),
-which this group does not (each rank is priced at its own tokens; the MoE layers at the
-group's sum).
+that window waits behind (a few ms); and vLLM pads every rank's batch to the largest
+rank's token count when the step runs a CUDA graph on every rank
+(`vllm/v1/worker/dp_utils.py::coordinate_batch_across_dp`; since vllm-project/vllm#34102,
+Feb 2026, only then: a rank above `max_cudagraph_capture_size` tokens, min(2 x
+max_num_seqs, 512) by default, runs without graphs and nobody pads), which this group
+does not (each rank is priced at its own tokens; the MoE layers at the group's sum).
+Tried on the recorded Qwen3-30B-A3B DP2 run (docs/real-runs.md): padding below a capture
+size of 256 moved its TTFT MAPE from 15.2% to 15.5% and left TPOT at 5.1%; padding every
+step, as vLLM did before that change, gave 26.9%.
 
 Fast-forward. After a group step, if every rank is either idle or certain to run plain
 decode steps (`Scheduler.decode_run_bound` >= 2), the group advances the run of steps
