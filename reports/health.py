@@ -43,8 +43,8 @@ from servelab.reports.columns import column, floats
 
 MIN_QUEUE_FLOOR = 5
 """Requests that must wait throughout the last quarter of the arrivals for the queue to
-count as never emptying (and at the last arrival, for a long run to have drained a
-backlog): one or two stragglers are not a backlog."""
+count as never emptying (and at the last arrival, for a backlog left then to count):
+one or two stragglers are not a backlog."""
 DRAIN_FRACTION = 0.5
 """A backlog left at the last arrival that takes this share of the arrival span or more to
 fall below MIN_QUEUE_FLOOR was drained after the arrivals ended."""
@@ -110,8 +110,9 @@ class Overload:
                          f"(up to {self.peak_waiting:,} at once)")
         if self.drained:
             parts.append(f"{self.waiting_at_last:,} requests were still waiting at the last of "
-                         f"{_secs(self.arrival_span_s)} s of arrivals, and the queue took "
-                         f"{_secs(self.clear_s)} s more to drain (the run lasted {_secs(self.run_s)} s)")
+                         f"{_secs(self.arrival_span_s)} s of arrivals, and {_secs(self.clear_s)} s "
+                         f"passed before fewer than {MIN_QUEUE_FLOOR} waited (the run lasted "
+                         f"{_secs(self.run_s)} s)")
         return " and ".join(parts)
 
     def describe(self) -> str:
@@ -144,8 +145,10 @@ def overload(requests: Sequence[RequestRecord]) -> Overload | None:
     drained = at_last >= MIN_QUEUE_FLOOR and clear >= DRAIN_FRACTION * (last - first)
     if not (never_empty or long_backlog or drained):
         return None
-    return Overload(floor if never_empty else None, end - first, last - first, drained,
-                    backlog if long_backlog else None, int(waiting.max()), at_last, clear)
+    return Overload(queue_floor=floor if never_empty else None, run_s=end - first,
+                    arrival_span_s=last - first, drained=drained,
+                    backlog_s=backlog if long_backlog else None, peak_waiting=int(waiting.max()),
+                    waiting_at_last=at_last, clear_s=clear)
 
 
 def waiting_queue(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
@@ -188,7 +191,9 @@ def longest_backlog_s(times: np.ndarray, waiting: np.ndarray, first: float, last
 
 def _secs(seconds: float) -> str:
     """Seconds for a sentence: whole above 10 s, one decimal down to 1 s, two significant
-    digits below (a 0.043 s burst is not "0.0 s")."""
+    digits down to a millisecond (a 0.043 s burst is not "0.0 s"), "< 0.001" below."""
     if seconds >= 10:
         return f"{seconds:,.0f}"
-    return f"{seconds:.1f}" if seconds >= 1 else f"{seconds:.2g}"
+    if seconds >= 1:
+        return f"{seconds:.1f}"
+    return f"{seconds:.2g}" if seconds >= 1e-3 else "< 0.001"

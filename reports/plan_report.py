@@ -1,8 +1,9 @@
 """The report of a deployment plan: DIR/index.html and DIR/report.md, opening with the
 answer ("5 x h100-sxm (TP1), fcfs, round-robin: p99 TTFT 1.59 s at 10.3 req/s, $23.80/h"),
 then every layout ranked (GPUs, cost, what it reached, the req/s per GPU it was offered,
-$ per million output tokens; a run that had not settled also says what it served), the frontier of cost against the tightest target, what was pruned or could not
-run, and the comparison report of the finalists.
+$ per million output tokens; a run that had not settled also says what it served), the
+frontier of cost against the tightest target, what was pruned or could not run, and the
+comparison report of the finalists.
 
     report = write_plan_report(Path("runs/plan"))   # DIR as `servelab plan` left it
     report.answer                                    # the opening sentence

@@ -308,9 +308,12 @@ def configs_from_args(args: argparse.Namespace, *, policy_classes: Mapping[str, 
             # max_num_seqs is at most the token budget
             max_num_seqs = min(max_num_seqs, budget)
         elif budget < max_num_seqs:   # `SchedulerConfig` (vllm/config/scheduler.py) refuses it
-            raise CLIError(f"--max-num-batched-tokens {budget} is below --max-num-seqs "
+            whose = "" if getattr(args, "max_num_batched_tokens", None) is not None \
+                else f" ({engine.name}'s default)"
+            raise CLIError(f"--max-num-batched-tokens {budget}{whose} is below --max-num-seqs "
                            f"{max_num_seqs}: vLLM refuses a step budget smaller than its "
-                           "sequences (each decoding sequence takes a token of it)")
+                           "sequences (each decoding sequence takes a token of it); raise "
+                           "--max-num-batched-tokens or lower --max-num-seqs")
     scheduler = _checked(SchedulerConfig, dict(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, chunked_prefill=chunk,

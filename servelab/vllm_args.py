@@ -92,7 +92,8 @@ def _choice(flag: str, text: str, table: dict[str, Any]) -> Any:
 def _data_parallel(flag: str, text: str) -> dict:
     n = _int(flag, text)
     # vLLM's data-parallel coordinator sends a request to the rank with the fewest waiting
-    # and running requests (vllm/v1/engine/coordinator.py): least-outstanding is the closest.
+    # and running requests (vllm/v1/engine/coordinator.py): least-outstanding is the
+    # closest, as for --dp (`simulator.cli.default_router`); a --router given wins
     return {"replicas": n, "router": "least-outstanding"} if n > 1 else {}
 
 
@@ -170,11 +171,11 @@ _NO_EFFECT = frozenset({
     "--ssl-keyfile", "--ssl-certfile", "--logprobs-mode", "--otlp-traces-endpoint",
     "--max-parallel-loading-workers", "--model-loader-extra-config", "--hf-overrides",
     "--override-generation-config", "--structured-outputs-config", "--prefix-caching-hash-algo",
+    "--stream-interval",
     # how the data-parallel ranks are spread over hosts and API servers: the deployment is
     # --data-parallel-size's either way
     "--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port",
     "--data-parallel-start-rank", "--data-parallel-backend", "--api-server-count",
-    "--stream-interval",
 })
 _NO_EFFECT_SWITCHES = frozenset({
     "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Iterator
 
 from servelab.cli import CLIError
-from servelab.simulator.gpus import DTYPE_BYTES, gpu_names
 from servelab.models import catalog_names
+from servelab.simulator.gpus import DTYPE_BYTES, gpu_names
 
 DTYPES = tuple(DTYPE_BYTES)
 """--weight-dtype / --kv-dtype choices: every dtype the cost model prices."""
@@ -236,6 +236,8 @@ def with_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
     out = argparse.Namespace(**vars(args))
     for dest, value in parsed.values.items():
         given = getattr(args, dest, None)
+        if dest == "router" and given is not None:
+            continue   # no vLLM flag: -dp's default router, which a --router given replaces
         if given is not None and given != _VLLM_DESTS_DEFAULTS.get(dest) and given != value:
             flag = "--" + dest.replace("_", "-")
             raise CLIError(f"{flag} {given} disagrees with --vllm-args, which sets it to {value}")

@@ -467,7 +467,7 @@ def kv_capacity_blocks(model: ModelSpec | str, gpu: GPUSpec | str, tp: int = 1,
         if weight_dtype != "fp8":
             hints.append("use fp8 weights")
         whose = f"{model.name} weights" if proposer is None else \
-            f"{model.name}'s weights and its draft {proposer.name}'s ({extra.weight_bytes / GIB:.1f} GiB)"
+            f"{model.name}'s weights and its proposer's ({proposer.name}, {extra.weight_bytes / GIB:.1f} GiB)"
         raise ValueError(
             f"{whose} need {weights / GIB:.1f} GiB per GPU at {layout} "
             f"({weight_dtype}), but {gpu.name} offers {budget / GIB:.1f} GiB at "
@@ -491,6 +491,9 @@ LAST_STAGE_KERNELS = frozenset({"final_norm", "lm_head", "sampler"})
 sampler (and, under TP, the logits all-gather): vLLM builds `norm` and `lm_head` on the
 last rank only, and only the last rank computes logits and samples
 (`vllm/v1/worker/gpu_model_runner.py`: a non-last rank returns its intermediate tensors)."""
+STEP_KERNELS = FIRST_STAGE_KERNELS | LAST_STAGE_KERNELS | {"logits_gather"}
+"""The kernels a step runs once, not once per layer (the logits' all-gather under TP
+included): what is left of a step's kernels is its layers'."""
 
 
 def stage_shapes(shapes: ShardedShapes, first: bool, last: bool) -> ShardedShapes:

@@ -185,7 +185,7 @@ def _moe(opts: dict) -> dict:
     router = float(K.gemm_time(t, e, h, gpu, profile.kernels.gemm))
     experts = float(K.moe_experts_time(t, h, inter, e, k, gpu, p, ep, tp, dtype, load))
     active, pairs = (float(x) for x in K.expert_load(t, e, k, ep, load)[:2])
-    w8a8 = dtype == "fp8" and gpu.fp8_tflops is not None
+    w8a8 = K.moe.kernel_dtype(dtype, gpu) == "fp8"
     per_expert = 3.0 * h * inter / tp
     weight_bytes = active * per_expert * (1.0 if dtype == "fp8" else 2.0)
     flops = 2.0 * pairs * per_expert
@@ -317,16 +317,19 @@ def _step(opts: dict) -> dict:
             "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
-            "per_layer_ms": _ms(_layer_time(breakdown.values()) / layers),
+            "per_layer_ms": _ms(_layer_time(breakdown.items()) / layers),
             "ops": _op_rows(list(breakdown.items()), layers, total)}
 
 
 def _layer_time(ops) -> float:
-    """Seconds of a step's layers: every op but those run once per step (one call, not
-    one per layer: the step overhead, embedding, final norm, LM head, sampler). Over the
-    layer count it is the mean layer, MoE layers and a model's dense leading layers alike
-    (DeepSeek-V3's experts run in 58 of its 61 layers)."""
-    return sum(op.time_s for op in ops if op.per_layer or op.calls > 1)
+    """Seconds of a step's layers, from its (name, OpCost) pairs: every op but the step
+    overhead and the kernels a step runs once (`footprint.STEP_KERNELS`: embedding, final
+    norm, LM head, sampler, logits gather). Over the layer count it is the mean layer, MoE
+    layers and a model's dense leading layers alike (DeepSeek-V3's experts run in 58 of
+    its 61 layers, its dense MLP in 3)."""
+    from servelab.simulator.footprint import STEP_KERNELS
+
+    return sum(op.time_s for name, op in ops if name != "step_overhead" and name not in STEP_KERNELS)
 
 
 def _shape(prefill: list[tuple[int, int]], decode: list[tuple[int, int]]):
@@ -378,7 +381,7 @@ def _pipelined_step(cm, pp: int, label: str, profile, prefill, decode, shape) ->
     # a once-per-step op (embedding, LM head, step overhead...) counts on the stages that run it
     ops = [(name, op) for stage in layout.stages for name, op in stage.breakdown(shape).items()
            if op.per_layer or op.time_s > 0]
-    per_layer = _layer_time(op for _, op in ops)
+    per_layer = _layer_time(ops)
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "model": cm.model.name, "tp": cm.tp,
             "pp": pp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),

@@ -63,7 +63,9 @@ MTP_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 """The architectures servelab reads whose checkpoints carry multi-token-prediction layers
 that vLLM runs as the `mtp` proposer (`SpeculativeConfig.hf_config_override`,
 vllm/config/speculative.py: deepseek_v3 -> DeepSeekMTPModel; vLLM also has MTP for
-GLM-4.5, MiMo, Qwen3-Next and others, which servelab's loader does not read)."""
+GLM-4.5, MiMo, Qwen3-Next and others, which servelab's loader does not read). The check is
+by architecture: a DeepSeek-V3-shaped config whose `num_nextn_predict_layers` is 0 is not
+told apart."""
 
 
 @dataclass

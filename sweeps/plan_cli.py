@@ -93,7 +93,7 @@ def _layout_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
     if args.sweep_policy is None:   # compare's default is four policies; plan's is --policy
         args.sweep_policy, args.policy = (args.policy,), parser.get_default("policy")
     if args.sweep_router is None:   # named in every layout, as the answer names it
-        args.sweep_router, args.router = (args.router or "round-robin",), parser.get_default("router")
+        args.sweep_router, args.router = (args.router or _default_router(args),), parser.get_default("router")
     if args.sweep_tp is None:
         args.sweep_tp, args.tp = ((args.tp,) if args.tp is not None else DEFAULT_TPS), None
     return args   # args.gpu / args.tp stay as given: grid_axes refuses --gpu with --gpus
@@ -303,3 +303,11 @@ def _no_answer(plan, max_gpus: int) -> str:
     owner = next(r for r in plan.results if closest in r.trials)
     return (f"no layout meets {plan.targets} within {max_gpus} GPUs; the closest was "
             f"{layout_name(owner.labels, closest.replicas)}: {'; '.join(closest.misses)}")
+
+
+def _default_router(args: argparse.Namespace) -> str:
+    """The router every layout names when --router is not given: least-outstanding when
+    --dp or --ep spread a deployment over data-parallel ranks (as `simulate` picks it for
+    them, `simulator.cli.default_router`), round-robin otherwise."""
+    spread = max(getattr(args, "dp", None) or 1, getattr(args, "ep", None) or 1)
+    return "least-outstanding" if spread > 1 else "round-robin"

@@ -225,6 +225,7 @@ def test_the_defaults_vllm_args_may_override_are_the_parsers():
     (["--vllm-args", "-dp 2"], "least-outstanding"),
     (["--replicas", "2"], "round-robin"),
     (["--model", "qwen3-30b-a3b", "--dp", "2", "--router", "round-robin"], "round-robin"),
+    (["--vllm-args", "-dp 2", "--router", "round-robin"], "round-robin"),   # not a disagreement
 ])
 def test_data_parallel_ranks_get_the_same_router_however_they_are_spelled(flags, router):
     """vLLM's DP load balancer sends a request to the rank with the fewest waiting and
@@ -261,3 +262,6 @@ def test_a_vllm_presets_sequences_never_exceed_its_token_budget():
     assert seqs("--engine", "servelab", "--max-num-batched-tokens", "64") == 128
     with pytest.raises(CLIError, match=r"^--max-num-batched-tokens 16 is below --max-num-seqs 64: vLLM"):
         seqs("--max-num-batched-tokens", "16", "--max-num-seqs", "64")
+    with pytest.raises(CLIError, match=r"^--max-num-batched-tokens 8192 \(vllm-0.24's default\) is below "
+                                       r"--max-num-seqs 10000: .*; raise --max-num-batched-tokens or lower"):
+        seqs("--max-num-seqs", "10000")

@@ -55,14 +55,14 @@ def test_a_run_far_longer_than_its_arrivals_drained_a_backlog_an_empty_queue_did
     late = lambda t: 0.0 if t < 95 else 80.0                   # the last 5 s wait 80 s each
     sign = overload(_requests(late))
     assert sign is not None and sign.drained and sign.queue_floor is None
-    assert ("21 requests were still waiting at the last of 100 s of arrivals, and the queue took 79 s "
-            "more to drain (the run lasted 180 s)") in sign.evidence()
+    assert ("21 requests were still waiting at the last of 100 s of arrivals, and 79 s passed before "
+            "fewer than 5 waited (the run lasted 180 s)") in sign.evidence()
     # the same length, but nothing waits: the last request's own decode is long (a slow
     # model, a short run), which is no backlog
     assert overload(_requests(drain=80.0)) is None
     short = overload(_requests(lambda t: 0.0 if t < 3 else 80.0, span=4.0, n=17))
     assert short.evidence() == ("5 requests were still waiting at the last of 4.0 s of arrivals, and "
-                                "the queue took 79 s more to drain (the run lasted 84 s)")
+                                "79 s passed before fewer than 5 waited (the run lasted 84 s)")
     # a burst in the last step, taken in by the next steps while the last requests decode
     # for 10 s: the run lasts 3x its arrivals, but no backlog was drained
     step = _requests(lambda t: 1.0 if t >= 4.0 else 0.0, span=5.0, n=41, drain=10.0)
@@ -95,7 +95,7 @@ def test_rejection_reasons_group_alike_reasons_and_count_them():
 
 
 @pytest.mark.parametrize("seconds, text", [(0.043, "0.043"), (0.25, "0.25"), (3.14, "3.1"), (68.2, "68"),
-                                           (1234.0, "1,234")])
+                                           (1234.0, "1,234"), (5e-5, "< 0.001")])
 def test_seconds_in_a_sentence_keep_two_digits_below_a_second(seconds, text):
     from servelab.reports.health import _secs
 

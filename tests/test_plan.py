@@ -298,3 +298,13 @@ def test_a_gpu_count_objective_reads_in_the_singular_for_one():
 
     gpus, cost = {"objective": "gpus"}, {"objective": "cost"}
     assert (_cost(gpus, 1), _cost(gpus, 3), _cost(cost, 4.76)) == ("1 GPU", "3 GPUs", "$4.76/h")
+
+
+def test_a_plan_over_data_parallel_ranks_names_the_least_outstanding_router():
+    """As `simulate` routes --dp / --ep ranks when --router is not given."""
+    from argparse import Namespace
+    from servelab.sweeps.plan_cli import _default_router
+
+    assert _default_router(Namespace(dp=2, ep=None)) == "least-outstanding"
+    assert _default_router(Namespace(dp=None, ep=4)) == "least-outstanding"
+    assert _default_router(Namespace(dp=None, ep=None)) == "round-robin"

@@ -5,7 +5,6 @@ into tmp_path; the public runs of ../shared/real-runs are read when present."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
@@ -259,7 +258,8 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     assert "not replayed: RTX4090/moe" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("version, engine", [("0.19.0", "vllm-0.19"), ("0.24.1", "vllm-0.24"),
+@pytest.mark.parametrize("version, engine", [("0.19.0", "vllm-0.19"), ("v0.19.0", "vllm-0.19"),
+                                             ("0.24.1", "vllm-0.24"),
                                              ("0.9.2", "vllm-0.14"), ("0.22.0", "vllm-0.24"),
                                              ("1.0.0", "vllm-0.24"), (None, "vllm-0.19")])
 def test_a_run_replays_under_the_preset_of_its_vllm_version_or_the_nearest(version, engine):

@@ -161,7 +161,7 @@ def test_weights_that_do_not_fit_with_a_draft_name_the_draft_and_no_pipeline_sta
     with pytest.raises(ValueError) as refused:
         kv_capacity_blocks(model, get_gpu("h100-sxm"), tp=1, ep=2, proposer=model)
     message = str(refused.value)
-    assert message.startswith("qwen3-30b-a3b's weights and its draft qwen3-30b-a3b's (56.9 GiB) need "
+    assert message.startswith("qwen3-30b-a3b's weights and its proposer's (qwen3-30b-a3b, 56.9 GiB) need "
                               "86.7 GiB per GPU at tp=1, ep=2 (bf16)")
     assert "pipeline" not in message and message.endswith("raise tp or ep or use fp8 weights")
     assert kv_capacity_blocks(model, get_gpu("h100-sxm"), tp=1, ep=2) > 0   # alone it fits

@@ -7,6 +7,7 @@ requests each (a few seconds in all).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,14 @@ def test_a_disaggregated_run_replays_as_a_prefill_and_a_decode_pool(tmp_path, ca
     assert any(note.startswith("replayed as the simulator's prefill and decode pools")
                for note in run["notes"])
     assert "prefill and decode pools" in capsys.readouterr().out
+    # no copy measured (nothing handed off in time): the note leaves the figure out
+    quiet = shutil.copytree(real, tmp_path / "quiet")
+    stats = json.loads((quiet / "disaggregation.json").read_text())
+    stats["handoff_ms"]["transfer"]["mean"] = None
+    (quiet / "disaggregation.json").write_text(json.dumps(stats))
+    report = validate("--run", str(quiet), "--calibration", str(tmp_path / "val" / "calibration.json"),
+                      "--simulate", "--out", str(tmp_path / "val-quiet"))
+    assert "KV copies priced free" in " ".join(report["simulate"]["runs"]["fcfs"]["notes"])
 
 
 def test_a_speculative_run_is_replayed_at_its_acceptance_and_never_fitted(tmp_path, capsys):
@@ -73,6 +82,17 @@ def test_a_speculative_run_is_replayed_at_its_acceptance_and_never_fitted(tmp_pa
     assert measured == 1.0   # the draft is the target itself
     assert speculative.acceptance == 1.0   # not the simulator's default of 0.8
     assert any("measured acceptance rate 1.000" in note for note in run["notes"])
+
+    # a run that proposed nothing (acceptance_rate null) replays without speculation
+    idle = shutil.copytree(spec, tmp_path / "idle")
+    stats = json.loads((idle / "speculation.json").read_text())
+    (idle / "speculation.json").write_text(json.dumps(
+        {**stats, "proposed_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None}))
+    report = validate("--run", str(idle), "--calibration", str(tmp_path / "fit" / "calibration.json"),
+                      "--simulate", "--out", str(tmp_path / "val-idle"))
+    run = report["simulate"]["runs"]["fcfs"]
+    assert not load_config(Path(run["replay_dir"]) / "config.json").scheduler.speculative.enabled
+    assert any("proposed no token" in note for note in run["notes"])
 
 
 @pytest.mark.parametrize("k, measured", [(3, 0.5), (4, 0.1), (1, 0.73), (5, 0.0), (2, 1.0)])

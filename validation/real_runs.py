@@ -274,17 +274,21 @@ ENGINE = "vllm-0.19"
 vLLM 0.19.0, `vllm_version` in their meta)."""
 
 
+def major_minor(version) -> tuple[int, int] | None:
+    """(0, 19) for "0.19.0" (or "v0.19.1"); None when the text names no version."""
+    found = re.search(r"(\d+)\.(\d+)", str(version or ""))
+    return (int(found[1]), int(found[2])) if found else None
+
+
 def run_engine(run: RecordedRun) -> str:
     """The vLLM preset of the run's `vllm_version` (its major.minor), else the preset
     nearest to it (`servelab.engines`; the report's setup line then says so), else ENGINE."""
     from servelab.engines import PRESETS
 
-    version = re.match(r"(\d+)\.(\d+)", str(run.meta.get("vllm_version") or ""))
-    presets = {tuple(int(x) for x in p.engine_version.split(".")[:2]): name
-               for name, p in PRESETS.items() if p.engine_version}
-    if version is None:
+    wanted = major_minor(run.meta.get("vllm_version"))
+    presets = {major_minor(p.engine_version): name for name, p in PRESETS.items() if p.engine_version}
+    if wanted is None:
         return ENGINE
-    wanted = (int(version[1]), int(version[2]))
     step = lambda v: 1000 * v[0] + v[1]  # noqa: E731  (a major version outweighs any minor)
     return presets.get(wanted) or presets[min(presets, key=lambda v: abs(step(v) - step(wanted)))]
 

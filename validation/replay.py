@@ -85,12 +85,16 @@ def _notes(run: RealRun) -> list[str]:
     notes = []
     if run.config.get("disaggregation"):
         copies = _read_json(run.path / "disaggregation.json")["handoff_ms"]["transfer"]["mean"]
+        took = "" if copies is None else f" (the real ones took {copies:.3g} ms on average)"
         notes.append(f"replayed as the simulator's prefill and decode pools, one engine each; "
-                     f"KV copies priced free (the real ones took {copies:.3g} ms on average)")
+                     f"KV copies priced free{took}")
         if run.config.get("clock") == "wall":
             notes.append("on the wall clock the real engines shared one device; the replay "
                          "gives each engine a device of its own")
-    if run.config["scheduler"].get("speculative", {}).get("method"):
+    if run.config["scheduler"].get("speculative", {}).get("method") and not _proposed(run):
+        notes.append("the real run proposed no token (requests too short to speculate), so the "
+                     "replay runs without speculation")
+    elif run.config["scheduler"].get("speculative", {}).get("method"):
         stats = _read_json(run.path / "speculation.json")
         notes.append(f"replayed at a per-token acceptance of {_acceptance(run):.3f}, which gives "
                      f"the run's measured acceptance rate {stats['acceptance_rate']:.3f} to "
@@ -112,7 +116,7 @@ def _notes(run: RealRun) -> list[str]:
 def replay_config(run: RealRun, profile_path: str, gpu: str, out_dir: Path) -> SimulationConfig:
     """Write the run's trace and model config under out_dir; the `SimulationConfig` that
     replays the run with the profile."""
-    from servelab.config import SchedulerConfig
+    from servelab.config import SchedulerConfig, SpeculativeConfig
     from servelab.reports.runio import write_json
     from servelab.simulator.run import SimulationConfig
     from servelab.traces.canonical import write_csv
@@ -125,8 +129,9 @@ def replay_config(run: RealRun, profile_path: str, gpu: str, out_dir: Path) -> S
     cache, cfg = run.derived["cache"], run.config
     scheduler = SchedulerConfig(**cfg["scheduler"])
     if scheduler.speculative.enabled:
-        scheduler = replace(scheduler, speculative=replace(scheduler.speculative,
-                                                           acceptance=_acceptance(run)))
+        speculative = replace(scheduler.speculative, acceptance=_acceptance(run)) \
+            if _proposed(run) else SpeculativeConfig()   # nothing proposed: nothing to verify
+        scheduler = replace(scheduler, speculative=speculative)
     try:
         return SimulationConfig(
             trace=str(trace_path), trace_format="servelab", seed=cfg.get("seed", 0),
@@ -156,7 +161,12 @@ def _pools(run: RealRun) -> DisaggregationConfig | None:
     return DisaggregationConfig(
         prefill=PoolConfig(kv_blocks=blocks["prefill"]["kv_blocks"]),
         decode=PoolConfig(kv_blocks=blocks["decode"]["kv_blocks"]),
-        kv_link="ideal", kv_transfer=given.get("kv_transfer") or "after-prefill")
+        kv_link="ideal", kv_transfer=given.get("kv_transfer") or DisaggregationConfig().kv_transfer)
+
+
+def _proposed(run: RealRun) -> int:
+    """Tokens the speculative run proposed in all (speculation.json)."""
+    return int(_read_json(run.path / "speculation.json").get("proposed_tokens") or 0)
 
 
 def _acceptance(run: RealRun) -> float:

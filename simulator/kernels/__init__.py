@@ -90,7 +90,9 @@ class KernelParams:
     def moe_for(self, dtype: str, gpu) -> MoEParams:
         """The fused-MoE parameters that price `dtype` weights on `gpu`: W8A8 FP8 where it
         has FP8 tensor cores, else (BF16, or FP8 run weight-only) the BF16 kernel's."""
-        return self.moe_fp8 if dtype == "fp8" and gpu.fp8_tflops is not None else self.moe
+        from servelab.simulator.kernels.moe import kernel_dtype
+
+        return self.moe_fp8 if kernel_dtype(dtype, gpu) == "fp8" else self.moe
 
     def to_dict(self) -> dict[str, dict]:
         return {name: getattr(self, name).to_dict() for name in _SECTIONS}

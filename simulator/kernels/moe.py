@@ -469,7 +469,7 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
         naive = (np.asarray(ep) == 1) & (t * topk * p.naive_sparsity <= experts)
         active, tiles = np.where(naive, pairs, active), np.where(naive, pairs, tiles)
         passes = np.where(naive, pairs, passes)
-    eff = layer_compute_eff(p, gpu, kernel, experts, ep, inter_gpu) \
+    eff = layer_compute_eff(p, gpu, dtype, experts, ep, inter_gpu) \
         * np.where(rows < 64, p.small_tile_eff, 1.0)
     compute = tiles * rows * 2.0 * per_expert / (gpu.peak_flops(kernel) * eff)
     bw = gpu.hbm_bandwidth_gbps * 1e9
