@@ -93,7 +93,7 @@ def _data_parallel(flag: str, text: str) -> dict:
     n = _int(flag, text)
     # vLLM's data-parallel coordinator sends a request to the rank with the fewest waiting
     # and running requests (vllm/v1/engine/coordinator.py): least-outstanding is the
-    # closest, as for --dp (`simulator.cli.default_router`); a --router given wins
+    # closest, as for --dp (`simulator.cli.config_from_args`); a --router given wins
     return {"replicas": n, "router": "least-outstanding"} if n > 1 else {}
 
 

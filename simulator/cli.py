@@ -139,8 +139,11 @@ def config_from_args(args: argparse.Namespace):
         spec = load_model_spec(args.model)
         context = None if args.max_model_len else spec.max_position_embeddings
         gpu = get_gpu(args.gpu)
-    ep, replicas = expert_layout(args, spec)
-    router = args.router or default_router(args, spec, ep)
+    ep, replicas, ranks = expert_layout(args, spec)
+    # data-parallel ranks default to least-outstanding, as --vllm-args -dp N picks it
+    # (`servelab.vllm_args`: vLLM's coordinator sends a request to the rank with the fewest
+    # waiting and running requests); other replicas to round-robin
+    router = args.router or ("least-outstanding" if ranks > 1 else "round-robin")
     opts = configs_from_args(args, default_max_model_len=context,
                              device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)
     cache = opts.cache
@@ -184,8 +187,9 @@ def _async_scheduling(args: argparse.Namespace, opts) -> bool:
         and (not spec.enabled or spec.method in ("eagle", "mtp"))
 
 
-def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
-    """(ep, replicas) from --ep, --dp, --tp and --replicas. vLLM's expert-parallel group is
+def expert_layout(args: argparse.Namespace, model) -> tuple[int, int, int]:
+    """(ep, replicas, data-parallel ranks of one deployment) from --ep, --dp, --tp and
+    --replicas. vLLM's expert-parallel group is
     the TP × DP GPUs of a deployment ("The EP size is automatically calculated",
     docs.vllm.ai serving/expert_parallel_deployment), each data-parallel rank an engine
     with its own scheduler (serving/data_parallel_deployment): --dp N on a
@@ -207,17 +211,7 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int]:
     elif replicas % ranks:
         raise CLIError(f"--replicas {replicas} must be a multiple of the {ranks} data-parallel "
                        "ranks of a deployment")
-    return ep, replicas
-
-
-def default_router(args: argparse.Namespace, model, ep: int) -> str:
-    """The router when --router is not given: least-outstanding over data-parallel ranks
-    (--dp above 1, or --ep above --tp on a mixture-of-experts model), as `--vllm-args
-    -dp N` picks it (`servelab.vllm_args`: vLLM's coordinator sends a request to the rank
-    with the fewest waiting and running requests); round-robin otherwise."""
-    dp = getattr(args, "dp", None) or 1
-    ranks = dp if dp > 1 else (ep // args.tp if model.moe is not None and ep > args.tp else 1)
-    return "least-outstanding" if ranks > 1 else "round-robin"
+    return ep, replicas, ranks
 
 
 _VLLM_DESTS_DEFAULTS = {"model": "llama-3.1-8b", "tp": 1, "pp": 1, "replicas": 1,

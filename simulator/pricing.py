@@ -185,7 +185,8 @@ def _moe(opts: dict) -> dict:
     router = float(K.gemm_time(t, e, h, gpu, profile.kernels.gemm))
     experts = float(K.moe_experts_time(t, h, inter, e, k, gpu, p, ep, tp, dtype, load))
     active, pairs = (float(x) for x in K.expert_load(t, e, k, ep, load)[:2])
-    w8a8 = K.moe.kernel_dtype(dtype, gpu) == "fp8"
+    kernel = K.moe.kernel_dtype(dtype, gpu)
+    w8a8 = kernel == "fp8"
     per_expert = 3.0 * h * inter / tp
     weight_bytes = active * per_expert * (1.0 if dtype == "fp8" else 2.0)
     flops = 2.0 * pairs * per_expert
@@ -194,8 +195,7 @@ def _moe(opts: dict) -> dict:
     # dispatch and combine: each token's hidden state to and from the GPUs of its experts
     a2a_bytes = t / ep * k * h * (1.0 if w8a8 else 2.0)
     a2a = 2.0 * float(K.alltoall_time(a2a_bytes, ep, gpu, profile.kernels.alltoall))
-    tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, K.moe.kernel_dtype(dtype, gpu),
-                                                          e, ep, inter / tp))
+    tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, kernel, e, ep, inter / tp))
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,

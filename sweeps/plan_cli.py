@@ -308,6 +308,6 @@ def _no_answer(plan, max_gpus: int) -> str:
 def _default_router(args: argparse.Namespace) -> str:
     """The router every layout names when --router is not given: least-outstanding when
     --dp or --ep spread a deployment over data-parallel ranks (as `simulate` picks it for
-    them, `simulator.cli.default_router`), round-robin otherwise."""
+    them, `simulator.cli.config_from_args`), round-robin otherwise."""
     spread = max(getattr(args, "dp", None) or 1, getattr(args, "ep", None) or 1)
     return "least-outstanding" if spread > 1 else "round-robin"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -96,9 +95,7 @@ def test_a_speculative_run_is_replayed_at_its_acceptance_and_never_fitted(tmp_pa
 
 
 @pytest.mark.parametrize("k, measured", [(3, 0.5), (4, 0.1), (1, 0.73), (5, 0.0), (2, 1.0)])
-def test_the_acceptance_gives_the_measured_share_of_accepted_proposals(tmp_path, k, measured):
-    (tmp_path / "speculation.json").write_text(json.dumps(
-        {"num_speculative_tokens": k, "acceptance_rate": measured}))
-    alpha = _acceptance(SimpleNamespace(path=tmp_path))
+def test_the_acceptance_gives_the_measured_share_of_accepted_proposals(k, measured):
+    alpha = _acceptance({"num_speculative_tokens": k, "acceptance_rate": measured})
     assert 0.0 <= alpha <= 1.0
     assert (expected_tokens_per_step(k, alpha) - 1) / k == pytest.approx(measured, abs=1e-9)

@@ -26,7 +26,7 @@ import numpy as np
 
 from servelab.validation.real_runs import (ENGINE, LATENCIES, STATS, NotReplayable, RecordedRun,
                                            Replay, decode_seconds, error_metrics,
-                                           load_recorded_run, replay_run)
+                                           load_recorded_run, major_minor, replay_run)
 
 __all__ = ["TARGETS_PCT", "render", "write_report"]
 
@@ -245,7 +245,6 @@ def _version_note(rp: Replay) -> str:
     """" (the run's vLLM 0.9.2 has no preset: the nearest)" where the preset is not the
     run's own version's."""
     from servelab.engines import get_preset
-    from servelab.validation.real_runs import major_minor
 
     version = rp.run.meta.get("vllm_version")
     if major_minor(version) in (None, major_minor(get_preset(rp.config.engine).engine_version)):

@@ -91,12 +91,12 @@ def _notes(run: RealRun) -> list[str]:
         if run.config.get("clock") == "wall":
             notes.append("on the wall clock the real engines shared one device; the replay "
                          "gives each engine a device of its own")
-    if run.config["scheduler"].get("speculative", {}).get("method") and not _proposed(run):
+    stats = _speculation(run)
+    if stats is not None and not stats.get("proposed_tokens"):
         notes.append("the real run proposed no token (requests too short to speculate), so the "
                      "replay runs without speculation")
-    elif run.config["scheduler"].get("speculative", {}).get("method"):
-        stats = _read_json(run.path / "speculation.json")
-        notes.append(f"replayed at a per-token acceptance of {_acceptance(run):.3f}, which gives "
+    elif stats is not None:
+        notes.append(f"replayed at a per-token acceptance of {_acceptance(stats):.3f}, which gives "
                      f"the run's measured acceptance rate {stats['acceptance_rate']:.3f} to "
                      f"every request alike")
         if run.device == "cpu" and run.config["scheduler"]["speculative"]["method"] == "draft":
@@ -128,9 +128,10 @@ def replay_config(run: RealRun, profile_path: str, gpu: str, out_dir: Path) -> S
     write_json(model_path, run.model.hf_config)
     cache, cfg = run.derived["cache"], run.config
     scheduler = SchedulerConfig(**cfg["scheduler"])
-    if scheduler.speculative.enabled:
-        speculative = replace(scheduler.speculative, acceptance=_acceptance(run)) \
-            if _proposed(run) else SpeculativeConfig()   # nothing proposed: nothing to verify
+    stats = _speculation(run)
+    if stats is not None:
+        speculative = replace(scheduler.speculative, acceptance=_acceptance(stats)) \
+            if stats.get("proposed_tokens") else SpeculativeConfig()   # nothing proposed: nothing to verify
         scheduler = replace(scheduler, speculative=speculative)
     try:
         return SimulationConfig(
@@ -164,19 +165,21 @@ def _pools(run: RealRun) -> DisaggregationConfig | None:
         kv_link="ideal", kv_transfer=given.get("kv_transfer") or DisaggregationConfig().kv_transfer)
 
 
-def _proposed(run: RealRun) -> int:
-    """Tokens the speculative run proposed in all (speculation.json)."""
-    return int(_read_json(run.path / "speculation.json").get("proposed_tokens") or 0)
+def _speculation(run: RealRun) -> dict | None:
+    """A speculative run's speculation.json; None for a run without speculation."""
+    if not run.config["scheduler"].get("speculative", {}).get("method"):
+        return None
+    return _read_json(run.path / "speculation.json")
 
 
-def _acceptance(run: RealRun) -> float:
+def _acceptance(stats: dict) -> float:
     """The per-token acceptance α whose expected accepted share of K proposals,
-    (α + α² + ... + α^K) / K, is the run's measured accepted / proposed tokens."""
+    (α + α² + ... + α^K) / K, is the measured accepted / proposed tokens of a run's
+    speculation.json (`stats`)."""
     from scipy.optimize import brentq
 
     from servelab.speculative import expected_tokens_per_step
 
-    stats = _read_json(run.path / "speculation.json")
     k, measured = stats["num_speculative_tokens"], stats["acceptance_rate"]
     if measured is None or measured <= 0.0:
         return 0.0
