@@ -28,7 +28,8 @@ from pathlib import Path
 from servelab.cli import CLIError
 from servelab.options import fraction, number, positive_float
 from servelab.progress import PointProgress
-from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
+from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, grid_axes, plural,
+                                 point_config)
 
 _tolerance = number(float, low=0, high=1, low_open=True, high_open=True)
 """A relative width in (0, 1): --tolerance."""
@@ -147,6 +148,7 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     # bad flags, layouts and CPU tiers fail here, once, as one-line errors
     check_points([SweepPoint(s.build(start[0]), s.labels) for s in searches])
     out = Path(args.out)
+    check_sweep_out(out, "capacity", args.force)
     workers = args.workers or default_workers()
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
           f"req/s to {targets}, within {args.tolerance:.0%}, "

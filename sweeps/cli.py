@@ -240,6 +240,21 @@ def check_points(points) -> None:
                 raise CLIError(f"{where}: {exc}" if where else str(exc)) from None
 
 
+def check_sweep_out(out: Path, command: str, force: bool) -> None:
+    """`outdir.check_sweep_dir` as a one-line error, before the sweep starts. Forced over
+    another command's report, that report's own file goes, so the folder holds one."""
+    from servelab.outdir import SWEEP_REPORTS, check_sweep_dir
+
+    try:
+        check_sweep_dir(out, command, force=force)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if force and out.is_dir():
+        for name, marker in SWEEP_REPORTS:
+            if name not in (command, "compare"):    # sweep.json: every command rewrites it
+                (out / marker).unlink(missing_ok=True)
+
+
 def _earlier_grid(out: Path) -> set[str] | None:
     """The point keys of the comparison already in `out` (its sweep.json), if any."""
     from servelab.reports.runio import read_json
@@ -259,6 +274,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     axes, points = build_points(args, parser)
     check_points(points)
     out = Path(args.out)
+    check_sweep_out(out, "compare", args.force)
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \
         "a local Ray instance" if args.ray else plural(min(workers, len(points)), "worker process", "es")

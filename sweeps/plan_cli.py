@@ -34,7 +34,7 @@ from servelab.labels import COLOCATED
 from servelab.options import positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
-from servelab.sweeps.cli import add_grid_arguments, grid_axes, plural, point_config
+from servelab.sweeps.cli import add_grid_arguments, check_sweep_out, grid_axes, plural, point_config
 
 DEFAULT_TPS = (1, 2, 4, 8)
 """Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
@@ -231,6 +231,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not layouts:
         raise CLIError("no layout can run: " + "; ".join(f"{_who(v)}: {why}" for v, why in skipped))
     out = Path(args.out)
+    check_sweep_out(out, "plan", args.force)
     workers = args.workers or default_workers()
     traffic = f"{rate:g} req/s" if rate is not None else f"the trace's rate x {args.rate_scale or 1:g}"
     print(f"plan: {plural(len(layouts), 'layout')} at {traffic} to {targets}, up to {args.max_gpus} GPUs, "

@@ -172,3 +172,46 @@ def test_a_layout_the_model_cannot_take_fails_before_the_sweep(tmp_path, capsys,
     assert err[-1].endswith("tp=3 must divide llama-3.1-8b's attention heads (32) and intermediate "
                             "size (14336)")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["compare", "capacity", "plan"])
+def test_a_sweep_never_writes_over_another_commands_report_or_foreign_files(tmp_path, capsys,
+                                                                            command):
+    """docs/outputs.md: an --out holding another run or other files is refused unless
+    --force, for the sweeps as for simulate; a sweep's own folder resumes."""
+    other = "plan" if command != "plan" else "capacity"
+    cases = {"simulate run": {"config.json": "{}", "summary.json": "{}"},
+             "notes": {"notes.txt": "mine"},
+             other: {f"{other}.json": "{}", "sweep.json": "{}", "report.md": "# theirs"}}
+    for name, files in cases.items():
+        out = tmp_path / name.replace(" ", "-")
+        out.mkdir()
+        for file, text in files.items():
+            (out / file).write_text(text)
+        assert main([command, *COMMON, "--policies", "fcfs", "--workers", "1",
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"servelab {command}: error: --out {out} holds ") and "--force" in err
+        assert err.count("\n") == 1
+        assert {p.name: p.read_text() for p in out.iterdir()} == files       # untouched
+
+
+def test_check_sweep_dir_lets_a_sweep_resume_and_force_replaces_the_other_report(tmp_path):
+    from servelab.outdir import SWEEP_LAYOUT, check_sweep_dir
+    from servelab.sweeps.cli import check_sweep_out
+    from servelab.sweeps.sweep import LOCK_FILE, SWEEP_FILE
+
+    assert {LOCK_FILE, SWEEP_FILE} <= SWEEP_LAYOUT
+    out = tmp_path / "cap"
+    (out / "runs").mkdir(parents=True)
+    check_sweep_dir(out, "compare", force=False)           # interrupted: runs only, any sweep
+    for file in ("capacity.json", SWEEP_FILE, "report.md", LOCK_FILE):
+        (out / file).write_text("{}")
+    check_sweep_dir(out, "capacity", force=False)          # its own report: resumes
+    with pytest.raises(ValueError, match="holds a `servelab capacity` report"):
+        check_sweep_dir(out, "compare", force=False)
+    check_sweep_out(out, "compare", force=True)
+    assert not (out / "capacity.json").exists() and (out / SWEEP_FILE).exists()
+    (out / "x").write_text("")
+    with pytest.raises(ValueError):
+        check_sweep_dir(tmp_path / "cap" / "x", "plan", force=False)   # not a directory
