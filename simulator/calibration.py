@@ -191,7 +191,7 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
     if calibration is None:
         if engine_version is not None:
             return profile_for(spec, engine_version)[0]
-        return packaged(spec.calibration) if spec.calibration else bare_roofline(spec.name)
+        return load_profile(spec.calibration) if spec.calibration else bare_roofline(spec.name)
     if isinstance(calibration, CalibrationProfile):
         profile, label = calibration, "the calibration profile given"
     elif str(calibration) == NONE:
@@ -209,13 +209,17 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
             and version_key(profile.engine_version) != version_key(engine_version):
         raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
                          f"{profile.engine_version}, not the chosen engine's {engine_version}: "
-                         f"leave the calibration out to use "
-                         f"{packaged_choice(spec, engine_version)[0]}, or choose that engine "
+                         f"leave the calibration out to use {_shown(packaged_choice(spec, engine_version)[0])}, "
+                         f"or choose that engine "
                          f"(--engine vllm-{'.'.join(profile.engine_version.split('.')[:2])})")
     return profile
 
 
 # ------------------------------------------------------------- engine-version resolution
+
+
+def _shown(name: str) -> str:
+    return "the bare roofline" if name == NONE else name
 
 
 def version_key(version: str, what: str = "engine version") -> tuple[int, int, int]:
@@ -255,8 +259,8 @@ def _borrowed_device(spec: GPUSpec) -> str | None:
     where it has a profile of its own)."""
     if not spec.calibration:
         return None
-    if spec.calibration in packaged_names():
-        return packaged(spec.calibration).device
+    if spec.calibration in packaged_names() or spec.calibration.endswith(".json"):
+        return load_profile(spec.calibration).device
     return spec.calibration
 
 
@@ -297,6 +301,13 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
                                f"vLLM {_fmt(want)}; {lender}'s vLLM {_fmt(got)} profile "
                                f"(nearest engine version measured on the GPU {spec.name} "
                                f"borrows from)")
+    if spec.calibration and spec.calibration.endswith(".json"):     # a user's own file
+        version = load_profile(spec.calibration).engine_version
+        fitted = f"fitted inside vLLM {version}" if version else "engine version unknown"
+        carried = "" if version is None or version_key(version) == want else \
+            f"; carried over to vLLM {_fmt(want)}"
+        return spec.calibration, (f"{spec.calibration} (the profile {spec.name}'s GPU file "
+                                  f"names, {fitted}{carried})")
     if spec.calibration:          # a profile of unknown engine version: as the catalog says
         return spec.calibration, (f"{spec.calibration} (the catalog's profile for {spec.name}; "
                                   f"engine version unknown)")
@@ -325,7 +336,7 @@ def profile_for(spec: GPUSpec | str, engine_version: str) -> tuple[CalibrationPr
     the GPU's own datasheet figures."""
     name, line = packaged_choice(spec, engine_version)
     spec = get_gpu(spec) if isinstance(spec, str) else spec
-    return (bare_roofline(spec.name) if name == NONE else packaged(name)), line
+    return (bare_roofline(spec.name) if name == NONE else load_profile(name)), line
 
 
 def _check_profile(p: CalibrationProfile) -> None:

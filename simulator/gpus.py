@@ -77,7 +77,9 @@ class GPUSpec:
     paths every GPU has."""
     calibration: str | None = None
     """Name of the packaged calibration profile this GPU uses by default (its own, or the
-    nearest measured architecture's); None: the bare roofline."""
+    nearest measured architecture's), or — in a GPU file outside the package — the path of
+    a profile file (`servelab calibrate --out`), relative to the GPU file's folder; None:
+    the bare roofline."""
     description: str = ""
     source: str = ""
     """Where the figures come from, and how a borrowed calibration is justified."""
@@ -223,6 +225,9 @@ def get_gpu(name: str) -> GPUSpec:
             raise ValueError(f"cannot read GPU spec {path}: {exc.strerror}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        calibration = data.get("calibration") if isinstance(data, dict) else None
+        if isinstance(calibration, str) and calibration.endswith(".json"):
+            data = {**data, "calibration": str(path.parent / calibration)}   # beside the file
         return GPUSpec.from_dict(data, source=str(path))
     raise ValueError(f"unknown GPU {name!r}; the catalog has {', '.join(gpu_names())} "
                      f"(or pass a GPU spec .json file)")

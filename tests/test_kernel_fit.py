@@ -9,7 +9,7 @@ large-problem efficiency) directly.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from _gpu_tables import real_measurements
 
 from servelab.outputs import BatchShape
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import CalibrationProfile, packaged, resolve
+from servelab.simulator.calibration import CalibrationProfile, packaged, profile_for, resolve
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.gpus import get_gpu
 from servelab.validation.kernel_fit import (
@@ -276,6 +276,31 @@ def test_calibrate_takes_gemm_from_the_fallback_when_too_few_points():
     assert p.kernels.gemm == fallback.kernels.gemm
     assert p.kernels.gemm_fp8 == fallback.kernels.gemm_fp8
     assert "gemm.heldout_mape_pct" not in p.fit_stats
+
+
+def test_a_gpu_file_outside_the_catalog_is_calibrated_and_priced_by_its_own_profile(tmp_path):
+    """docs/extending.md: your own GPU is a JSON file anywhere; `calibrate --gpu FILE` fits
+    it (it is not in the catalog, so the spec is passed along, not looked up by name), and
+    the file's "calibration" may name the profile file beside it."""
+    import json
+
+    spec = dict(asdict(H100), name="my-h100", calibration=None, aliases=[])
+    gpu_file = tmp_path / "my-h100.json"
+    gpu_file.write_text(json.dumps(spec))
+    ms = synthetic_set()
+    ms.gpu = "my-h100"
+    with pytest.raises(ValueError, match="unknown GPU 'my-h100'"):
+        calibrate(ms)                                   # by name alone: not in the catalog
+    profile = calibrate(ms, gpu=get_gpu(str(gpu_file))).profile
+    assert profile.device == "my-h100"
+    profile_file = profile.save(tmp_path / "my-h100.profile.json")
+    spec["calibration"] = "my-h100.profile.json"        # relative to the GPU file's folder
+    gpu_file.write_text(json.dumps(spec))
+    model = CostModel("llama-3.1-8b", str(gpu_file))
+    assert model.profile.device == "my-h100"
+    assert model.profile.kernels.gemm == profile.kernels.gemm
+    chosen, line = profile_for(str(gpu_file), "0.24.0")
+    assert chosen.kernels.gemm == profile.kernels.gemm and str(profile_file) in line
 
 
 # --- the real H100 tables ---------------------------------------------------------------------

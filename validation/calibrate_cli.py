@@ -68,9 +68,9 @@ def register(subparsers) -> None:
                     "checks on data no fit saw; write Markdown and plots.")
     f.add_argument("--measurements", action="append", required=True, metavar="DIR",
                    help="folder of measurement tables (as for calibrate); repeatable")
-    f.add_argument("--out", default="docs/fidelity.md", metavar="FILE.md",
-                   help="report to write; plots go to a folder named after it "
-                        "(default %(default)s)")
+    f.add_argument("--out", required=True, metavar="FILE.md",
+                   help="report to write (the packaged one is docs/fidelity.md); plots go to "
+                        "a folder named after it")
     f.add_argument("--gpu", action="append", metavar="G",
                    help="only this GPU's packaged profiles (repeatable; default: all)")
     f.add_argument("--engine-version", action="append", metavar="V",
@@ -114,7 +114,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
                        data_version=args.data_version, max_points=args.max_points,
-                       progress=lambda line: print(line, file=sys.stderr))
+                       progress=lambda line: print(line, file=sys.stderr), gpu=gpu)
     path = result.profile.save(args.out)
     if args.json:
         print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats,

@@ -244,7 +244,8 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
               fallback: CalibrationProfile | None = None, data_version: str = "",
               max_points: int | None = None, progress=None,
               families: tuple[str, ...] | None = None,
-              ring: "tuple[K.CollectiveParams, str] | None" = None) -> KernelFit:
+              ring: "tuple[K.CollectiveParams, str] | None" = None,
+              gpu: GPUSpec | None = None) -> KernelFit:
     """Fit every family that has measurements (or only `families`); take the others from
     `fallback` (a profile of another GPU, e.g. of the same era) or leave them at the bare
     roofline, and say so.
@@ -256,8 +257,9 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
     is not refitted — by `kernels.movement.alltoall_from_ring`, which says why the ring
     prices the exchange better than another GPU's all-to-all there (on NVLink the
     derivation is 8-27% fast against A100/H100's measured exchanges, so an NVLink GPU
-    borrows a measured one); else the fallback's; else the bare roofline."""
-    gpu = get_gpu(ms.gpu)
+    borrows a measured one); else the fallback's; else the bare roofline. `gpu`: the
+    measured GPU's spec where it is not in the catalog (a GPU file)."""
+    gpu = gpu or get_gpu(ms.gpu)
     own_ring = ring
     fits: dict[str, FamilyFit] = {}
     values = {}
