@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from servelab._validate import check_int
+
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "OPTForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -163,6 +165,11 @@ class ModelSpec:
     max_position_embeddings + 2); 0: rotary positions, no table."""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            check_int("ModelSpec", name, getattr(self, name), lo=1)
+
     # --- parameters -------------------------------------------------------------------------
 
     def _attention_params(self) -> tuple[int, int]:
@@ -261,9 +268,9 @@ class ModelSpec:
             raise ValueError(f"unsupported architecture {arch!r}; servelab runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            num_layers = int(config["num_hidden_layers"])
+            heads = _count(config, "num_attention_heads")
+            hidden = _count(config, "hidden_size")
+            num_layers = _count(config, "num_hidden_layers")
             moe = _moe_spec(arch, config, num_layers) if arch in MOE_ARCHITECTURES else None
             mla = _mla_spec(arch, config) if arch in MLA_ARCHITECTURES else None
             opt = arch == "OPTForCausalLM"
@@ -272,12 +279,12 @@ class ModelSpec:
                 num_layers=num_layers,
                 hidden_size=hidden,
                 num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                num_kv_heads=_count(config, "num_key_value_heads", heads),
                 head_dim=(mla.qk_head_dim if mla
-                          else int(config.get("head_dim") or hidden // heads)),
-                intermediate_size=int(config["ffn_dim" if opt else "intermediate_size"]),
-                vocab_size=int(config["vocab_size"]),
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                          else _count(config, "head_dim", hidden // heads or None)),
+                intermediate_size=_count(config, "ffn_dim" if opt else "intermediate_size"),
+                vocab_size=_count(config, "vocab_size"),
+                max_position_embeddings=_count(config, "max_position_embeddings", 4096),
                 # transformers >= 5 nests it under rope_parameters
                 rope_theta=float(config.get("rope_theta")
                                  or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
@@ -301,11 +308,30 @@ class ModelSpec:
         return spec
 
 
-def _needed(config: dict, arch: str, what: str, *keys: str) -> int:
-    """The first of `keys` the config sets, as an int; ValueError naming the first key."""
+def _count(config: dict, key: str, default: int | None = None, lo: int = 1) -> int:
+    """config[key] (or `default` where it is absent or null, KeyError without one) as a
+    whole number >= `lo`; ValueError naming the field otherwise."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            if key in config:
+                raise ValueError(f"model config field {key!r} must be a whole number >= {lo}, "
+                                 f"got null")
+            raise KeyError(key)
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or abs(value) == float("inf") or value != int(value) or value < lo:
+        raise ValueError(f"model config field {key!r} must be a whole number >= {lo}, "
+                         f"got {value!r}")
+    return int(value)
+
+
+def _needed(config: dict, arch: str, what: str, *keys: str, lo: int = 1) -> int:
+    """The first of `keys` the config sets, as a whole number >= `lo`; ValueError naming
+    the first key where none is set."""
     for key in keys:
         if config.get(key) is not None:
-            return int(config[key])
+            return _count(config, key, lo=lo)
     raise ValueError(f"{arch} is a {what} model whose config lacks {keys[0]!r}")
 
 
@@ -370,7 +396,8 @@ def _moe_spec(arch: str, config: dict, num_layers: int) -> MoESpec:
                        norm_topk_prob=bool(config.get("norm_topk_prob", False)))
     width = needed("moe_intermediate_size")
     shared = int(config.get("n_shared_experts") or 0)
-    first_dense, freq = needed("first_k_dense_replace"), int(config.get("moe_layer_freq") or 1)
+    first_dense = _needed(config, arch, "mixture-of-experts", "first_k_dense_replace", lo=0)
+    freq = _count(config, "moe_layer_freq", 1)
     dense = tuple(i for i in range(num_layers) if i < first_dense or i % freq)
     return MoESpec(needed("n_routed_experts"), top_k, width, shared, shared * width, dense,
                    norm_topk_prob=bool(config.get("norm_topk_prob", False)))
@@ -400,8 +427,16 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.exists():
-        return ModelSpec.from_hf_config(json.loads(path.read_text()), name=path.parent.name
-                                        if path.name == "config.json" else path.stem)
+        try:
+            config = json.loads(path.read_text())
+            if not isinstance(config, dict):
+                raise ValueError(f"expected a JSON object, got {type(config).__name__}")
+            return ModelSpec.from_hf_config(config, name=path.parent.name
+                                            if path.name == "config.json" else path.stem)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     entry = resources.files("servelab") / "data" / "models" / f"{name_or_path}.json"
     if not entry.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a config.json path, and the "

@@ -158,6 +158,31 @@ def test_unknown_or_incomplete_layouts_are_refused_in_one_line(config, line):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("num_hidden_layers", 0), ("num_hidden_layers", None), ("hidden_size", -4096),
+    ("hidden_size", "abc"), ("num_attention_heads", 0), ("intermediate_size", 0),
+    ("vocab_size", 0), ("num_key_value_heads", 2.5), ("max_position_embeddings", True),
+])
+def test_a_config_number_that_cannot_be_is_refused_naming_file_and_field(tmp_path, field, value):
+    """Before any pricing: a zero layer count used to divide by zero, a zero vocabulary or
+    MLP width to price nonsense silently."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**_raw("llama-3.1-8b"), field: value}))
+    shown = "null" if value is None else repr(value)
+    with pytest.raises(ValueError) as info:
+        load_model_spec(str(folder))
+    assert str(info.value) == (f"{folder / 'config.json'}: model config field {field!r} must be "
+                               f"a whole number >= 1, got {shown}")
+
+
+def test_a_config_that_is_not_json_names_its_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"a":')
+    with pytest.raises(ValueError, match=rf"^{path}: not valid JSON \(Expecting value at line 1\)$"):
+        load_model_spec(str(path))
+
+
 def test_other_quantisations_are_refused_when_asked_for_the_weight_dtype():
     awq = {"quant_method": "awq"}
     m = ModelSpec.from_hf_config({**_raw("tiny-moe"), "quantization_config": awq})
