@@ -42,6 +42,17 @@ def report(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("argv, who", [(["--gpu", "h200"], "h200"),
+                                        (["--gpu", "rtx-pro-6000", "--engine-version", "0.14.0"],
+                                         "rtx-pro-6000 inside vLLM 0.14.0")])
+def test_fidelity_with_nothing_to_judge_writes_nothing_and_says_why(tmp_path, capsys, argv, who):
+    out = tmp_path / "f.md"
+    assert main(["fidelity", "--measurements", str(tmp_path), *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"servelab fidelity: error: no packaged profile was fitted on {who}: ")
+    assert "h100-sxm (0.24.0)" in err and err.count("\n") == 1 and not out.exists()
+
+
 def test_fidelity_report_has_bare_and_fitted_tables_per_family(report):
     text = report.read_text()
     assert "## h100-sxm, vLLM 0.14.0" in text and "## a100-80gb" not in text and "## l40s" not in text

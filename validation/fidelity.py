@@ -309,6 +309,14 @@ def write_report(measurement_dirs: list[str | Path], out: str | Path,
                                engine_version=profile.engine_version)
         loaded.setdefault(profile.device, {})[profile.engine_version or "?"] = ms
         reports.append(replace(evaluate_gpu(ms, profile), name=name))
+    if not reports:
+        fitted = sorted({f"{packaged(n).device} ({packaged(n).engine_version or '?'})"
+                         for n in packaged_names()})
+        raise ValueError(f"no packaged profile was fitted on {', '.join(chosen or ['any GPU'])}"
+                         f"{' inside vLLM ' + ', '.join(engine_versions) if engine_versions else ''}"
+                         f": fidelity judges packaged profiles on their own GPU's tables, which "
+                         f"exist for {', '.join(fitted)} (a profile of your own: `servelab "
+                         f"calibrate` prints its held-out error per band)")
     ratios = {}
     for gpu, by_version in loaded.items():
         versions = sorted((v for v in by_version if v != "?"), key=version_key)
