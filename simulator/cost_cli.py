@@ -148,7 +148,9 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
     try:
         if args.points:
-            rows = pricing.price_points(args.kind, args.points, vars(args))
+            rows = pricing.price_points(args.kind, args.points, vars(args),
+                                        note=lambda line: print(f"cost: note: {line}",
+                                                                file=sys.stderr))
             if args.json:
                 print(json.dumps(rows, indent=2))
                 if not args.out:

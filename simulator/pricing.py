@@ -469,10 +469,16 @@ def describe(kind: str, r: dict) -> str:
     return "\n".join(lines)
 
 
-def price_points(kind: str, path: str | Path, defaults: dict) -> list[dict]:
+_NOT_COLUMNS = frozenset({"func", "command", "command_parser", "kind", "points", "out", "json"})
+"""Entries of the parsed command line that are not a priced flag a column could set."""
+
+
+def price_points(kind: str, path: str | Path, defaults: dict, note=None) -> list[dict]:
     """Price every row of a CSV; columns named like the flags override `defaults`, except
     in an empty cell (a decode row's `tokens` beside prefill rows), which leaves the flag's
-    value as given."""
+    value as given. Other columns (a measured time to compare with) are carried through
+    unread, and `note` (a callable) is told their names, lest a misspelt flag go unseen;
+    a file none of whose columns names a flag is refused."""
     path = Path(path)
     try:
         with path.open(newline="") as f:
@@ -481,6 +487,17 @@ def price_points(kind: str, path: str | Path, defaults: dict) -> list[dict]:
         raise ValueError(f"cannot read {path}: {exc.strerror}") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
+    flags = sorted(set(defaults) - _NOT_COLUMNS)
+    columns = [key for key in rows[0] if key is not None]
+    unread = [c for c in columns if c.strip().replace("-", "_") not in flags]
+    if len(unread) == len(columns):
+        raise ValueError(f"{path}: no column names a flag of `cost {kind}`; its columns may be "
+                         f"{', '.join(flags)}")
+    if unread and note:
+        note(f"{path}: column{'s' if len(unread) > 1 else ''} {', '.join(unread)} "
+             f"name{'' if len(unread) > 1 else 's'} no flag of `cost {kind}` and "
+             f"{'are' if len(unread) > 1 else 'is'} carried through unread (flags: "
+             f"{', '.join(flags)})")
     out = []
     for line, row in enumerate(rows, start=2):
         opts = dict(defaults)

@@ -265,6 +265,23 @@ def test_points_take_missing_columns_from_the_flags_and_columns_win(capsys, tmp_
         assert float(r["predicted_ms"]) == single["predicted_ms"]
 
 
+def test_points_name_columns_they_do_not_read_and_refuse_a_file_of_none(capsys, tmp_path):
+    """A misspelt column (`mm` for `m`) used to be ignored silently, every row priced at
+    the flag's value; a column kept for comparison (`measured_ms`) is carried through."""
+    src = write_csv(tmp_path / "typo.csv", ["mm", "n", "k", "measured_ms"],
+                    [(1, 4096, 4096, 0.01), (4096, 4096, 4096, 0.3)])
+    rc, stdout, err = cost(capsys, "gemm", "--gpu", GPU, "--m", 512, "--points", src)
+    assert rc == 0
+    assert err == (f"cost: note: {src}: columns mm, measured_ms name no flag of `cost gemm` "
+                   "and are carried through unread (flags: calibration, dtype, engine_version, "
+                   "gpu, k, m, n)\n")
+    assert [r["measured_ms"] for r in csv.DictReader(stdout.splitlines())] == ["0.01", "0.3"]
+    none = write_csv(tmp_path / "none.csv", ["rows", "cols", "depth"], [(1, 2, 3)])
+    assert_one_line_error(*cost(capsys, "gemm", "--gpu", GPU, "--points", none),
+                          f"{none}: no column names a flag of `cost gemm`; its columns may be "
+                          "calibration, dtype, engine_version, gpu, k, m, n")
+
+
 def test_points_for_attention_accept_flag_spelled_columns(capsys, tmp_path):
     src = write_csv(tmp_path / "attn.csv", ["batch", "context", "heads", "kv-heads"],
                     [(1, 128, 32, 8), (64, 4096, 32, 8), (8, 1024, 64, 64)])
