@@ -46,7 +46,7 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
     groups = data["groups"]
     colours = plots.policy_colours(g["labels"].get("policy", "") for g in groups)
     doc: list = [Heading(1, f"Capacity at {criterion}: {first['trace']}"),
-                 Text(_answer(groups, criterion, tolerance, first, data.get("num_requests"))),
+                 Text(_answer(groups, criterion, tolerance, first, len(first_requests))),
                  _bracket_table(groups), *_failed_probes(groups)]
     tenants = tenants_tightest_first(slo_tiers(first, first_requests))
     for labels, members in _variants(groups).items():
@@ -62,7 +62,7 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
                                            target, colours, "SLO attainment vs request rate" + suffix,
                                            tenants=tenants)))
     doc += [Heading(2, "How it was found"), Text(_method(criterion, tolerance, data["start_rates"]))]
-    doc += [Heading(2, "How the answer depends on run length"), *_run_length(groups, out_dir)]
+    doc += [Heading(2, "How the answer depends on run length"), *_run_length(groups, out_dir, data)]
     notes = [f"{_who(g)}: {n}" for g in groups for n in g["notes"]]
     if notes:
         doc += [Heading(2, "Notes"), Bullets(notes)]
@@ -106,8 +106,10 @@ def _variants(groups: Sequence[Mapping[str, Any]]) -> dict[tuple, list]:
     return out
 
 
-def _answer(groups, criterion: str, tolerance: float, config: Mapping[str, Any], num_requests) -> str:
-    """The opening sentence(s): every group's capacity, highest first."""
+def _answer(groups, criterion: str, tolerance: float, config: Mapping[str, Any],
+            num_requests: int) -> str:
+    """The opening sentence(s): every group's capacity, highest first; `num_requests` is
+    what a run replayed (a --num-requests above the trace's length replays the trace)."""
     sentences = []
     for labels, members in _variants(groups).items():
         ranked = sorted(members, key=lambda g: -(g["capacity"] or 0.0))
@@ -116,7 +118,7 @@ def _answer(groups, criterion: str, tolerance: float, config: Mapping[str, Any],
         head = f"{where}{names[0]} sustains {_amount(ranked[0])} at {criterion}"
         rest = [f"{name} {_amount(g)}" for name, g in zip(names[1:], ranked[1:])]
         sentences.append(head + "".join(f", {r}" for r in rest) + ".")
-    runs = f"{num_requests:,} requests per run" if num_requests else "the whole trace per run"
+    runs = f"{num_requests:,} requests per run"
     unsteady = [g["labels"].get("policy", "?") for g in groups if g.get("steady_state_warning")]
     caveat = (f" The run at {' and '.join(unsteady)}'s capacity had not settled: treat "
               f"{'that figure' if len(unsteady) == 1 else 'those figures'} as an upper bound (see run length "
@@ -183,7 +185,16 @@ def _method(criterion: str, tolerance: float, start: Sequence[float]) -> str:
             "probe is an ordinary run directory under runs/: rerunning the command reuses them.")
 
 
-def _run_length(groups, out_dir: Path) -> list:
+def _longer(data: Mapping[str, Any], counts: list[int]) -> str:
+    """How to get a longer run: a larger --num-requests, unless the trace ran out first."""
+    asked = data.get("num_requests")
+    if asked and max(counts) < asked:
+        return (f"a longer trace: this one holds {max(counts):,} requests, fewer than "
+                f"--num-requests {asked:,}")
+    return "a larger --num-requests"
+
+
+def _run_length(groups, out_dir: Path, data: Mapping[str, Any]) -> list:
     spans = []
     for g in groups:
         if g["held"] is not None:
@@ -197,8 +208,8 @@ def _run_length(groups, out_dir: Path) -> list:
             f"Each run replays {', '.join(f'{n:,}' for n in counts)} requests: {low:,.0f} to {high:,.0f} s of "
             "arrivals at the capacities found. A run answers whether the SLOs hold for that long: an overload "
             "so slight that its queue needs longer to push latencies past the SLOs goes unseen, so a capacity "
-            "from a short run is an upper bound, and a longer run (a larger --num-requests) gives an equal or "
-            "lower one. A policy that meets the target by giving up one tenant drops the most as runs grow, "
+            f"from a short run is an upper bound, and a longer run ({_longer(data, counts)}) gives an equal "
+            "or lower one. A policy that meets the target by giving up one tenant drops the most as runs grow, "
             "because the requests it gives up wait longer and longer. The answer is also that of one sample "
             "of arrivals (--seed): near a capacity, bursts decide which requests miss, so another seed can "
             "move it; rerun with --seed N to see by how much."))

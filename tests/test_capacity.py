@@ -153,6 +153,24 @@ def test_the_report_opens_with_the_answer_and_draws_the_attainment_curves(capaci
     assert len(sweep["points"]) == 2 * len(sweep["axes"]["rate"])
 
 
+def test_the_report_counts_the_requests_replayed_not_those_asked_for(capacity_dir, tmp_path):
+    """--num-requests above the trace's length replays the whole trace: the report says
+    how many ran, and that a larger --num-requests cannot lengthen the run."""
+    import shutil
+
+    from servelab.reports.capacity_report import write_capacity_report
+
+    out = tmp_path / "cap"
+    shutil.copytree(capacity_dir, out)
+    data = json.loads((out / "capacity.json").read_text())
+    (out / "capacity.json").write_text(json.dumps({**data, "num_requests": 5000}))
+    text = write_capacity_report(out).markdown.read_text()
+    assert "(llama-3.1-8b on h100-sxm, 300 requests per run;" in text
+    assert "a longer run (a longer trace: this one holds 300 requests, fewer than --num-requests " \
+           "5,000) gives" in text
+    assert "a larger --num-requests" in (capacity_dir / "report.md").read_text()
+
+
 def test_rerunning_the_search_reuses_every_probe(capacity_dir, capsys):
     assert main(["capacity", *FLAGS, "--workers", "2", "--out", str(capacity_dir)]) == 0
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("capacity: round")]
