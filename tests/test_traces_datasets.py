@@ -75,7 +75,7 @@ def test_download_is_verified_by_sha256(tmp_path, traces_dir):
 
 def test_resolve_trace_accepts_paths_and_default_and_rejects_the_rest(tmp_path, traces_dir):
     trace = resolve_trace(str(traces_dir / "splitwise_conv.csv"), rate=11.0, max_model_len=8192)
-    assert trace.mean_rate == pytest.approx(11.0) and trace.num_clipped == 2
+    assert trace.mean_rate == pytest.approx(11.0) and trace.num_clipped == 1   # prompt and output
     default = resolve_trace("default", seed=3)
     assert {r.tenant for r in default.records} == {"interactive", "batch"}
     assert resolve_trace("default", seed=3, rate=9.0).mean_rate == pytest.approx(9.0, rel=0.05)

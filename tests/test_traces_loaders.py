@@ -165,7 +165,8 @@ def test_timed_trace_rate_option_rescales_and_max_model_len_clips(tmp_path):
     trace = load_trace(path, rate=3.0, max_model_len=1024)
     assert [r.arrival_s for r in trace.records] == [0.0, 0.5, 1.0]
     assert trace.records[1].prompt_tokens == 1023 and trace.records[1].output_tokens == 1
-    assert trace.num_clipped == 2
+    assert trace.num_clipped == 1                        # one request, clipped twice
+    assert [i.count for i in trace.clipped] == [1, 1]    # prompt, output
 
 
 def test_a_rate_applies_to_the_requests_kept_not_to_the_whole_file(tmp_path):

@@ -58,7 +58,8 @@ def test_clip_lengths_counts_and_reports_every_clipped_request():
         ("older", 1, "line 2"),
         ("prompt clipped to fit max_model_len 8192", 1, "request 0: prompt 14050 -> 8191 tokens"),
         ("output clipped to fit max_model_len 8192", 3, "request 0: output 39 -> 1 tokens")]
-    assert c.num_clipped == 5 and c.notes[-1] == "lengths clipped (max_model_len=8192): 3 requests"
+    # request 0 is clipped twice (prompt and output) but counted once: 1 older + 3
+    assert c.num_clipped == 4 and c.notes[-1] == "lengths clipped (max_model_len=8192): 3 requests"
     caps = clip_lengths(t, max_prompt_tokens=1000, max_output_tokens=64)
     assert [(r.prompt_tokens, r.output_tokens) for r in caps] == [(1000, 39), (100, 64), (100, 50), (1000, 5)]
     with pytest.raises(TraceError):

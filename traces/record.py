@@ -136,12 +136,18 @@ class Trace:
     source_rows: int | None = None
     dropped: tuple[RowIssue, ...] = ()
     clipped: tuple[RowIssue, ...] = ()
+    """Why requests were clipped, one count per reason: a request clipped twice (prompt and
+    output) counts under each."""
+    clipped_requests: int = 0
+    """Requests clipped for any reason (each once)."""
     notes: tuple[str, ...] = field(default=())
     """Provenance, one line each: time origin, arrival process and seed, transforms applied."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.records, tuple):
             object.__setattr__(self, "records", tuple(self.records))
+        if self.clipped and not self.clipped_requests:      # one request per issue counted
+            object.__setattr__(self, "clipped_requests", sum(i.count for i in self.clipped))
         recs = self.records
         for i in range(1, len(recs)):
             if recs[i].arrival_s < recs[i - 1].arrival_s:
@@ -160,7 +166,8 @@ class Trace:
 
     @property
     def num_clipped(self) -> int:
-        return sum(i.count for i in self.clipped)
+        """Requests clipped, each once whatever the reasons."""
+        return self.clipped_requests
 
     @property
     def span_s(self) -> float:
@@ -173,10 +180,13 @@ class Trace:
         span = self.span_s
         return len(self.records) / span if span > 0 else None
 
-    def with_records(self, records, *, note: str | None = None, clipped: tuple[RowIssue, ...] = ()) -> "Trace":
-        """A copy holding `records`, with a provenance note and extra clipping issues appended."""
+    def with_records(self, records, *, note: str | None = None, clipped: tuple[RowIssue, ...] = (),
+                     clipped_requests: int = 0) -> "Trace":
+        """A copy holding `records`, with a provenance note and extra clipping issues (of
+        `clipped_requests` more requests) appended."""
         return replace(self, records=tuple(records),
                        clipped=merge_issues(self.clipped, clipped) if clipped else self.clipped,
+                       clipped_requests=self.clipped_requests + clipped_requests,
                        notes=self.notes + ((note,) if note else ()))
 
     def requests(self, seed: int = 0) -> "TraceRequests":

@@ -53,6 +53,8 @@ class TraceStats:
     already-seen block ids, times the block size, capped at the prompt length)."""
     dropped: tuple[RowIssue, ...]
     clipped: tuple[RowIssue, ...]
+    clipped_requests: int
+    """Requests clipped, each once (`clipped` counts per reason)."""
     notes: tuple[str, ...]
     histogram: tuple[tuple[float, float, int], ...]
     """Inter-arrival gap histogram: (low s, high s, count); a (0, 0, n) row counts equal times."""
@@ -146,7 +148,7 @@ def trace_stats(trace: Trace, *, bins: int = 10) -> TraceStats:
         prompt=Summary.of([r.prompt_tokens for r in recs]), output=Summary.of([r.output_tokens for r in recs]),
         tenants=tuple(tenant_rows), with_prefix_hashes=sum(r.prefix_hashes is not None for r in recs),
         prefix_hit_ratio=prefix_hit_ratio(trace), dropped=trace.dropped, clipped=trace.clipped,
-        notes=trace.notes, histogram=gap_histogram(gaps, bins))
+        clipped_requests=trace.num_clipped, notes=trace.notes, histogram=gap_histogram(gaps, bins))
 
 
 def gap_histogram(gaps, bins: int = 10) -> tuple[tuple[float, float, int], ...]:
@@ -220,8 +222,9 @@ def format_stats(st: TraceStats, *, lengths_only: bool = False) -> str:
         hit = f"{st.prefix_hit_ratio:.1%}" if st.prefix_hit_ratio is not None else "-"
         lines.append(f"prefix hashes: {st.with_prefix_hashes} requests; an unbounded prefix cache "
                      f"would hit {hit} of their prompt tokens")
-    for title, issues in (("dropped rows", st.dropped), ("clipped requests", st.clipped)):
-        lines.append(f"{title}: {sum(i.count for i in issues)}")
+    for title, issues, total in (("dropped rows", st.dropped, sum(i.count for i in st.dropped)),
+                                 ("clipped requests", st.clipped, st.clipped_requests)):
+        lines.append(f"{title}: {total}")
         lines += [f"  {i.count} x {i.reason} (first: {i.example})" for i in issues]
     notes = [n for n in st.notes if not (lengths_only and n.startswith("arrivals drawn"))]
     if notes:

@@ -59,6 +59,9 @@ def time_window(trace: Trace, start_s: float, end_s: float | None = None) -> Tra
 def first_n(trace: Trace, n: int) -> Trace:
     """The first `n` requests."""
     _count("n", n)
+    if n >= len(trace.records):
+        return trace.with_records(trace.records, note=f"all {len(trace.records)} requests "
+                                                      f"(fewer than the {n} asked for)")
     return trace.with_records(trace.records[:n], note=f"first {n} requests")
 
 
@@ -105,7 +108,8 @@ def clip_lengths(trace: Trace, max_model_len: int | None = None, *, max_prompt_t
     shown = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
     changed = sum(a is not b for a, b in zip(out, trace.records))
     clipped = tuple(RowIssue(reason, n, example) for reason, (n, example) in issues.items())
-    return trace.with_records(out, note=f"lengths clipped ({shown}): {changed} requests", clipped=clipped)
+    return trace.with_records(out, note=f"lengths clipped ({shown}): {changed} requests", clipped=clipped,
+                              clipped_requests=changed)
 
 
 # ----------------------------------------------------------------------------- tenants and priorities
