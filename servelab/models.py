@@ -170,6 +170,22 @@ class ModelSpec:
                      "intermediate_size", "vocab_size", "max_position_embeddings"):
             check_int("ModelSpec", name, getattr(self, name), lo=1)
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes, as vLLM derives it from the config
+        (`_get_and_verify_max_len`, vllm/config/model.py): max_position_embeddings, times
+        the RoPE scaling factor for scalings other than su, longrope and llama3 (whose
+        max_position_embeddings already counts it), from original_max_position_embeddings
+        for yarn. vLLM refuses a --max-model-len above it (unless
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: positions past it give wrong outputs)."""
+        rope = self.hf_config.get("rope_scaling") or self.hf_config.get("rope_parameters") or {}
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind in ("su", "longrope", "llama3"):
+            return self.max_position_embeddings
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        factor = rope.get("factor") or 1.0
+        return int((base or self.max_position_embeddings) * factor)
+
     # --- parameters -------------------------------------------------------------------------
 
     def _attention_params(self) -> tuple[int, int]:

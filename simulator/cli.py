@@ -137,7 +137,11 @@ def config_from_args(args: argparse.Namespace):
         args = with_vllm_args(args)
     with user_errors():
         spec = load_model_spec(args.model)
-        context = None if args.max_model_len else spec.max_position_embeddings
+        context = None if args.max_model_len else spec.context_length
+        if args.max_model_len and args.max_model_len > spec.context_length:
+            raise ValueError(f"--max-model-len {args.max_model_len:,} is longer than {spec.name}'s "
+                             f"context of {spec.context_length:,} tokens (its config.json's "
+                             "max_position_embeddings and RoPE scaling); vLLM refuses it too")
         gpu = get_gpu(args.gpu)
     ep, replicas, ranks = expert_layout(args, spec)
     # data-parallel ranks default to least-outstanding, as --vllm-args -dp N picks it

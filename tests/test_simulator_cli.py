@@ -421,3 +421,27 @@ def test_a_rerun_from_config_json_guards_out_as_simulate_does(tmp_path, trace_fi
     (tmp_path / "file").write_text("x")
     assert rerun([config, "--out", str(tmp_path / "file")]) == 2
     assert rerun([config, "--out", str(other), "--force"]) == 0
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_as_vllm_does(tmp_path, capsys):
+    """vLLM's _get_and_verify_max_len refuses it (positions past the context give wrong
+    outputs); a 200k-token prompt on Llama-3.1-8B (131,072) used to be priced silently."""
+    assert simulate("--max-model-len", "1000000", "--out", str(tmp_path / "x")) == 2
+    assert capsys.readouterr().err == (
+        "servelab simulate: error: --max-model-len 1,000,000 is longer than llama-3.1-8b's "
+        "context of 131,072 tokens (its config.json's max_position_embeddings and RoPE "
+        "scaling); vLLM refuses it too\n")
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_context_length_follows_vllms_rope_scaling_rules():
+    from servelab.models import ModelSpec, load_model_spec
+
+    raw = dict(load_model_spec("tiny-llama").hf_config, max_position_embeddings=4096)
+    length = lambda rope: ModelSpec.from_hf_config({**raw, "rope_scaling": rope}).context_length
+    assert length(None) == 4096
+    assert length({"rope_type": "llama3", "factor": 8.0}) == 4096      # counted already
+    assert length({"type": "linear", "factor": 2.0}) == 8192
+    assert length({"rope_type": "yarn", "factor": 4.0,
+                   "original_max_position_embeddings": 2048}) == 8192
+    assert load_model_spec("deepseek-v3").context_length == 163840    # yarn 40 x 4096
