@@ -122,10 +122,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=functools.partial(_cmd_compare, parser=p))
 
 
-def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
+def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str,
+                       sweep_defaults: dict[str, str] | None = None) -> None:
     """Every `servelab simulate` flag, the sweep lists and the execution flags: what
     `compare` takes, and `capacity` and `plan` with it. `p` must be made with
-    conflict_handler="resolve": the flags of LIST_FLAGS replace simulate's."""
+    conflict_handler="resolve": the flags of LIST_FLAGS replace simulate's.
+    `sweep_defaults`: per axis, the help's note on what the command sweeps when its list
+    flag is not given (compare's: four policies)."""
     from servelab.simulator import cli as simulate_cli
 
     simulate_cli.register(_ParserSlot(p))   # adds --out DIR and every simulate flag
@@ -135,10 +138,10 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
                        help=f"{flag} as `simulate` takes it, or a list of values to sweep"
                             + ("" if p.get_default(axis) is None else f" (default {p.get_default(axis)})"))
     notes = {"policy": " (default: " + ",".join(DEFAULT_POLICIES) + ")", "rate": rates_help,
-             "chunked_prefill": " (token counts, budget or off)"}
+             "chunked_prefill": " (token counts, budget or off)", **(sweep_defaults or {})}
     for flag, axis, single, parse, metavar in SWEEP_FLAGS:
         if parse is _CHOICES:
-            parse = _one_of(tuple(_single_flag(p, single).choices))
+            parse = _one_of(tuple(single_flag(p, single).choices))
         g.add_argument(flag, dest=f"sweep_{axis}", type=_list_of(parse), default=None, metavar=metavar,
                        help=f"values of {single} to sweep{notes.get(axis, '')}")
     x = p.add_argument_group("execution")
@@ -151,7 +154,7 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, rates_help: str) -> None:
                      help="run the points on the Ray cluster at ADDR ('auto': this machine's)")
 
 
-def _single_flag(p: argparse.ArgumentParser, flag: str) -> argparse.Action:
+def single_flag(p: argparse.ArgumentParser, flag: str) -> argparse.Action:
     """The `simulate` flag `flag` of parser `p`."""
     return next(a for a in p._actions if flag in a.option_strings)
 

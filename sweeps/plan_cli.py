@@ -34,7 +34,8 @@ from servelab.labels import COLOCATED
 from servelab.options import positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
-from servelab.sweeps.cli import add_grid_arguments, check_sweep_out, grid_axes, plural, point_config
+from servelab.sweeps.cli import (single_flag, add_grid_arguments, check_sweep_out, grid_axes,
+                                 plural, point_config)
 
 DEFAULT_TPS = (1, 2, 4, 8)
 """Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
@@ -55,7 +56,14 @@ def register(subparsers) -> None:
                     "traffic, and rank the layouts by cost an hour (or GPUs). Writes DIR/plan.json, "
                     "DIR/index.html and DIR/report.md; every run is stored under DIR/runs and reused "
                     "on a rerun. Every `servelab simulate` flag applies to every run.")
-    add_grid_arguments(p, rates_help=": one rate only (plan sizes a deployment for one traffic)")
+    add_grid_arguments(p, rates_help=": one rate only (plan sizes a deployment for one traffic)",
+                       sweep_defaults={"policy": " (default: --policy's one)",
+                                       "gpu": " (default: every catalog GPU with a price)",
+                                       "tp": " (default: " + ",".join(map(str, DEFAULT_TPS)) + ")"})
+    for flag, searched in (("--gpu", "every catalog GPU with a price"),
+                           ("--tp", ",".join(map(str, DEFAULT_TPS)))):
+        action = single_flag(p, flag)          # one value instead of plan's search
+        action.help = f"{action.help.split(' (default')[0]} (default: plan searches {searched})"
     c = add_target_arguments(p, "plan")
     c.add_argument("--objective", choices=OBJECTIVES, default="cost",
                    help="what to minimise: cost an hour (default) or GPUs")

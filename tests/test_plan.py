@@ -308,3 +308,16 @@ def test_a_plan_over_data_parallel_ranks_names_the_least_outstanding_router():
     assert _default_router(Namespace(dp=2, ep=None)) == "least-outstanding"
     assert _default_router(Namespace(dp=None, ep=4)) == "least-outstanding"
     assert _default_router(Namespace(dp=None, ep=None)) == "round-robin"
+
+
+def test_plan_help_states_what_plan_searches_by_default(capsys):
+    """Not compare's defaults (four policies) nor argparse's None: what plan does."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--policies P,P,... values of --policy to sweep (default: --policy's one)" in text
+    assert "--gpus G,G,... values of --gpu to sweep (default: every catalog GPU with a price)" in text
+    assert "--tps N,N,... values of --tp to sweep (default: 1,2,4,8)" in text
+    assert "(default: plan searches every catalog GPU with a price)" in text
+    assert "tensor-parallel GPUs per replica (default: plan searches 1,2,4,8)" in text
+    assert "(default None)" not in text and "fcfs,priority,sjf,fair" not in text
