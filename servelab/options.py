@@ -222,17 +222,15 @@ def add_scheduler_options(parser: argparse.ArgumentParser, *, policy_classes: Ma
     a.add_argument("--tenant-rate", type=positive_float, default=None, metavar="REQ_PER_S",
                    help="token bucket per tenant: admit each tenant's arrivals at this mean rate "
                         "(default: no limit)")
-    a.add_argument("--tenant-burst", type=_at_least_one, metavar="N",
-                   default=_ADMISSION_DEFAULTS["tenant_burst"],
+    a.add_argument("--tenant-burst", type=_at_least_one, metavar="N", default=None,
                    help="arrivals a tenant may send at once under --tenant-rate "
-                        "(default %(default)s)")
+                        f"(default {_ADMISSION_DEFAULTS['tenant_burst']:g})")
     a.add_argument("--shed-from-priority", type=int, default=None, metavar="P",
                    help="shed a request of priority P or a larger value (a lower tier) when its "
                         "predicted wait exceeds its TTFT SLO (default: never shed)")
-    a.add_argument("--shed-default-slo-ms", type=positive_float, metavar="MS",
-                   default=_ADMISSION_DEFAULTS["shed_default_slo_ms"],
-                   help="TTFT SLO shedding judges a request without its own by "
-                        "(default %(default)s)")
+    a.add_argument("--shed-default-slo-ms", type=positive_float, metavar="MS", default=None,
+                   help="TTFT SLO --shed-from-priority judges a request without its own by "
+                        f"(default {_ADMISSION_DEFAULTS['shed_default_slo_ms']:g})")
 
     add_speculative_options(parser)
 
@@ -412,6 +410,10 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
     its flags)."""
     given = {name: getattr(args, name) for name in _ADMISSION_DEFAULTS
              if getattr(args, name, None) is not None}
+    for setting, rule in (("tenant_burst", "tenant_rate"), ("shed_default_slo_ms", "shed_from_priority")):
+        if setting in given and rule not in given:
+            raise CLIError(f"{_FLAG_OF[setting]} applies with {_FLAG_OF[rule]}, which "
+                           "was not given")
     return _checked(AdmissionConfig, given)
 
 

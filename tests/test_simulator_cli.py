@@ -445,3 +445,21 @@ def test_the_context_length_follows_vllms_rope_scaling_rules():
     assert length({"rope_type": "yarn", "factor": 4.0,
                    "original_max_position_embeddings": 2048}) == 8192
     assert load_model_spec("deepseek-v3").context_length == 163840    # yarn 40 x 4096
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--tenant-burst", "3"], "--tenant-burst applies with --tenant-rate, which was not given"),
+    (["--shed-default-slo-ms", "500"],
+     "--shed-default-slo-ms applies with --shed-from-priority, which was not given"),
+])
+def test_an_admission_setting_without_its_rule_is_refused_not_dropped(tmp_path, capsys, flags, line):
+    assert simulate(*flags, "--out", str(tmp_path / "x")) == 2
+    assert capsys.readouterr().err == f"servelab simulate: error: {line}\n"
+
+
+def test_an_admission_setting_with_its_rule_reaches_the_config(tmp_path):
+    out = tmp_path / "x"
+    assert simulate("--num-requests", "20", "--tenant-rate", "2", "--tenant-burst", "3",
+                    "--out", str(out)) == 0
+    admission = json.loads((out / "config.json").read_text())["config"]["scheduler"]["admission"]
+    assert (admission["tenant_rate"], admission["tenant_burst"]) == (2.0, 3.0)
