@@ -276,6 +276,12 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     axes, points = build_points(args, parser)
     check_points(points)
+    if all(point.config.rate is None for point in points):
+        from servelab.simulator.cli import user_errors
+        from servelab.simulator.run import load_workload
+
+        with user_errors():                 # a length-only trace needs --rates: say so once
+            load_workload(points[0].config)
     out = Path(args.out)
     check_sweep_out(out, "compare", args.force)
     workers = args.workers or default_workers()

@@ -215,3 +215,18 @@ def test_check_sweep_dir_lets_a_sweep_resume_and_force_replaces_the_other_report
     (out / "x").write_text("")
     with pytest.raises(ValueError):
         check_sweep_dir(tmp_path / "cap" / "x", "plan", force=False)   # not a directory
+
+
+def test_a_length_only_trace_without_rates_is_refused_before_the_sweep(tmp_path, capsys):
+    trace = tmp_path / "lengths.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n50,5\n60,6\n")
+    out = tmp_path / "x"
+    assert main(["compare", "--trace", str(trace), "--policies", "fcfs,sjf", "--workers", "1",
+                 "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"servelab compare: error: {trace} is a length-only table (no timestamps): give a "
+        "request rate for the synthetic arrival process (--rate, or --rates in a sweep; rate= "
+        "from Python)\n")
+    assert not out.exists()
+    assert main(["compare", "--trace", str(trace), "--policies", "fcfs", "--rates", "2",
+                 "--workers", "1", "--out", str(out)]) == 0

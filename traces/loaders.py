@@ -83,8 +83,9 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
     fmt = detect_format(path_s, header) if format == "auto" else format
     spec = TRACE_FORMATS.get(fmt)
     if not spec.has_times and rate is None:
-        raise NeedsRateError(f"{path_s} is a length-only table (no timestamps): pass a request rate "
-                             "(rate=..., --rate) for the synthetic arrival process")
+        raise NeedsRateError(f"{path_s} is a length-only table (no timestamps): give a request rate "
+                             "for the synthetic arrival process (--rate, or --rates in a sweep; "
+                             "rate= from Python)")
     if spec.has_times and cv != 1.0:
         raise TraceError(f"cv applies only to length-only tables (drawn arrivals); {path_s} is {fmt}")
     if keep_failed and fmt != "burstgpt":
