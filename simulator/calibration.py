@@ -311,7 +311,7 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
     if spec.calibration:          # a profile of unknown engine version: as the catalog says
         return spec.calibration, (f"{spec.calibration} (the catalog's profile for {spec.name}; "
                                   f"engine version unknown)")
-    return NONE, f"bare roofline: no measured kernels for {spec.name}"
+    return NONE, f"the bare roofline: no measured kernels for {spec.name}"
 
 
 def profile_for(spec: GPUSpec | str, engine_version: str) -> tuple[CalibrationProfile, str]:

@@ -173,22 +173,24 @@ def config_from_args(args: argparse.Namespace):
             kv_offload_gb=opts.kv_offload_gb,
             replicas=replicas, router=router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
-            async_scheduling=_async_scheduling(args, opts),
+            async_scheduling=_async_scheduling(args, opts, gpu),
             disaggregation=disaggregation)
 
 
-def _async_scheduling(args: argparse.Namespace, opts) -> bool:
+def _async_scheduling(args: argparse.Namespace, opts, gpu) -> bool:
     """--async-scheduling, or the engine's default: vLLM turns it on unless something it
     cannot run with is configured (`VllmConfig.__post_init__`, `vllm/config/vllm.py`). Of
     those servelab models: pipeline stages (vLLM 0.14; supported later, but servelab's
-    pipelined engine does not model the lag) and a speculative proposer other than EAGLE
-    or MTP (vLLM PR #31998). A KV connector is not among them: disaggregated pools run it."""
+    pipelined engine does not model the lag), a speculative proposer other than EAGLE
+    or MTP (vLLM PR #31998) and a CPU backend (the `cpu` GPU entry: vLLM PR #31525). A KV
+    connector is not among them: disaggregated pools run it."""
     given = getattr(args, "async_scheduling", None)
     if given is not None:
         return given
     spec = opts.scheduler.speculative
     return opts.engine.async_scheduling and getattr(args, "pp", 1) == 1 \
-        and (not spec.enabled or spec.method in ("eagle", "mtp"))
+        and (not spec.enabled or spec.method in ("eagle", "mtp")) \
+        and gpu.architecture != "cpu"
 
 
 def expert_layout(args: argparse.Namespace, model) -> tuple[int, int, int]:

@@ -556,9 +556,11 @@ def _profile_choice(gpu, calibration: str | None, engine_version: str | None) ->
     from servelab.simulator.calibration import packaged_choice
 
     if calibration is not None:
-        return calibration, f"{calibration}, as given (--calibration)"
+        shown = "the bare roofline" if calibration == "none" else calibration
+        return calibration, f"{shown}, as given (--calibration)"
     if engine_version is not None:
-        return packaged_choice(gpu, engine_version)
+        name, line = packaged_choice(gpu, engine_version)
+        return name, (f"{name}, {line}" if line.startswith("carried over") else line)
     return gpu.calibration or "none", f"{gpu.calibration or 'none'}: {gpu.name}'s catalog profile"
 
 

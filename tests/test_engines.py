@@ -133,6 +133,18 @@ def _config(path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+def test_a_cpu_backend_schedules_synchronously_under_a_vllm_preset(tmp_path, capsys):
+    """vLLM PR #31525 turns asynchronous scheduling off for CPU backends."""
+    common = ["simulate", "--num-requests", "5", "--model", "tiny-llama", "--gpu", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("engine vllm-0.24; kernels priced by the bare roofline: no measured "
+                          "kernels for cpu")
+    assert not _config(tmp_path / "c")["config"].get("async_scheduling", False)
+    assert main([*common, "--async-scheduling", "--out", str(tmp_path / "a")]) == 0
+    assert _config(tmp_path / "a")["config"]["async_scheduling"] is True      # asked for
+
+
 def test_simulate_mirrors_the_engine_and_says_which_kernels_price_it(tmp_path, capsys):
     assert main(["simulate", "--num-requests", "20", "--out", str(tmp_path / "v")]) == 0
     out = capsys.readouterr().out

@@ -46,7 +46,7 @@ def detect_format(path: str | os.PathLike, first_line: str | None = None) -> str
     if fmt is None:
         raise TraceFormatError(str(path), 1, f"cannot tell the trace format from the first line "
                                f"{first_line.strip()[:120]!r}; expected one of the headers of "
-                               f"{', '.join(trace_format_names())} (or pass format=...)")
+                               f"{', '.join(trace_format_names())} (or name it with --trace-format)")
     return fmt.name
 
 
