@@ -154,3 +154,12 @@ def test_output_cut_short_by_its_reader_ends_quietly(traces_dir):
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_convert_refuses_an_output_it_would_not_write_in_that_format(tmp_path, capsys):
+    """It writes CSV: CSV text in a file named .parquet was a trap."""
+    out = tmp_path / "x.parquet"
+    assert main(["trace", "convert", "default", str(out)]) == 2
+    assert capsys.readouterr().err == ("servelab trace: error: trace convert writes servelab's "
+                                       "canonical CSV, not parquet: name the output .csv\n")
+    assert not out.exists()

@@ -153,6 +153,10 @@ def _token_counts(text: str) -> list[int]:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from servelab.traces.canonical import write_csv
+    suffix = Path(args.output).suffix.lower()
+    if suffix not in ("", ".csv", ".txt"):
+        raise CLIError(f"trace convert writes servelab's canonical CSV, not {suffix[1:]}: name "
+                       "the output .csv")
     trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
     try:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)   # as simulate --out does
