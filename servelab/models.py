@@ -437,8 +437,20 @@ def catalog_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
+def catalog_name_of(hf_id: str) -> str | None:
+    """The catalog entry whose config came from Hugging Face model `hf_id` (its
+    `_name_or_path`, any case: "meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"); None if none."""
+    folder = resources.files("servelab") / "data" / "models"
+    for name in catalog_names():
+        config = json.loads((folder / f"{name}.json").read_text())
+        if str(config.get("_name_or_path", "")).lower() == hf_id.lower():
+            return name
+    return None
+
+
 def load_model_spec(name_or_path: str) -> ModelSpec:
-    """A catalog name (`llama-3.1-8b`), a config.json path, or a folder holding one."""
+    """A catalog name (`llama-3.1-8b`) or the Hugging Face id its config came from, a
+    config.json path, or a folder holding one."""
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
@@ -454,6 +466,8 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
     entry = resources.files("servelab") / "data" / "models" / f"{name_or_path}.json"
+    if not entry.is_file() and catalog_name_of(name_or_path):
+        return load_model_spec(catalog_name_of(name_or_path))
     if not entry.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a config.json path, and the "
                          f"catalog has {', '.join(catalog_names())}")

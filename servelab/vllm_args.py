@@ -328,20 +328,15 @@ def catalog_model(served: str) -> str:
     less its variant tails (`variant_names`: "mistralai/Mixtral-8x7B-Instruct-v0.1" ->
     mixtral-8x7b, "Qwen/Qwen3-30B-A3B-Instruct-2507" -> qwen3-30b-a3b; a variant has its
     base model's shapes). Raises ValueError naming the catalog for an id it does not hold."""
-    import json
     import os
-    from importlib import resources
 
-    from servelab.models import catalog_names
+    from servelab.models import catalog_name_of, catalog_names
 
     if os.path.exists(served):
         return served
     names = catalog_names()
-    folder = resources.files("servelab") / "data" / "models"
-    by_hf_id = {json.loads((folder / f"{n}.json").read_text()).get("_name_or_path", "").lower(): n
-                for n in names}
-    if served.lower() in by_hf_id:
-        return by_hf_id[served.lower()]
+    if catalog_name_of(served):
+        return catalog_name_of(served)
     for name in variant_names(served.rstrip("/").rsplit("/", 1)[-1]):
         if name in names:
             return name

@@ -54,7 +54,8 @@ def register(subparsers) -> None:
 
     h = p.add_argument_group("model, GPU and cost model")
     h.add_argument("--model", default="llama-3.1-8b", metavar="M",
-                   help=f"catalog model ({', '.join(catalog_names())}) or a config.json path "
+                   help=f"catalog model ({', '.join(catalog_names())}), the Hugging Face id "
+                        f"its config came from (meta-llama/Llama-3.1-8B), or a config.json path "
                         f"(default %(default)s)")
     h.add_argument("--gpu", default="h100-sxm", metavar="G",
                    help=f"catalog GPU ({', '.join(gpu_names())}) or a GPU spec .json file "
@@ -125,7 +126,7 @@ def policy_flag_owners() -> dict[str, str]:
 
 def config_from_args(args: argparse.Namespace):
     """The `SimulationConfig` the flags describe; user errors raise CLIError."""
-    from servelab.models import load_model_spec
+    from servelab.models import catalog_name_of, load_model_spec
     from servelab.policies.cli_options import configs_from_args
     from servelab.simulator.disaggregation import disaggregation_from_args
     from servelab.simulator.run import SimulationConfig
@@ -135,6 +136,8 @@ def config_from_args(args: argparse.Namespace):
 
     if getattr(args, "vllm_args", None):
         args = with_vllm_args(args)
+    if not os.path.exists(args.model) and catalog_name_of(args.model):   # a Hugging Face id
+        args = argparse.Namespace(**{**vars(args), "model": catalog_name_of(args.model)})
     with user_errors():
         spec = load_model_spec(args.model)
         context = None if args.max_model_len else spec.context_length

@@ -463,3 +463,11 @@ def test_an_admission_setting_with_its_rule_reaches_the_config(tmp_path):
                     "--out", str(out)) == 0
     admission = json.loads((out / "config.json").read_text())["config"]["scheduler"]["admission"]
     assert (admission["tenant_rate"], admission["tenant_burst"]) == (2.0, 3.0)
+
+
+def test_a_catalog_models_hugging_face_id_names_it(tmp_path):
+    """As --vllm-args reads `vllm serve meta-llama/Llama-3.1-8B`; the run records the
+    catalog name (a slash would nest sweep folders)."""
+    out = tmp_path / "x"
+    assert simulate("--model", "Meta-Llama/Llama-3.1-8B", "--num-requests", "5", "--out", str(out)) == 0
+    assert json.loads((out / "config.json").read_text())["config"]["model"] == "llama-3.1-8b"
