@@ -240,7 +240,8 @@ def check_points(points) -> None:
             except ValueError as exc:
                 where = " ".join(f"{axis}={show_value(v, axis)}" for axis, v in point.labels
                                  if axis not in ("policy", "rate"))
-                raise CLIError(f"{where}: {exc}" if where else str(exc)) from None
+                said = not where or str(exc).startswith(where)   # "tp=3 must divide ..."
+                raise CLIError(str(exc) if said else f"{where}: {exc}") from None
 
 
 def check_sweep_out(out: Path, command: str, force: bool) -> None:

@@ -168,7 +168,7 @@ def test_a_layout_the_model_cannot_take_fails_before_the_sweep(tmp_path, capsys,
     assert main([command, *COMMON, "--tps", "1,3", "--policies", "fcfs", "--workers", "1",
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith(f"servelab {command}: error: tp=3: tp=3 must divide")
+    assert err[-1].startswith(f"servelab {command}: error: tp=3 must divide")   # said once
     assert err[-1].endswith("tp=3 must divide llama-3.1-8b's attention heads (32) and intermediate "
                             "size (14336)")
     assert not (tmp_path / "x").exists()
