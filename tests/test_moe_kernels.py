@@ -206,12 +206,15 @@ def test_packaged_h100_vllm024_fp8_experts_follow_the_block_scaled_rows_and_beat
 
 
 def test_the_fit_gives_tuned_layers_their_own_rate_only_where_vllm_has_tuned_configs():
-    """The Triton path fits tuned_compute_eff on A100 and H100 and pins it at 0 (no tuned
-    configs) elsewhere; the grouped-GEMM libraries never read vLLM's configs."""
+    """The Triton path fits tuned_compute_eff on A100, H100 and L40S (BF16) and pins it at
+    0 (no tuned configs) elsewhere; the grouped-GEMM libraries never read vLLM's configs."""
     from servelab.validation.kernel_families import FAMILIES
+    assert "tuned_compute_eff" not in FAMILIES["moe"].fixed(L40S)
+    assert FAMILIES["moe_fp8"].fixed(L40S)["tuned_compute_eff"] == 0.0
+    assert M.vllm_tuned("l40s", "bf16", 8, 1, 3584) and not M.vllm_tuned("l40s", "bf16", 8, 1, 14336)
     for family in ("moe", "moe_fp8"):
         fam = FAMILIES[family]
-        for name in ("b200", "l40s", "rtx-pro-6000"):
+        for name in ("b200", "rtx-pro-6000"):
             assert fam.fixed(get_gpu(name))["tuned_compute_eff"] == 0.0, (family, name)
         assert "tuned_compute_eff" not in fam.fixed(H100), family
         for other in fam.alternatives(H100):

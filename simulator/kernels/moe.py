@@ -278,17 +278,29 @@ VLLM_TUNED_MOE: dict[tuple[str, str], frozenset[tuple[int, int]]] = {
     ("h200", "bf16"): frozenset({(8, 14336), (8, 7168), (8, 4096), (8, 3584), (8, 2048),
                                  (8, 1792)}),
     ("h200", "fp8"): frozenset({(8, 14336), (8, 7168)}),
+    ("l40s", "bf16"): frozenset({(8, 3584)}),
 }
 """(catalog GPU, dtype) -> the few-expert layer shapes (experts per GPU E, expert width per GPU
 N) for which vLLM ships a tuned Triton fused-MoE config: the files
 `vllm/model_executor/layers/fused_moe/configs/E=<E>,N=<N>,device_name=<GPU>[,dtype=fp8_w8a8].json`
-(device names NVIDIA_A100-SXM4-80GB, NVIDIA_H100_80GB_HBM3, NVIDIA_H200) in
+(device names NVIDIA_A100-SXM4-80GB, NVIDIA_H100_80GB_HBM3, NVIDIA_H200, NVIDIA_L40S) in
 vllm-project/vllm, looked up one by one for the Mixtral-shaped layers (E <= 16) that
-aiconfigurator's tables measure; B200, L40S and the RTX PRO 6000 have none of them. vLLM has
-more few-expert files (e.g. A100 E=1 at N=1792, 3584 and 7168; H100 E=16, N=1792) whose
-shapes no table measures: they are not listed, so the model prices them as untuned. The
-public index read lists vLLM's history, not one release: Mixtral's configs are
-long-standing, so they are taken as present in every engine version modelled here. Without
+aiconfigurator's tables measure; L40S has one of them (E=8, N=3584: Mixtral at TP 4, whose
+large-batch rows the untuned fit priced 41% slow at the median), B200 and the RTX PRO 6000
+Server Edition none. vLLM has more few-expert files (e.g. A100 E=1 at N=1792, 3584 and
+7168; H100 E=16, N=1792) whose shapes no table measures: they are not listed, so the model
+prices them as untuned. The public index read lists vLLM's history, not one release:
+Mixtral's configs are long-standing, so they are taken as present in every engine version
+modelled here.
+
+Many-expert layers are not listed though vLLM has files for some (looked up for every
+table shape: H100 29 of 177, e.g. E=128 at N=192, 384, 768, 928 and 1856 and E=256 at
+N=512; H200 25; A100 2, E=128 N=192 and E=16 N=2688; L40S 2, E=128 at N=928 and 1856; the
+RTX PRO 6000 Server Edition none): the gain of their tuned tiles varies file by file, from
+none (H100 E=128 N=768, Qwen3-30B-A3B at TP 1) to 1.7x (H100 E=128 N=1856) in the large-batch
+rows, so one tuned rate for them all moved the bands over target by three of 13 (A100,
+H100 0.14 and 0.24, L40S) while the overall held-out error rose on H100 (9.7 to 9.9%):
+their fit absorbs them. Without
 such a file vLLM runs `get_default_config`'s tiles; with one, larger tiles per batch size,
 and at large batches those layers measure about twice the compute rate of untuned ones on
 A100 and 2.5-3x on H100 (`MoEParams.tuned_compute_eff`, fitted where a GPU has such shapes;
