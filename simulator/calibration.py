@@ -280,6 +280,13 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
     "none" where the GPU has no measured profile to use (the bare roofline)."""
     spec = get_gpu(spec) if isinstance(spec, str) else spec
     want = version_key(engine_version)
+    if spec.calibration and spec.calibration.endswith(".json"):     # a file the GPU file names
+        version = load_profile(spec.calibration).engine_version
+        fitted = f"fitted inside vLLM {version}" if version else "engine version unknown"
+        carried = "" if version is None or version_key(version) == want else \
+            f"; carried over to vLLM {_fmt(want)}"
+        return spec.calibration, (f"{spec.calibration} (the profile {spec.name}'s GPU file "
+                                  f"names, {fitted}{carried})")
     index = _packaged_versions()
     own = index.get(spec.name, {})
     if want in own:
@@ -301,13 +308,6 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
                                f"vLLM {_fmt(want)}; {lender}'s vLLM {_fmt(got)} profile "
                                f"(nearest engine version measured on the GPU {spec.name} "
                                f"borrows from)")
-    if spec.calibration and spec.calibration.endswith(".json"):     # a user's own file
-        version = load_profile(spec.calibration).engine_version
-        fitted = f"fitted inside vLLM {version}" if version else "engine version unknown"
-        carried = "" if version is None or version_key(version) == want else \
-            f"; carried over to vLLM {_fmt(want)}"
-        return spec.calibration, (f"{spec.calibration} (the profile {spec.name}'s GPU file "
-                                  f"names, {fitted}{carried})")
     if spec.calibration:          # a profile of unknown engine version: as the catalog says
         return spec.calibration, (f"{spec.calibration} (the catalog's profile for {spec.name}; "
                                   f"engine version unknown)")
@@ -316,7 +316,8 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
 
 def profile_for(spec: GPUSpec | str, engine_version: str) -> tuple[CalibrationProfile, str]:
     """The packaged profile that prices `spec` under vLLM `engine_version`, and one line
-    saying where it comes from. In order:
+    saying where it comes from. A GPU file outside the package that names a profile file
+    gets that file, whatever its version; otherwise, in order:
 
     1. the GPU's own profile fitted inside that version;
     2. else the GPU's own profile at the nearest version measured on it. Across engine
