@@ -166,7 +166,8 @@ class ModelSpec:
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+        check_int("ModelSpec", "num_layers", self.num_layers, lo=0)   # 0: an empty pipeline stage
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "vocab_size", "max_position_embeddings"):
             check_int("ModelSpec", name, getattr(self, name), lo=1)
 
