@@ -208,6 +208,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
               "arriving during a step waits one step more); this engine steps synchronously, "
               "as `servelab simulate --no-async-scheduling` does", file=sys.stderr)
     s = result.summary
+    if not s["completed"]:                   # as simulate says it: no latency to print
+        from servelab.reports.health import format_reasons, rejection_reasons
+        print(f"servelab run: error: no request finished: {s['rejected']:,} rejected "
+              f"({format_reasons(rejection_reasons(result.records))}); the run is in {out}",
+              file=sys.stderr)
+        return 1
     hits = ""
     if s.get("prefix_cache_hit_rate") is not None:
         hits = f", prefix cache hit rate {s['prefix_cache_hit_rate']:.1%}"

@@ -401,3 +401,14 @@ def test_cli_refuses_an_out_holding_another_run_unless_forced(tmp_path, capsys):
     assert (out / "config.json").read_text() == before
     assert run_cli(*common, "--policy", "sjf", "--force") == 0
     assert json.loads((out / "config.json").read_text())["config"]["policy"] == "sjf"
+
+
+def test_a_run_where_no_request_finishes_says_why_in_one_line(tmp_path, capsys):
+    """It printed a traceback formatting the summary's null latencies."""
+    out = tmp_path / "run"
+    assert run_cli("--model", "tiny-llama", "--trace", "default", "--num-requests", "3",
+                   "--max-model-len", "100", "--out", str(out)) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("servelab run: error: no request finished: 3 rejected (3 x prompt of ")
+    assert err.endswith(f"exceeds max_model_len 100 (and alike)); the run is in {out}")
+    assert (out / "summary.json").exists()
