@@ -305,7 +305,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"servelab simulate: error: {describe_check_failure(problem, out)}", file=sys.stderr)
         return 1
     lag = ", asynchronous scheduling" if config.async_scheduling else ""
-    print(f"engine {config.engine or 'servelab'}{lag}; kernels priced by {sim.profile_line}")
+    line = sim.profile_line        # "carried over: ..." says why: name the profile first
+    line = f"{sim.profile_name}, {line}" if line.startswith("carried over") else line
+    print(f"engine {config.engine or 'servelab'}{lag}; kernels priced by {line}")
     print(format_summary(result, out, args.output_format))
     if result.disaggregation is not None:   # a prefill and a decode pool
         from servelab.simulator.disaggregated_run import describe

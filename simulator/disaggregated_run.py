@@ -138,6 +138,8 @@ class DisaggregatedSimulation(Simulation):
             check_prefix_block_sizes(trace, c.block_size)
         self.profile_line = (self.prefill.profile_line if self.prefill.profile_line == self.decode.profile_line
                              else f"prefill {self.prefill.profile_line}; decode {self.decode.profile_line}")
+        self.profile_name = (self.prefill.profile_name if self.prefill.profile_name == self.decode.profile_name
+                             else f"prefill {self.prefill.profile_name}; decode {self.decode.profile_name}")
         self.link = get_link(d.kv_link)
         self.lanes = min(self.prefill.tp, self.decode.tp)
         self.kv_bytes_per_token = self.decode.cost.block_bytes * self.decode.tp // c.block_size

@@ -559,8 +559,7 @@ def _profile_choice(gpu, calibration: str | None, engine_version: str | None) ->
         shown = "the bare roofline" if calibration == "none" else calibration
         return calibration, f"{shown}, as given (--calibration)"
     if engine_version is not None:
-        name, line = packaged_choice(gpu, engine_version)
-        return name, (f"{name}, {line}" if line.startswith("carried over") else line)
+        return packaged_choice(gpu, engine_version)
     return gpu.calibration or "none", f"{gpu.calibration or 'none'}: {gpu.name}'s catalog profile"
 
 

@@ -277,3 +277,13 @@ def test_a_vllm_presets_sequences_never_exceed_its_token_budget():
     with pytest.raises(CLIError, match=r"^--max-num-batched-tokens 8192 \(vllm-0.24's default\) is below "
                                        r"--max-num-seqs 10000: .*; raise --max-num-batched-tokens or lower"):
         seqs("--max-num-seqs", "10000")
+
+
+def test_a_carried_over_profile_is_named_before_why(tmp_path, capsys):
+    assert main(["simulate", "--num-requests", "5", "--model", "tiny-llama", "--gpu", "rtx-4090",
+                 "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("engine vllm-0.24, asynchronous scheduling; kernels priced by l40s, "
+                          "carried over: no rtx-4090 tables")
+    source = _config(tmp_path / "r")["derived"]["cost_model"]["calibration_source"]
+    assert source.startswith("carried over: ")          # the reports put the name before it
