@@ -257,7 +257,26 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
             out.notes.append(f"--vllm-args: {served} is priced as the catalog's "
                              f"{out.values['model']}" + (" with fp8 weights" if fp8 else "")
                              + " (a variant has its base model's shapes)")
+        if out.values.get("replicas", 1) > 1 and "dp" not in out.values \
+                and _is_moe(out.values["model"]):
+            # vLLM runs a MoE model's DP ranks as one deployment, in lock-step, its experts
+            # sharded over the DP x TP GPUs (docs.vllm.ai serving/data_parallel_deployment)
+            out.values["dp"] = out.values["replicas"]
+            out.notes.append(f"--vllm-args --data-parallel-size {out.values['dp']}: a "
+                             "mixture-of-experts model's ranks step in lock-step with its experts "
+                             "spread over the DP x TP GPUs, as --dp; without "
+                             "--enable-expert-parallel vLLM shards each expert over them (tensor "
+                             "parallel), priced here as expert parallelism")
     return out
+
+
+def _is_moe(model: str) -> bool:
+    from servelab.models import load_model_spec
+
+    try:
+        return load_model_spec(model).moe is not None
+    except ValueError:          # said where the model is loaded
+        return False
 
 
 def _resolve_dtypes(values: dict) -> None:

@@ -287,3 +287,26 @@ def test_a_carried_over_profile_is_named_before_why(tmp_path, capsys):
                           "carried over: no rtx-4090 tables")
     source = _config(tmp_path / "r")["derived"]["cost_model"]["calibration_source"]
     assert source.startswith("carried over: ")          # the reports put the name before it
+
+
+def test_data_parallel_ranks_of_a_moe_model_are_one_lockstep_deployment_however_spelled(
+        tmp_path, capsys):
+    """vLLM runs a MoE model's DP ranks in lock-step over experts spread across them, with
+    or without --enable-expert-parallel; `-dp 2` used to become two independent replicas
+    holding every expert each."""
+    from servelab.vllm_args import catalog_model
+
+    for flags in (("--enable-expert-parallel",), ()):
+        parsed = translate("vllm serve Qwen/Qwen3-30B-A3B -dp 2 " + " ".join(flags),
+                           catalog=catalog_model)
+        assert (parsed.values["dp"], parsed.values["replicas"]) == (2, 2), flags
+        assert any("priced here as expert parallelism" in n for n in parsed.notes) != bool(flags)
+    dense = translate("vllm serve meta-llama/Llama-3.1-8B -dp 2", catalog=catalog_model)
+    assert "dp" not in dense.values and dense.values["replicas"] == 2   # independent, as vLLM
+    blocks = []
+    for name, flags in (("a", ["--vllm-args", "vllm serve Qwen/Qwen3-30B-A3B -dp 2"]),
+                        ("b", ["--model", "qwen3-30b-a3b", "--dp", "2"])):
+        assert main(["simulate", "--num-requests", "5", *flags, "--out", str(tmp_path / name)]) == 0
+        config = _config(tmp_path / name)
+        blocks.append((config["config"]["ep"], config["derived"]["kv_blocks_per_replica"]))
+    assert blocks[0] == blocks[1] and blocks[0][0] == 2
