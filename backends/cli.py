@@ -139,6 +139,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        "--pp); the real backend runs a model on one device")
     if args.model is None and args.checkpoint is None:
         raise CLIError("give --model, --checkpoint, or both")
+    if getattr(args, "acceptance_rate", None) is not None:
+        raise CLIError("--acceptance-rate is the simulator's: the real backend measures how "
+                       "many proposed tokens its target accepts (speculation.json)")
     check_backend_installed()
     device = _resolve_device(args.device)
     if args.triton and device.split(":")[0] == "cpu":

@@ -281,6 +281,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.vllm_args:   # read once: its values replace the flags', its notes are printed
         args = with_vllm_args(args)
         notes, args.vllm_args = args.vllm_notes, None
+    if args.speculative == "off":     # a sweep's off point lets its knobs pass to the others
+        knob = next((f for f, d in (("--num-speculative-tokens", "num_speculative_tokens"),
+                                    ("--acceptance-rate", "acceptance_rate"),
+                                    ("--speculative-max-batch", "speculative_max_batch"))
+                     if getattr(args, d, None) is not None), None)
+        if knob:
+            raise CLIError(f"{knob} configures speculative decoding, which --speculative off "
+                           "turns off")
     config = config_from_args(args)
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)

@@ -412,3 +412,11 @@ def test_a_run_where_no_request_finishes_says_why_in_one_line(tmp_path, capsys):
     assert err.startswith("servelab run: error: no request finished: 3 rejected (3 x prompt of ")
     assert err.endswith(f"exceeds max_model_len 100 (and alike)); the run is in {out}")
     assert (out / "summary.json").exists()
+
+
+def test_the_real_backend_refuses_an_acceptance_rate_it_would_not_use(tmp_path, capsys):
+    assert run_cli("--model", "tiny-llama", "--speculative", "ngram", "--acceptance-rate", "0.3",
+                   "--out", str(tmp_path / "run")) == 2
+    assert "--acceptance-rate is the simulator's: the real backend measures" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -471,3 +471,11 @@ def test_a_catalog_models_hugging_face_id_names_it(tmp_path):
     out = tmp_path / "x"
     assert simulate("--model", "Meta-Llama/Llama-3.1-8B", "--num-requests", "5", "--out", str(out)) == 0
     assert json.loads((out / "config.json").read_text())["config"]["model"] == "llama-3.1-8b"
+
+
+def test_speculative_knobs_beside_speculative_off_are_refused(tmp_path, capsys):
+    assert simulate("--speculative", "off", "--num-speculative-tokens", "7",
+                    "--out", str(tmp_path / "x")) == 2
+    assert capsys.readouterr().err == ("servelab simulate: error: --num-speculative-tokens "
+                                       "configures speculative decoding, which --speculative off "
+                                       "turns off\n")
