@@ -479,3 +479,13 @@ def test_speculative_knobs_beside_speculative_off_are_refused(tmp_path, capsys):
     assert capsys.readouterr().err == ("servelab simulate: error: --num-speculative-tokens "
                                        "configures speculative decoding, which --speculative off "
                                        "turns off\n")
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_data_parallel_ranks_beside_disaggregated_pools_are_named_as_given(tmp_path, capsys, model):
+    """The refusal named --replicas or --ep, flags the user never gave."""
+    assert simulate("--model", model, "--prefill-replicas", "1", "--decode-replicas", "1",
+                    "--dp", "2", "--out", str(tmp_path / "x")) == 2
+    assert capsys.readouterr().err == (
+        "servelab simulate: error: --dp is not modelled with disaggregated pools: a "
+        "disaggregated run sizes its pools with --prefill-replicas and --decode-replicas\n")
