@@ -151,8 +151,9 @@ def _cmd_cost(args: argparse.Namespace) -> int:
             rows = pricing.price_points(args.kind, args.points, vars(args),
                                         note=lambda line: print(f"cost: note: {line}",
                                                                 file=sys.stderr))
-            if args.json:
-                print(json.dumps(rows, indent=2))
+            if args.json:                  # numbers as numbers, as without --points
+                print(json.dumps([{k: _number(v) for k, v in row.items()} for row in rows],
+                                 indent=2))
                 if not args.out:
                     return 0
             _write_rows(rows, args.out)
@@ -169,12 +170,25 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(cell):
+    """A CSV cell as the int or float it spells, else as it is."""
+    if not isinstance(cell, str):
+        return cell
+    for kind in (int, float):
+        try:
+            value = kind(cell)
+        except ValueError:
+            continue
+        return value if value == value and abs(value) != float("inf") else cell
+    return cell
+
+
 def _write_rows(rows: list[dict], out: str | None) -> None:
     if not rows:
         return
     handle = open(out, "w", newline="") if out else sys.stdout
     try:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
     finally:

@@ -265,6 +265,16 @@ def test_points_take_missing_columns_from_the_flags_and_columns_win(capsys, tmp_
         assert float(r["predicted_ms"]) == single["predicted_ms"]
 
 
+def test_points_as_json_keep_numbers_numbers_and_csv_lines_end_in_newlines(capsys, tmp_path):
+    src = write_csv(tmp_path / "g.csv", ["m", "n", "k", "dtype", "note"],
+                    [(1, 4096, 4096, "bf16", "inf")])
+    rows = cost_json(capsys, "gemm", "--gpu", GPU, "--points", src)
+    assert rows[0]["m"] == 1 and rows[0]["k"] == 4096 and rows[0]["dtype"] == "bf16"
+    assert rows[0]["note"] == "inf"                              # not a JSON infinity
+    rc, stdout, _ = cost(capsys, "gemm", "--gpu", GPU, "--points", src)
+    assert rc == 0 and "\r" not in stdout and stdout.startswith("m,n,k,dtype,note,predicted_ms\n")
+
+
 def test_points_name_columns_they_do_not_read_and_refuse_a_file_of_none(capsys, tmp_path):
     """A misspelt column (`mm` for `m`) used to be ignored silently, every row priced at
     the flag's value; a column kept for comparison (`measured_ms`) is carried through."""
