@@ -283,8 +283,9 @@ def test_the_setup_line_says_when_the_preset_is_not_the_runs_own_version():
 def test_gpu_names_the_gpu_of_a_run_that_cannot_tell_its_own(tmp_path, capsys):
     nogpu = write_run(tmp_path / "a" / "x", [row(0, 1.0), row(1, 1.2)], device=None)
     out = tmp_path / "r.md"
-    assert main(["validate", "--real-requests", str(nogpu), "--out", str(out), "--no-plots"]) == 0
-    assert "cannot tell its GPU" in capsys.readouterr().err and "Not replayed" in out.read_text()
+    assert main(["validate", "--real-requests", str(nogpu), "--out", str(out), "--no-plots"]) == 2
+    assert "no run could be replayed: a/x: cannot tell its GPU" in capsys.readouterr().err
+    assert not out.exists()                              # nothing replayed, nothing written
     assert main(["validate", "--real-requests", str(nogpu), "--gpu", "rtx-4090", "--out", str(out),
                  "--no-plots"]) == 0
     data = json.loads((tmp_path / "r" / "real-runs.json").read_text())
@@ -394,3 +395,22 @@ def test_a_setup_the_simulator_refuses_is_not_replayed_rather_than_fatal(tmp_pat
     with pytest.raises(NotReplayable, match=r"^RTX4090/big: cannot be replayed as recorded: "
                                             r"qwen3-32b weights need .* raise tp"):
         replay_run(big)
+
+
+def test_when_no_run_can_be_replayed_nothing_is_written_and_the_reason_is_one_line(tmp_path,
+                                                                                     capsys):
+    """A calibration for another GPU fails every run: an empty report with exit 0 hid it."""
+    run, _ = _tiny_runs(tmp_path)
+    out = tmp_path / "r.md"
+    assert main(["validate", "--real-requests", str(run), "--calibration", "a100-80gb",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("servelab validate: error: no run could be replayed: RTX4090/tiny: ")
+    assert "calibration profile is for device 'a100-80gb'" in err and not out.exists()
+
+
+def test_fit_options_without_fit_are_refused(tmp_path, capsys):
+    assert main(["validate", "--run", str(tmp_path), "--loss", "l2", "--split-seed", "5",
+                 "--out", str(tmp_path / "v")]) == 2
+    assert capsys.readouterr().err == ("servelab validate: error: --split-seed, --loss apply to "
+                                       "--fit, which was not given\n")

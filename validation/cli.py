@@ -127,6 +127,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from servelab.validation.validate import (ValidateOptions, catalog_gpu, load_real_run,
                                              validate)
 
+    if not args.fit:
+        given = [f"--{name.replace('_', '-')}" for name in ("train_fraction", "split_seed", "loss")
+                 if getattr(args, name) != _STEP_RECORD_OPTIONS[name]]
+        if given:
+            raise CLIError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to "
+                           "--fit, which was not given")
     try:
         runs = [load_real_run(path) for path in args.run]
         gpu = args.gpu or catalog_gpu(runs[0].device, runs[0].device_name)

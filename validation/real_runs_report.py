@@ -71,6 +71,10 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, command: str,
         e = replays[-1].errors
         progress(f"{run.label}: per-request MAPE TTFT {e['ttft']['mape_pct']:.1f}%, "
                  f"TPOT {e['tpot']['mape_pct']:.1f}%, E2E {e['e2el']['mape_pct']:.1f}%")
+    if not replays:                          # nothing to report: say why, write nothing
+        reasons = list(skipped.values())
+        more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        raise ValueError(f"no run could be replayed: {reasons[0]}{more}")
     variants = {rp.run.label: _variants(rp, calibration) for rp in replays}
     folder = out.parent / out.stem
     folder.mkdir(parents=True, exist_ok=True)
