@@ -92,6 +92,21 @@ class CalibrationProfile:
     def scale(self, op_class: str) -> float:
         return self.scales.get(op_class, 1.0)
 
+    def setup_note(self, model: str, tp: int, weight_dtype: str, kv_dtype: str) -> str | None:
+        """For a run-fitted profile (`model` set) priced on another setup, one line saying
+        so: its step overhead and op-class scales were fitted to that setup's real runs and
+        do not transfer (docs/validation.md); None where the setups agree or the profile is
+        kernel-level."""
+        if self.model is None:
+            return None
+        fitted = (self.model, self.tp, self.weight_dtype, self.kv_dtype)
+        if fitted == (model, tp, weight_dtype, kv_dtype):
+            return None
+        show = lambda m, t, w, k: f"{m} at tp {t}, {w} weights, {k} KV"   # noqa: E731
+        return (f"the calibration profile was fitted to real runs of {show(*fitted)}; this run "
+                f"is {show(model, tp, weight_dtype, kv_dtype)}: its step overhead and op-class "
+                "scales describe that setup, not this one")
+
     def with_fit(self, scales: dict[str, float], step_overhead_s: float,
                  fit_stats: dict[str, float], **setup) -> "CalibrationProfile":
         return replace(self, scales=dict(scales), step_overhead_s=step_overhead_s,

@@ -293,6 +293,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
         sim = build_simulation(config)
+    cost = getattr(sim, "cost_model", None)         # a co-located run's (pools have two)
+    if cost is not None:
+        fitted = cost.profile.setup_note(cost.model.name, cost.tp, cost.weight_dtype, cost.kv_dtype)
+        notes = [*notes, *([fitted] if fitted else [])]
     for note in notes:
         print(f"servelab simulate: note: {note}", file=sys.stderr)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")

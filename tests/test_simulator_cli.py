@@ -489,3 +489,20 @@ def test_data_parallel_ranks_beside_disaggregated_pools_are_named_as_given(tmp_p
     assert capsys.readouterr().err == (
         "servelab simulate: error: --dp is not modelled with disaggregated pools: a "
         "disaggregated run sizes its pools with --prefill-replicas and --decode-replicas\n")
+
+
+def test_a_run_fitted_profile_on_another_setup_is_noted(tmp_path, capsys):
+    """docs/validation.md: a profile fitted to real runs does not transfer to another model."""
+    from servelab.simulator.calibration import packaged
+
+    fitted = packaged("h100-sxm").with_fit({"gemm": 1.2}, 0.02, {}, model="llama-3.1-8b", tp=1)
+    path = fitted.save(tmp_path / "fitted.json")
+    assert fitted.setup_note("llama-3.1-8b", 1, "bf16", "bf16") is None
+    assert packaged("h100-sxm").setup_note("qwen3-32b", 2, "fp8", "fp8") is None   # kernel-level
+    common = ["--num-requests", "5", "--engine", "servelab", "--calibration", str(path)]
+    assert simulate(*common, "--out", str(tmp_path / "same")) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert simulate(*common, "--model", "llama-2-7b", "--tp", "2", "--out", str(tmp_path / "x")) == 0
+    assert ("servelab simulate: note: the calibration profile was fitted to real runs of "
+            "llama-3.1-8b at tp 1, bf16 weights, bf16 KV; this run is llama-2-7b at tp 2, bf16 "
+            "weights, bf16 KV: its step overhead") in capsys.readouterr().err
