@@ -153,7 +153,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
 
     from servelab.backends.disaggregated import RealDisaggregation
-    from servelab.backends.run import RealRunConfig, RunSetupError, run_real
+    from servelab.backends.run import CPU_KV_BYTES, RealRunConfig, RunSetupError, run_real
     from servelab.backends.sampling import SamplingParams
     from servelab.models import load_model_spec
     from servelab.traces.cli import trace_from_args
@@ -206,6 +206,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = run_real(config, out, force=args.force)
     except RunSetupError as exc:
         raise CLIError(str(exc)) from None
+    if args.gpu_memory_utilization is not None and device.split(":")[0] == "cpu" \
+            and args.kv_blocks is None:
+        print(f"servelab run: note: --gpu-memory-utilization sizes the KV cache on a GPU; on "
+              f"the CPU it holds at most {CPU_KV_BYTES // 2**20} MiB ({result.num_gpu_blocks:,} "
+              "blocks here): set it with --kv-blocks", file=sys.stderr)
     if opts.engine is not None and opts.engine.async_scheduling:
         print(f"servelab run: note: {opts.engine.name} schedules asynchronously (a request "
               "arriving during a step waits one step more); this engine steps synchronously, "

@@ -420,3 +420,10 @@ def test_the_real_backend_refuses_an_acceptance_rate_it_would_not_use(tmp_path, 
     assert "--acceptance-rate is the simulator's: the real backend measures" in \
         capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_noted_as_unused(tmp_path, capsys):
+    assert run_cli("--model", "tiny-llama", "--trace", "default", "--num-requests", "2",
+                   "--gpu-memory-utilization", "0.5", "--out", str(tmp_path / "run")) == 0
+    assert ("servelab run: note: --gpu-memory-utilization sizes the KV cache on a GPU; on the "
+            "CPU it holds at most 256 MiB") in capsys.readouterr().err
