@@ -130,7 +130,11 @@ def add_arguments(parser) -> None:
     simulated pool or link has. Cheap to import: no torch."""
     from servelab.simulator.disaggregation import add_disaggregation_arguments
 
-    add_disaggregation_arguments(parser)
+    add_disaggregation_arguments(
+        parser, "one prefill and one decode engine in one process, the KV copied between "
+                "their caches (--prefill-replicas 1 --decode-replicas 1; --prefill-kv-blocks and "
+                "--decode-kv-blocks size them, else --kv-blocks, else they share one engine's); the pool "
+                "TP, GPU, link and layer-wise transfer flags are the simulator's and refused here")
 
 
 # --------------------------------------------------------------------------- setup

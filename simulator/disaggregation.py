@@ -130,15 +130,19 @@ def check_disaggregation(config) -> None:
 
 
 # --------------------------------------------------------------------------- command line
-def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
+SIMULATED_POOLS = ("a prefill pool and a decode pool joined by a KV link (both --prefill-replicas "
+                   "and --decode-replicas turn it on); unset pool flags take --tp, --gpu and "
+                   "--kv-blocks")
+"""What the group's flags describe in `servelab simulate` (`servelab run` says its own)."""
+
+
+def add_disaggregation_arguments(parser: argparse.ArgumentParser,
+                                 description: str = SIMULATED_POOLS) -> None:
     """The `servelab simulate` flags of a disaggregated run, in their own group."""
     from servelab.options import positive_int
     from servelab.simulator.links import link_names
 
-    g = parser.add_argument_group(
-        "disaggregated prefill/decode",
-        "a prefill pool and a decode pool joined by a KV link (both --prefill-replicas and "
-        "--decode-replicas turn it on); unset pool flags take --tp, --gpu and --kv-blocks")
+    g = parser.add_argument_group("disaggregated prefill/decode", description)
     g.add_argument("--prefill-replicas", type=positive_int, metavar="N", help="prefill replicas")
     g.add_argument("--decode-replicas", type=positive_int, metavar="M", help="decode replicas")
     for pool in ("prefill", "decode"):
