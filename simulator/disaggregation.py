@@ -174,10 +174,9 @@ def disaggregation_from_args(args: argparse.Namespace) -> DisaggregationConfig |
         return None
     if p is None or d is None:
         raise ValueError("a disaggregated run needs both --prefill-replicas and --decode-replicas")
-    for flag in ("dp", "ep"):
-        if (getattr(args, flag, None) or 1) > 1:
-            raise ValueError(f"--{flag} is not modelled with disaggregated pools: a disaggregated "
-                             "run sizes its pools with --prefill-replicas and --decode-replicas")
+    if (getattr(args, "dp", None) or 1) > 1:     # --ep: check_disaggregation says it
+        raise ValueError("--dp is not modelled with disaggregated pools: a disaggregated run "
+                         "sizes its pools with --prefill-replicas and --decode-replicas")
     return DisaggregationConfig(
         prefill=PoolConfig(p, args.prefill_gpu, args.prefill_tp, args.prefill_kv_blocks),
         decode=PoolConfig(d, args.decode_gpu, args.decode_tp, args.decode_kv_blocks),
