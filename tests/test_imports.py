@@ -89,6 +89,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     # its kernel compile check reads the GPU catalog of simulator/. Not in the table.
     ("servelab.backends.run", "reports"): "writes the run directory",
     ("servelab.backends.cli", "traces"): "the --trace options",
+    ("servelab.backends.cli", "reports"): "a run that finished nothing: simulate's rejection line",
     ("servelab.backends.kernels.cuda_compile", "simulator"): "the GPU catalog (SM versions)",
     # issue #32: the real backend's disaggregated prefill/decode prices its KV handoff
     # with the simulator's model of it (simulator/kv_handoff.py); not in the table.
