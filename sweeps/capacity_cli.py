@@ -28,8 +28,8 @@ from pathlib import Path
 from servelab.cli import CLIError
 from servelab.options import fraction, number, positive_float
 from servelab.progress import PointProgress
-from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, grid_axes, plural,
-                                 point_config)
+from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, drop_other_reports,
+                                 grid_axes, plural, point_config)
 
 _tolerance = number(float, low=0, high=1, low_open=True, high_open=True)
 """A relative width in (0, 1): --tolerance."""
@@ -135,6 +135,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from servelab.sweeps.runner import SweepRunner, default_workers
     from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
+    check_sweep_out(Path(args.out), "capacity", args.force)   # before any work
+
     axes = dict(grid_axes(args, parser))
     targets = slo_targets(args)
     check_slos(args, parser, targets)
@@ -148,7 +150,8 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     # bad flags, layouts and CPU tiers fail here, once, as one-line errors
     check_points([SweepPoint(s.build(start[0]), s.labels) for s in searches])
     out = Path(args.out)
-    check_sweep_out(out, "capacity", args.force)
+    if args.force:
+        drop_other_reports(out, "capacity")
     workers = args.workers or default_workers()
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
           f"req/s to {targets}, within {args.tolerance:.0%}, "

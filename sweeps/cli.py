@@ -245,18 +245,23 @@ def check_points(points) -> None:
 
 
 def check_sweep_out(out: Path, command: str, force: bool) -> None:
-    """`outdir.check_sweep_dir` as a one-line error, before the sweep starts. Forced over
-    another command's report, that report's own file goes, so the folder holds one."""
-    from servelab.outdir import SWEEP_REPORTS, check_sweep_dir
+    """`outdir.check_sweep_dir` as a one-line error, before any work."""
+    from servelab.outdir import check_sweep_dir
 
     try:
         check_sweep_dir(out, command, force=force)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    if force and out.is_dir():
-        for name, marker in SWEEP_REPORTS:
-            if name not in (command, "compare"):    # sweep.json: every command rewrites it
-                (out / marker).unlink(missing_ok=True)
+
+
+def drop_other_reports(out: Path, command: str) -> None:
+    """Forced over another command's report (`--force`), that report's own file goes when
+    the sweep starts, so the folder holds one report (sweep.json: every command rewrites it)."""
+    from servelab.outdir import SWEEP_REPORTS
+
+    for name, marker in SWEEP_REPORTS:
+        if name not in (command, "compare") and out.is_dir():
+            (out / marker).unlink(missing_ok=True)
 
 
 def _earlier_grid(out: Path) -> set[str] | None:
@@ -275,6 +280,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from servelab.sweeps.runner import default_workers, run_sweep
     from servelab.sweeps.sweep import SweepError
 
+    check_sweep_out(Path(args.out), "compare", args.force)   # before any work
     axes, points = build_points(args, parser)
     check_points(points)
     if all(point.config.rate is None for point in points):
@@ -284,7 +290,8 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         with user_errors():                 # a length-only trace needs --rates: say so once
             load_workload(points[0].config)
     out = Path(args.out)
-    check_sweep_out(out, "compare", args.force)
+    if args.force:
+        drop_other_reports(out, "compare")
     workers = args.workers or default_workers()
     where = ("the Ray cluster at " + args.ray_address) if args.ray_address else \
         "a local Ray instance" if args.ray else plural(min(workers, len(points)), "worker process", "es")

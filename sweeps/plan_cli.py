@@ -34,8 +34,8 @@ from servelab.labels import COLOCATED
 from servelab.options import positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
-from servelab.sweeps.cli import (single_flag, add_grid_arguments, check_sweep_out, grid_axes,
-                                 plural, point_config)
+from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, drop_other_reports,
+                                 grid_axes, plural, point_config, single_flag)
 
 DEFAULT_TPS = (1, 2, 4, 8)
 """Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
@@ -230,6 +230,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.sweeps.runner import SweepRunner, default_workers
     from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
+    check_sweep_out(Path(args.out), "plan", args.force)   # before any work
     args = _layout_axes(args, parser)
     targets = slo_targets(args)
     check_slos(args, parser, targets, {"gpu": args.sweep_gpu[0], "tp": args.sweep_tp[0]})
@@ -239,7 +240,8 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not layouts:
         raise CLIError("no layout can run: " + "; ".join(f"{_who(v)}: {why}" for v, why in skipped))
     out = Path(args.out)
-    check_sweep_out(out, "plan", args.force)
+    if args.force:
+        drop_other_reports(out, "plan")
     workers = args.workers or default_workers()
     traffic = f"{rate:g} req/s" if rate is not None else f"the trace's rate x {args.rate_scale or 1:g}"
     print(f"plan: {plural(len(layouts), 'layout')} at {traffic} to {targets}, up to {args.max_gpus} GPUs, "

@@ -198,7 +198,7 @@ def test_a_sweep_never_writes_over_another_commands_report_or_foreign_files(tmp_
 
 def test_check_sweep_dir_lets_a_sweep_resume_and_force_replaces_the_other_report(tmp_path):
     from servelab.outdir import SWEEP_LAYOUT, check_sweep_dir
-    from servelab.sweeps.cli import check_sweep_out
+    from servelab.sweeps.cli import drop_other_reports
     from servelab.sweeps.sweep import LOCK_FILE, SWEEP_FILE
 
     assert {LOCK_FILE, SWEEP_FILE} <= SWEEP_LAYOUT
@@ -210,7 +210,8 @@ def test_check_sweep_dir_lets_a_sweep_resume_and_force_replaces_the_other_report
     check_sweep_dir(out, "capacity", force=False)          # its own report: resumes
     with pytest.raises(ValueError, match="holds a `servelab capacity` report"):
         check_sweep_dir(out, "compare", force=False)
-    check_sweep_out(out, "compare", force=True)
+    check_sweep_dir(out, "compare", force=True)            # forced: no refusal
+    drop_other_reports(out, "compare")                     # and when the sweep starts
     assert not (out / "capacity.json").exists() and (out / SWEEP_FILE).exists()
     (out / "x").write_text("")
     with pytest.raises(ValueError):
