@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -441,12 +442,19 @@ def catalog_names() -> list[str]:
 def catalog_name_of(hf_id: str) -> str | None:
     """The catalog entry whose config came from Hugging Face model `hf_id` (its
     `_name_or_path`, any case: "meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"); None if none."""
+    return _catalog_hf_ids().get(hf_id.lower())
+
+
+@cache
+def _catalog_hf_ids() -> dict[str, str]:
+    """Lower-cased `_name_or_path` -> catalog name (read once: packaged data)."""
     folder = resources.files("servelab") / "data" / "models"
+    ids = {}
     for name in catalog_names():
-        config = json.loads((folder / f"{name}.json").read_text())
-        if str(config.get("_name_or_path", "")).lower() == hf_id.lower():
-            return name
-    return None
+        hf_id = json.loads((folder / f"{name}.json").read_text()).get("_name_or_path")
+        if hf_id:
+            ids[str(hf_id).lower()] = name
+    return ids
 
 
 def load_model_spec(name_or_path: str) -> ModelSpec:
@@ -467,8 +475,9 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
     entry = resources.files("servelab") / "data" / "models" / f"{name_or_path}.json"
-    if not entry.is_file() and catalog_name_of(name_or_path):
-        return load_model_spec(catalog_name_of(name_or_path))
+    alias = None if entry.is_file() else catalog_name_of(name_or_path)
+    if alias:
+        return load_model_spec(alias)
     if not entry.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a config.json path, and the "
                          f"catalog has {', '.join(catalog_names())}")

@@ -355,15 +355,25 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
                    help="speculate only in steps with at most N running requests (default: always)")
 
 
+def _speculative_knobs(args: argparse.Namespace) -> dict:
+    """--speculative's knobs, flag -> value (None: not given)."""
+    return {"--num-speculative-tokens": getattr(args, "num_speculative_tokens", None),
+            "--acceptance-rate": getattr(args, "acceptance_rate", None),
+            "--speculative-max-batch": getattr(args, "speculative_max_batch", None)}
+
+
+def speculative_knobs_given(args: argparse.Namespace) -> list[str]:
+    """The --speculative knobs the command line gives, as flags."""
+    return [flag for flag, value in _speculative_knobs(args).items() if value is not None]
+
+
 def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig:
     """The speculative decoding the flags describe (off where a command has none of its
     flags); its knobs without --speculative are an error."""
     method = getattr(args, "speculative", None)
-    knobs = {"--num-speculative-tokens": getattr(args, "num_speculative_tokens", None),
-             "--acceptance-rate": getattr(args, "acceptance_rate", None),
-             "--speculative-max-batch": getattr(args, "speculative_max_batch", None)}
+    knobs = _speculative_knobs(args)
     if method is None:
-        given = [flag for flag, value in knobs.items() if value is not None]
+        given = speculative_knobs_given(args)
         if given:
             raise CLIError(f"{given[0]} configures speculative decoding: give --speculative too")
         return SpeculativeConfig()

@@ -136,8 +136,9 @@ def config_from_args(args: argparse.Namespace):
 
     if getattr(args, "vllm_args", None):
         args = with_vllm_args(args)
-    if not os.path.exists(args.model) and catalog_name_of(args.model):   # a Hugging Face id
-        args = argparse.Namespace(**{**vars(args), "model": catalog_name_of(args.model)})
+    alias = None if os.path.exists(args.model) else catalog_name_of(args.model)
+    if alias:                                   # a catalog model's Hugging Face id
+        args = argparse.Namespace(**{**vars(args), "model": alias})
     with user_errors():
         spec = load_model_spec(args.model)
         context = None if args.max_model_len else spec.context_length
@@ -281,14 +282,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.vllm_args:   # read once: its values replace the flags', its notes are printed
         args = with_vllm_args(args)
         notes, args.vllm_args = args.vllm_notes, None
-    if args.speculative == "off":     # a sweep's off point lets its knobs pass to the others
-        knob = next((f for f, d in (("--num-speculative-tokens", "num_speculative_tokens"),
-                                    ("--acceptance-rate", "acceptance_rate"),
-                                    ("--speculative-max-batch", "speculative_max_batch"))
-                     if getattr(args, d, None) is not None), None)
-        if knob:
-            raise CLIError(f"{knob} configures speculative decoding, which --speculative off "
-                           "turns off")
+    from servelab.options import speculative_knobs_given
+
+    knobs = speculative_knobs_given(args)
+    if args.speculative == "off" and knobs:   # a sweep's off point lets them pass to the others
+        raise CLIError(f"{knobs[0]} configures speculative decoding, which --speculative off "
+                       "turns off")
     config = config_from_args(args)
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
