@@ -8,6 +8,7 @@ its catalog entry borrows from at that version or the nearest, else the bare roo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -146,6 +147,23 @@ def test_softmax_time_per_pair_is_independent_of_head_dim_and_off_by_default():
     with pytest.raises(ValueError, match="missing field.*compute_eff"):
         K.PrefillAttentionParams.from_dict({k: v for k, v in written.items()
                                             if k != "compute_eff"}, "old profile")
+
+
+def test_a_padded_tile_pair_pays_the_softmax_as_a_real_pair_does():
+    """The pairs a partly filled query tile wastes (`padded_tile_pairs` per sequence and
+    thread-block head) go through the softmax too: `pair_head_s` is added for them as for
+    the real pairs, per query head without head packing and per KV head with it."""
+    gpu = get_gpu("b200")
+    seqs, q, heads, kv_heads, padded = 6, 40, 32, 8, 5000.0
+    pairs = seqs * 0.5 * (q * q + q)
+    for packs, block_heads in ((0.0, heads), (1.0, kv_heads)):
+        base = K.PrefillAttentionParams(floor_s=1e-5, compute_eff=0.6, memory_eff=0.5,
+                                        padded_tile_pairs=padded, packs_gqa=packs)
+        soft = dataclasses.replace(base, pair_head_s=2e-13)
+        args = (seqs, seqs * q, 0.0, seqs * q * q, 0.0, heads, kv_heads, 128, gpu)
+        extra = K.prefill_attention_time(*args, soft) - K.prefill_attention_time(*args, base)
+        assert extra == pytest.approx((pairs * heads + seqs * block_heads * padded) * 2e-13,
+                                      rel=1e-9)
 
 
 def test_a_benchmark_without_the_cache_write_drops_exactly_its_bytes():
