@@ -253,6 +253,17 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     probe = [e for name, e in variants.items() if name.startswith(label)]
     assert as_is > 50 and len(probe) == 1 and abs(probe[0]["tpot"]["median_signed_pct"]) < 5
     assert f"| {label} (bias or spread?) |" in text
+    # the MAPEs' range with every step priced within +-1%: the replay as it is lies in it,
+    # and the tiny run's TPOTs (about twice the real ones) move with every price
+    spread = data["runs"]["RTX4090/tiny"]["sensitivity"]
+    for m in ("ttft", "tpot", "e2el"):
+        assert spread[m]["min"] <= variants["as replayed"][m]["mape_pct"] <= spread[m]["max"]
+        assert spread[m]["min"] <= spread[m]["mean"] <= spread[m]["max"]
+    assert spread["tpot"]["max"] - spread["tpot"]["min"] > 1.0
+    ttft = variants["as replayed"]["ttft"]["mape_pct"]
+    assert (f"| {ttft:.1f}% ({spread['ttft']['min']:.1f}-{spread['ttft']['max']:.1f}%) |"
+            in text)
+    assert "Every step priced up to 1% slower or faster (seven replays" in text
     assert sorted(p.name for p in (out.parent / "real").glob("*.png")) == [
         "RTX4090_tiny_engine.png", "RTX4090_tiny_latency.png"]
     assert "not replayed: RTX4090/moe" in capsys.readouterr().err
