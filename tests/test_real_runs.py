@@ -269,6 +269,31 @@ def test_cli_writes_the_report_and_lists_what_it_could_not_replay(tmp_path, caps
     assert "not replayed: RTX4090/moe" in capsys.readouterr().err
 
 
+def test_an_out_that_is_not_an_earlier_report_is_refused_before_any_replay(tmp_path, capsys):
+    """--out FILE.md replaces an earlier report only: another Markdown file, or a figures
+    folder FILE/ holding other files, is refused in one line (and left alone) unless --force."""
+    run, _ = _tiny_runs(tmp_path)
+    notes = tmp_path / "notes.md"
+    notes.write_text("# My notes\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "diagram.png").write_bytes(b"png")
+    args = ["validate", "--real-requests", str(run), "--no-plots"]
+    assert main(args + ["--out", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert "--out " + str(notes) + " is not a report of `servelab validate --real-requests`: " \
+           "use another --out, or --force to replace it" in err and "RTX4090/tiny" not in err
+    assert notes.read_text() == "# My notes\n" and (tmp_path / "notes" / "diagram.png").exists()
+    report = tmp_path / "real.md"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "data.csv").write_text("x\n")
+    assert main(args + ["--out", str(report)]) == 2
+    assert "its figures' folder" in capsys.readouterr().err and not report.exists()
+    assert main(args + ["--out", str(report), "--force"]) == 0
+    (tmp_path / "real" / "data.csv").unlink()
+    assert main(args + ["--out", str(report)]) == 0        # an earlier report: replaced
+    assert report.read_text().startswith("# Whole runs")
+
+
 @pytest.mark.parametrize("version, engine", [("0.19.0", "vllm-0.19"), ("v0.19.0", "vllm-0.19"),
                                              ("0.24.1", "vllm-0.24"),
                                              ("0.9.2", "vllm-0.14"), ("0.22.0", "vllm-0.24"),

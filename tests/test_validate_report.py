@@ -309,3 +309,23 @@ def test_same_shape_spread_flags_a_disturbed_machine():
                                                    np.array([1.0, 2.5, 1.2, 9.0]))}}
     v = verdict(report, [a, a, a, b], np.array([1.0, 2.5, 1.2, 9.0]), ValidateOptions())
     assert len(v["warnings"]) == 1 and "machine was disturbed" in v["warnings"][0]
+
+
+def test_out_that_holds_something_else_is_refused_before_any_work(runs, tmp_path, capsys):
+    """--out is the report's own: not one of the runs validated, not a directory of other
+    files (unless --force); a report directory of an earlier validate is rewritten."""
+    _, dirs = runs
+    base = ["validate", "--run", str(dirs[0]), "--no-probe", "--no-plots"]
+    assert main(base + ["--out", str(dirs[0])]) == 2
+    assert "is a run being validated" in capsys.readouterr().err
+    assert not (dirs[0] / "validation.json").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(base + ["--out", str(mine)]) == 2
+    assert "holds files that are not a validate report's (notes.txt): use another --out, " \
+           "or --force" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert main(base + ["--out", str(mine), "--force"]) == 0
+    assert (mine / "validation.json").exists() and (mine / "notes.txt").read_text() == "keep me"
+    assert main(base + ["--out", str(mine)]) == 0          # its own report now: rewritten

@@ -24,6 +24,7 @@ Importing this module is cheap; the handler imports numpy, torch and the simulat
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from servelab.cli import CLIError
 from servelab.options import non_negative_int, number, positive_float
@@ -81,6 +82,9 @@ def register(subparsers) -> None:
                    default=_STEP_RECORD_OPTIONS["probe"],
                    help="measure this CPU's matmul rate and copy bandwidth as the cpu entry's "
                         "peaks (default: on for CPU runs)")
+    p.add_argument("--force", action="store_true",
+                   help="write into an --out that holds something else (another command's "
+                        "files, another report)")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the error plots (default: on)")
     p.add_argument("--max-mape", type=positive_float, metavar="PCT",
@@ -114,11 +118,34 @@ def _cmd_real_requests(args: argparse.Namespace) -> int:
     try:
         write_report(args.real_requests, args.out, command, calibration=args.calibration,
                      plots=args.plots, progress=lambda line: print(line, file=sys.stderr),
-                     gpu=args.gpu)
+                     gpu=args.gpu, force=args.force)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(f"-> {args.out}")
     return 0
+
+
+VALIDATE_MARKER = "validation.json"
+"""What every `validate --run` report directory holds."""
+
+
+def check_validate_out(out: Path, runs: list[Path], force: bool) -> None:
+    """ValueError (one line) when `out` is one of the runs validated, or holds files but no
+    earlier report (`VALIDATE_MARKER`) and `force` is off: the report would mix with them."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if any(out.resolve() == run.resolve() for run in runs):
+        raise ValueError(f"--out {out} is a run being validated: give the report its own "
+                         f"directory")
+    if force or not out.is_dir():
+        return
+    names = sorted(entry.name for entry in out.iterdir())
+    if names and VALIDATE_MARKER not in names:
+        what = "a `servelab simulate` or `servelab run` directory" if "config.json" in names \
+            else f"files that are not a validate report's ({', '.join(names[:3])}" \
+                 f"{', ...' if len(names) > 3 else ''})"
+        raise ValueError(f"--out {out} holds {what}: use another --out, or --force to write "
+                         f"the report into it")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -136,6 +163,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         runs = [load_real_run(path) for path in args.run]
         gpu = args.gpu or catalog_gpu(runs[0].device, runs[0].device_name)
+        check_validate_out(Path(args.out), [Path(path) for path in args.run], args.force)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     overrides: dict[str, float] = {}
