@@ -100,6 +100,11 @@ def register(subparsers) -> None:
     e.add_argument("--expert-load", default="balanced", metavar="balanced|power-law:ALPHA",
                    help="how tokens spread over experts (default %(default)s; power-law as "
                         "aiconfigurator measures it, the most loaded GPU priced)")
+    e.add_argument("--routing", choices=("renormalize", "softmax"), default="renormalize",
+                   help="the router's top-k: renormalised (Mixtral, Qwen3 with norm_topk_prob, "
+                        "and DeepSeek-V3's grouped top-k) or plain softmax, which some engines "
+                        "run on another BF16 kernel (vLLM 0.24 on Blackwell: FlashInfer's "
+                        "CUTLASS one; default %(default)s)")
 
     m = kinds.add_parser("mla", parents=[common],
                          help="multi-head latent attention (DeepSeek style), one layer")

@@ -97,6 +97,11 @@ class ExpertShard(NamedTuple):
     dp: int
     """Data-parallel attention ranks whose tokens every MoE layer runs over together:
     ep / tp under expert parallelism wider than tp, else 1."""
+    default_routing: bool = True
+    """The engine's default BF16 fused-MoE kernel takes this layer's routing: top-k
+    renormalised (Mixtral; Qwen3-MoE with `norm_topk_prob`, vLLM's `renormalize`) or
+    DeepSeek-V3's grouped sigmoid top-k; False for plain softmax top-k, which vLLM 0.24
+    on Blackwell sends to FlashInfer's CUTLASS kernel (`KernelParams.moe_cutlass`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +242,8 @@ def _build_shapes(model: ModelSpec, tp: int, weight_dtype: str, kv_dtype: str,
         mlp_ew.append(Elementwise("moe_topk", e.num_experts * a + e.experts_per_token * 8, moe_layers))
         width = e.expert_intermediate_size if ep > 1 else e.expert_intermediate_size // tp
         experts = ExpertShard(moe_layers, e.num_experts, e.experts_per_token, h, width, ep,
-                              ep // tp if ep > tp else 1)
+                              ep // tp if ep > tp else 1,
+                              e.norm_topk_prob or model.architecture == "DeepseekV3ForCausalLM")
     vocab = -(-model.vocab_size // tp)
     gemms.append(Gemm("lm_head", vocab, h, h * vocab * ACT_BYTES, 1))
     # The fused kernels of a vLLM-style engine, bytes read + written per row (the KV-cache

@@ -22,7 +22,7 @@ _INT_FIELDS = {"m": 1, "n": 1, "k": 1, "batch": 1, "tokens": 1, "context": 0, "h
                "inter": 1, "experts": 1, "topk": 1, "ep": 1, "dp": 1, "pp": 1}
 """Integer options and their smallest allowed value."""
 _CHOICES = {"kv_dtype": ("bf16", "fp16", "fp8"), "weight_dtype": ("bf16", "fp16", "fp8"),
-            "phase": ("prefill", "decode")}
+            "phase": ("prefill", "decode"), "routing": ("renormalize", "softmax")}
 _DTYPES = {"gemm": ("bf16", "fp16", "fp8"), "allreduce": ("bf16", "fp16", "fp32"),
            "moe": ("bf16", "fp8")}
 """The --dtype values each kind takes (the same as its flag's choices)."""
@@ -181,7 +181,8 @@ def _moe(opts: dict) -> dict:
     if inter % tp:
         raise ValueError(f"--inter ({inter}) must be divisible by --tp ({tp})")
     K.parse_expert_load(load)
-    p = profile.kernels.moe_for(dtype, gpu)
+    routing = opts.get("routing") or "renormalize"
+    p = profile.kernels.moe_for(dtype, gpu, routing == "renormalize")
     router = float(K.gemm_time(t, e, h, gpu, profile.kernels.gemm))
     experts = float(K.moe_experts_time(t, h, inter, e, k, gpu, p, ep, tp, dtype, load))
     active, pairs = (float(x) for x in K.expert_load(t, e, k, ep, load)[:2])
@@ -200,7 +201,9 @@ def _moe(opts: dict) -> dict:
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,
             "kernel": ("W8A8 FP8" if w8a8 else "weight-only FP8 (Marlin), BF16 maths"
-                       if dtype == "fp8" else "BF16"),
+                       if dtype == "fp8" else "BF16" if p is profile.kernels.moe
+                       else "BF16 (FlashInfer CUTLASS: this routing's kernel)"),
+            "routing": routing,
             "expert_load": load, "predicted_ms": _ms(router + experts), "router_ms": _ms(router),
             "experts_ms": _ms(experts), "alltoall_ms": _ms(a2a),
             "active_experts": round(active, 2), "pairs": round(pairs, 2),

@@ -359,3 +359,57 @@ def test_the_fp8_family_takes_block_scaled_rows_where_a_table_has_them():
     assert select(both).tolist() == [False, False, True, False]
     assert select(per_tensor).tolist() == [False, True, True]
     assert FAMILIES["moe"].select(both).tolist() == [True, False, False, False]
+
+
+def test_flashinfer_cutlass_rows_are_their_own_family_only_beside_another_kernel():
+    """A table that measured FlashInfer's CUTLASS BF16 kernel beside another (vLLM 0.24 on
+    B200: TRT-LLM's) gives those rows to `moe_cutlass` and the rest to `moe`; a table with
+    one BF16 kernel gives `moe` every BF16 row, whichever it is, and `moe_cutlass` none."""
+    from servelab.validation.kernel_families import FAMILIES
+    from servelab.validation.measurements import Table
+
+    trt, cut = "vllm_x_flashinfer_trtllm_bf16", "vllm_x_flashinfer_cutlass_flashinferexperts"
+    both = Table("moe", {"dtype": np.array(["bf16", "bf16", "fp8", "bf16"], dtype=object),
+                         "kernel": np.array([trt, cut, cut, trt], dtype=object)},
+                 ["r1", "r2", "r3", "r4"])
+    assert FAMILIES["moe"].select(both).tolist() == [True, False, False, True]
+    assert FAMILIES["moe_cutlass"].select(both).tolist() == [False, True, False, False]
+    only = both.select(np.array([False, True, True, False]))
+    assert FAMILIES["moe"].select(only).tolist() == [True, False]
+    assert FAMILIES["moe_cutlass"].select(only).tolist() == [False, False]
+
+
+def test_a_routing_the_default_kernel_does_not_take_is_priced_on_the_cutlass_path():
+    """B200's profile prices BF16 layers of plain softmax top-k (a Qwen3-MoE config with
+    norm_topk_prob false) with its CUTLASS fit, renormalised and DeepSeek-V3 routing with
+    the default one; a profile without that path, and FP8, price every layer alike. The
+    profile file keeps the section only where it was measured."""
+    from servelab.models import load_model_spec
+    from servelab.outputs import BatchShape
+    from servelab.simulator.cost_model import CostModel
+
+    b200, h100 = packaged("b200.vllm-0.24").kernels, packaged("h100-sxm.vllm-0.24").kernels
+    gpu = get_gpu("b200")
+    assert b200.moe_cutlass is not None and h100.moe_cutlass is None
+    assert b200.moe_for("bf16", gpu, default_routing=False) is b200.moe_cutlass
+    assert b200.moe_for("bf16", gpu) is b200.moe
+    assert b200.moe_for("fp8", gpu, default_routing=False) is b200.moe_fp8
+    assert h100.moe_for("bf16", get_gpu("h100-sxm"), default_routing=False) is h100.moe
+    assert "moe_cutlass" not in h100.to_dict() and "moe_cutlass" in b200.to_dict()
+    assert K.KernelParams.from_dict(b200.to_dict()) == b200
+
+    qwen = load_model_spec("qwen3-30b-a3b")
+    softmax = replace(qwen, moe=replace(qwen.moe, norm_topk_prob=False))
+    shape = BatchShape(num_decode_seqs=64, decode_context_sum=64 * 500)
+    priced = {}
+    for name, model in (("renormalize", qwen), ("softmax", softmax), ("deepseek", "deepseek-v3")):
+        cm = CostModel(model, "b200", calibration="b200.vllm-0.24")
+        priced[name] = (cm.shapes.experts.default_routing, cm.breakdown(shape)["moe_experts"].time_s)
+    assert [priced[n][0] for n in ("renormalize", "softmax", "deepseek")] == [True, False, True]
+    x = CostModel(qwen, "b200", calibration="b200.vllm-0.24").shapes.experts
+    per_layer = [float(K.fused_moe_time(64, x.hidden, x.width, x.experts, x.topk, 1,
+                                        K.expert_load(64, x.experts, x.topk, 1), gpu, p, "bf16"))
+                 for p in (b200.moe, b200.moe_cutlass)]
+    assert priced["renormalize"][1] == pytest.approx(x.num_layers * per_layer[0], rel=1e-9)
+    assert priced["softmax"][1] == pytest.approx(x.num_layers * per_layer[1], rel=1e-9)
+    assert abs(per_layer[1] / per_layer[0] - 1) > 0.05

@@ -274,7 +274,33 @@ def _fp8_moe_rows(t: Table) -> np.ndarray:
     return block if block.any() else t["dtype"] == "fp8"
 
 
-def _moe_family(name: str, dtype: str) -> Family:
+def _flashinfer_cutlass(t: Table) -> np.ndarray:
+    if "kernel" not in t.columns:
+        return np.zeros(len(t), dtype=bool)
+    return np.array(["flashinfer_cutlass" in str(k) for k in t["kernel"]], dtype=bool)
+
+
+def _bf16_moe_rows(t: Table) -> np.ndarray:
+    """The BF16 fused-MoE rows of the engine's default kernel, which the `moe` family is
+    fitted to: every BF16 row, but where a table measured FlashInfer's CUTLASS kernel
+    beside another (vLLM 0.24 on B200: TRT-LLM's, 12,424 rows against CUTLASS's 1,944 on
+    two layer shapes, priced 30-60% fast by one fit of both) those rows are the
+    `moe_cutlass` family's: another kernel, which the engine runs only for a routing its
+    default one does not take (`KernelParams.moe_cutlass`)."""
+    bf16 = t["dtype"] == "bf16"
+    default = bf16 & ~_flashinfer_cutlass(t)
+    return default if default.any() else bf16
+
+
+def _cutlass_moe_rows(t: Table) -> np.ndarray:
+    """FlashInfer CUTLASS BF16 rows beside another BF16 kernel's (`_bf16_moe_rows`)."""
+    bf16 = t["dtype"] == "bf16"
+    cutlass = bf16 & _flashinfer_cutlass(t)
+    return cutlass if (bf16 & ~cutlass).any() else np.zeros(len(t), dtype=bool)
+
+
+def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | None = None
+                ) -> Family:
     fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
     # the grouped-GEMM libraries do not read vLLM's tuned Triton configs
     other = dict(GROUPED_GEMM_MOE, tuned_compute_eff=0.0,
@@ -286,7 +312,7 @@ def _moe_family(name: str, dtype: str) -> Family:
         return dict(fixed, **({} if tuned else {"tuned_compute_eff": 0.0}))
 
     return Family(
-        name, "moe", _fp8_moe_rows if dtype == "fp8" else (lambda t: t["dtype"] == dtype), _MOE_FITTED,
+        name, "moe", rows or (_fp8_moe_rows if dtype == "fp8" else _bf16_moe_rows), _MOE_FITTED,
         lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
         fixed=triton, alternatives=lambda gpu: (dict(other),),
         # the third start: a low floor, the rest of it in the K loops (`k_depth_s`), near
@@ -395,6 +421,7 @@ FAMILIES: dict[str, Family] = {
         size_axes=("num_tokens",)),
     "moe": _moe_family("moe", "bf16"),
     "moe_fp8": _moe_family("moe_fp8", "fp8"),
+    "moe_cutlass": _moe_family("moe_cutlass", "bf16", _cutlass_moe_rows),
     "mla_prefill": Family(
         "mla_prefill", "mla_prefill", _attention_rows,
         {"floor_s": (5e-6, 2e-4, 2e-5), "compute_eff": (*FRACTION, 0.5),

@@ -236,6 +236,10 @@ def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) 
 
 
 _FP8_OF = {"gemm_fp8": ("gemm", "GEMM"), "moe_fp8": ("moe", "MoE")}
+OPTIONAL_FAMILIES = {"moe_cutlass": "no FlashInfer CUTLASS BF16 MoE measurements beside "
+                                    "another kernel's: every layer is priced with kernels.moe"}
+"""Kernel paths an engine takes only on some GPUs: without measurements a profile has none
+(`KernelParams.moe_cutlass` None), and nothing is carried from another profile."""
 """FP8 families that take their BF16 family's parameters where no FP8 rows were measured
 (with the name said in the provenance)."""
 
@@ -269,7 +273,10 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
             continue
         table = family_table(ms, fam)
         if len(table) < 2 * len(fam.fitted):
-            if name in _FP8_OF and _FP8_OF[name][0] in values:
+            if name in OPTIONAL_FAMILIES:
+                values[name] = None
+                provenance[f"kernels.{name}"] = OPTIONAL_FAMILIES[name]
+            elif name in _FP8_OF and _FP8_OF[name][0] in values:
                 bf16, label = _FP8_OF[name]
                 values[name] = values[bf16]
                 provenance[f"kernels.{name}"] = (f"no FP8 {label} measurements: the BF16 {label} "
@@ -291,8 +298,7 @@ def calibrate(ms: MeasurementSet, seed: int = DEFAULT_SEED, holdout: float = DEF
             sampled = f" (sampled from {train:,})" if max_points is not None \
                 and train > max_points else ""
             progress(f"fitting {name} on {min(train, max_points or train):,} points{sampled} ...")
-        fit = fit_family(fam, table, gpu, mask, getattr(K.KernelParams.roofline(), name),
-                         max_points)
+        fit = fit_family(fam, table, gpu, mask, K.KernelParams.bare(name), max_points)
         fits[name] = fit
         values[name] = fit.params
         provenance[f"kernels.{name}"] = ms.sources.get(fam.table if fam.table != "vidur_elementwise"

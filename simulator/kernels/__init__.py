@@ -54,8 +54,8 @@ __all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "AllToAllPara
 _SECTIONS = {"gemm": GemmParams, "gemm_fp8": GemmParams, "attn_prefill": PrefillAttentionParams,
              "attn_decode": DecodeAttentionParams, "elementwise": ElementwiseParams,
              "collective": CollectiveParams, "host_link": HostLinkParams, "moe": MoEParams,
-             "moe_fp8": MoEParams, "mla_prefill": MLAPrefillParams, "mla_decode": MLADecodeParams,
-             "alltoall": AllToAllParams}
+             "moe_fp8": MoEParams, "moe_cutlass": MoEParams, "mla_prefill": MLAPrefillParams,
+             "mla_decode": MLADecodeParams, "alltoall": AllToAllParams}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,14 @@ class KernelParams:
     no FP8 tensor cores)."""
     moe_fp8: MoEParams = MoEParams()
     """Fused mixture-of-experts layers, FP8 weights and activations (W8A8)."""
+    moe_cutlass: MoEParams | None = None
+    """BF16 fused MoE on FlashInfer's CUTLASS kernel, where the engine runs another kernel
+    by default and falls back to this one for a routing that kernel does not take: vLLM
+    0.24 on Blackwell runs FlashInfer's TRT-LLM BF16 kernel for renormalised top-k, Llama-4
+    and DeepSeek-V3 routing (`TrtLlmBf16ExpertsMonolithic._supports_routing_method`) and
+    the CUTLASS one otherwise (plain softmax top-k: a Qwen3-MoE config with
+    `norm_topk_prob` false). None where no table measured that kernel beside the default
+    one: every layer is priced with `moe`."""
     mla_prefill: MLAPrefillParams = MLAPrefillParams()
     mla_decode: MLADecodeParams = MLADecodeParams()
     alltoall: AllToAllParams = AllToAllParams()
@@ -84,18 +92,28 @@ class KernelParams:
         """The bare roofline: peaks reached, no floors, no latencies, full overlap."""
         return cls()
 
+    @staticmethod
+    def bare(name: str):
+        """Family `name`'s bare-roofline parameters (an optional path's too)."""
+        return _SECTIONS[name]()
+
     def gemm_for(self, dtype: str) -> GemmParams:
         return self.gemm_fp8 if dtype == "fp8" else self.gemm
 
-    def moe_for(self, dtype: str, gpu) -> MoEParams:
+    def moe_for(self, dtype: str, gpu, default_routing: bool = True) -> MoEParams:
         """The fused-MoE parameters that price `dtype` weights on `gpu`: W8A8 FP8 where it
-        has FP8 tensor cores, else (BF16, or FP8 run weight-only) the BF16 kernel's."""
+        has FP8 tensor cores, else (BF16, or FP8 run weight-only) the BF16 kernel's — the
+        fallback kernel's (`moe_cutlass`) for a layer whose routing the default BF16 kernel
+        does not take (`default_routing` False), where the profile has one."""
         from servelab.simulator.kernels.moe import kernel_dtype
 
-        return self.moe_fp8 if kernel_dtype(dtype, gpu) == "fp8" else self.moe
+        if kernel_dtype(dtype, gpu) == "fp8":
+            return self.moe_fp8
+        return self.moe if default_routing or self.moe_cutlass is None else self.moe_cutlass
 
     def to_dict(self) -> dict[str, dict]:
-        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
+        return {name: getattr(self, name).to_dict() for name in _SECTIONS
+                if getattr(self, name) is not None}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "kernels") -> "KernelParams":
