@@ -175,6 +175,20 @@ def test_engine_config_is_vllm_defaults_overridden_by_the_run(tmp_path):
                               "llama-3.1-8b", "rtx-4090", "t.csv")
     assert (bare.kv_blocks, bare.block_size, bare.prefix_caching, bare.gpu_memory_utilization) == \
         (None, 16, True, 0.9)
+    # engine kwargs without a recorded KV cache are read too, every one of them: honoured,
+    # or the run is not replayed (a setting servelab cannot model is not dropped)
+    asked = dict(gpu_memory_utilization=0.5, enable_prefix_caching=False, block_size=32,
+                 enable_chunked_prefill=False, async_scheduling=False)
+    c = vllm_engine_config(load_recorded_run(write_run(tmp_path / "runs" / "k", [row(0, 1.0)],
+                                                       **asked)),
+                           "llama-3.1-8b", "h100-sxm", "t.csv")
+    assert (c.gpu_memory_utilization, c.prefix_caching, c.block_size,
+            c.scheduler.chunked_prefill, c.async_scheduling) == (0.5, False, 32, None, False)
+    spec = load_recorded_run(write_run(tmp_path / "runs" / "s", [row(0, 1.0)],
+                                       speculative_config={"method": "ngram",
+                                                           "num_speculative_tokens": 4}))
+    with pytest.raises(NotReplayable, match="--speculative-config.*its JSON is not read"):
+        vllm_engine_config(spec, "llama-3.1-8b", "h100-sxm", "t.csv")
 
 
 # --------------------------------------------------------------------------- metrics
@@ -292,6 +306,38 @@ def test_an_out_that_is_not_an_earlier_report_is_refused_before_any_replay(tmp_p
     (tmp_path / "real" / "data.csv").unlink()
     assert main(args + ["--out", str(report)]) == 0        # an earlier report: replaced
     assert report.read_text().startswith("# Whole runs")
+    (tmp_path / "plain").write_text("x")                   # FILE is a file: no figures folder
+    for force in ([], ["--force"]):
+        assert main(args + ["--out", str(tmp_path / "plain.md"), *force]) == 2
+        assert "which is a file here: use another --out" in capsys.readouterr().err
+
+
+def test_runs_of_the_same_gpu_and_model_keep_their_own_sections(tmp_path, capsys):
+    """Two recordings under different parents with the same GPU/model folders get labels
+    that tell them apart (their sections, figures and JSON entries stay their own); the
+    same folder given twice is one error."""
+    rows = [row(i, 0.05 * i, prompt=30 + 7 * i, output=4 + i % 3) for i in range(8)]
+    day1 = write_run(tmp_path / "day1" / "RTX4090" / "tiny", rows)
+    day2 = write_run(tmp_path / "day2" / "RTX4090" / "tiny", rows[:5])
+    out = tmp_path / "r.md"
+    assert main(["validate", "--real-requests", str(day1), str(day2), "--out", str(out)]) == 0
+    data = json.loads((tmp_path / "r" / "real-runs.json").read_text())
+    assert sorted(data["runs"]) == ["day1/RTX4090/tiny", "day2/RTX4090/tiny"]
+    assert [data["runs"][k]["errors"]["ttft"]["n"] for k in sorted(data["runs"])] == [8, 5]
+    assert len(list((tmp_path / "r").glob("*.png"))) == 4
+    assert main(["validate", "--real-requests", str(day1), str(day1) + "/", "--out", str(out)]) == 2
+    assert "is given twice: replay each run once" in capsys.readouterr().err
+
+
+def test_a_run_priced_as_another_gpu_says_so_in_its_verdict(tmp_path):
+    """--gpu prices a run as another GPU than the one that recorded it: its verdict says
+    so (and is reported only), rather than that the GPU has no measured kernels."""
+    run, _ = _tiny_runs(tmp_path)
+    out = tmp_path / "r.md"
+    assert main(["validate", "--real-requests", str(run), "--gpu", "h100-sxm", "--no-plots",
+                 "--out", str(out)]) == 0
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| RTX4090/tiny"))
+    assert "(priced as h100-sxm, recorded on rtx-4090: reported only)" in row
 
 
 @pytest.mark.parametrize("version, engine", [("0.19.0", "vllm-0.19"), ("v0.19.0", "vllm-0.19"),

@@ -296,10 +296,11 @@ def run_engine(run: RecordedRun) -> str:
 def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
                        calibration: str | None = None):
     """The `SimulationConfig` of the engine that ran `run`: what `servelab simulate --engine
-    vllm-X.Y --vllm-args FLAGS` builds (the preset of its vLLM version, `run_engine`) from the flags the run's own config names (its
-    engine kwargs: max_num_seqs, max_num_batched_tokens, max_model_len, tensor and data
-    parallel sizes, dtype, kv_cache_dtype; its recorded KV cache: num_gpu_blocks as
-    --num-gpu-blocks-override, block_size, gpu_memory_utilization, enable_prefix_caching).
+    vllm-X.Y --vllm-args FLAGS` builds (the preset of its vLLM version, `run_engine`) from
+    the flags the run's own config names (`vllm_flags`: every engine kwarg, and its
+    recorded KV cache: num_gpu_blocks as --num-gpu-blocks-override, block_size,
+    gpu_memory_utilization, enable_prefix_caching); a kwarg servelab cannot model makes
+    the run NotReplayable, with the reason.
     A run with expert parallelism (`enable_expert_parallel`) spreads its experts over the
     TP × DP GPUs, its DP ranks one deployment (`--dp`). Every other setting is the preset's (`servelab.engines`: vLLM V1's defaults), so the
     replay is what a user gets who passes the same flags."""
@@ -317,21 +318,41 @@ def vllm_engine_config(run: RecordedRun, model: str, gpu: str, trace_path: str,
         raise NotReplayable(f"{run.label}: {exc}") from None
 
 
+_RECORDED = ("block_size", "gpu_memory_utilization", "enable_prefix_caching")
+"""Settings a run's `kv_cache` records as the engine resolved them: they win over the
+engine kwargs it was given."""
+_NEGATABLE = frozenset({"enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"})
+"""Boolean engine kwargs whose False is a `--no-...` flag; another False one is a switch
+left off, vLLM's default."""
+
+
 def vllm_flags(run: RecordedRun) -> list[str]:
-    """The `vllm serve` flags the run's `vllm_meta.json` names (None values left out)."""
-    kwargs = run.meta.get("engine_kwargs") or {}
+    """The `vllm serve` flags of the run's `vllm_meta.json`: every engine kwarg but the
+    model (None values left out; a boolean as its switch; a dict or list as JSON), its
+    recorded KV cache's resolved settings in place of the kwargs' (`_RECORDED`) and its
+    block count as --num-gpu-blocks-override. `servelab.vllm_args` reads them as it reads
+    a command line: a kwarg servelab cannot model is refused there, so the run is not
+    replayed as if it had not been set."""
+    import json
+    import shlex
+
+    kwargs = {k: v for k, v in (run.meta.get("engine_kwargs") or {}).items() if k != "model"}
     cache = run.meta.get("kv_cache") or {}
-    flags = [f"--{name.replace('_', '-')} {kwargs[name]}" for name in (
-        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
-        "data_parallel_size", "dtype", "kv_cache_dtype") if kwargs.get(name) is not None]
-    flags += [f"--{flag} {cache[key]}" for key, flag in (
-        ("num_gpu_blocks", "num-gpu-blocks-override"), ("block_size", "block-size"),
-        ("gpu_memory_utilization", "gpu-memory-utilization")) if cache.get(key) is not None]
-    if cache.get("enable_prefix_caching") is not None:
-        flags.append("--enable-prefix-caching" if cache["enable_prefix_caching"]
-                     else "--no-enable-prefix-caching")
-    if kwargs.get("enable_expert_parallel"):
-        flags.append("--enable-expert-parallel")
+    kwargs.update({k: cache[k] for k in _RECORDED if cache.get(k) is not None})
+    flags = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value or name in _NEGATABLE:
+                flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            flags.append(f"{flag} {shlex.quote(json.dumps(value))}")
+        else:
+            flags.append(f"{flag} {shlex.quote(str(value))}")
+    if cache.get("num_gpu_blocks") is not None:
+        flags.append(f"--num-gpu-blocks-override {cache['num_gpu_blocks']}")
     return flags
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from servelab.validation.real_runs import (ENGINE, LATENCIES, STATS, NotReplayable, RecordedRun,
                                            Replay, decode_seconds, error_metrics,
-                                           load_recorded_run, major_minor, replay_run)
+                                           load_recorded_run, major_minor, replay_run, run_gpu)
 
 __all__ = ["TARGETS_PCT", "render", "write_report"]
 
@@ -54,20 +54,41 @@ def check_report_out(out: Path, force: bool = False) -> None:
     if out.suffix != ".md":
         raise ValueError(f"--out {out}: expected a Markdown file (FILE.md); its figures go "
                          f"to the folder FILE/ beside it")
+    folder = out.parent / out.stem
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {out}: its figures go to the folder {folder}, which is a file "
+                         f"here: use another --out")
     if force:
         return
     if out.is_dir() or (out.exists() and out.read_text(errors="replace").split("\n", 1)[0] != TITLE):
         raise ValueError(f"--out {out} is not a report of `servelab validate --real-requests`: "
                          f"use another --out, or --force to replace it")
-    folder = out.parent / out.stem
     if folder.exists():
         other = sorted(p.name for p in folder.iterdir()
-                       if p.suffix != ".png" and p.name != "real-runs.json") \
-            if folder.is_dir() else [folder.name]
+                       if p.suffix != ".png" and p.name != "real-runs.json")
         if other:
             raise ValueError(f"--out {out}: its figures' folder {folder} holds other files "
                              f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): use "
                              f"another --out, or --force to write there")
+
+
+def _distinct_labels(runs: list[RecordedRun]) -> list[RecordedRun]:
+    """`runs` with labels that tell them apart (a section, its figures and its entry in
+    real-runs.json are keyed by label): runs sharing their last two folders' names (the
+    same GPU and model recorded twice) take as many more as it needs. The same folder
+    given twice is one error."""
+    folders = [run.path.resolve() for run in runs]
+    if len(set(folders)) < len(folders):
+        twice = next(f for f in folders if folders.count(f) > 1)
+        raise ValueError(f"{twice} is given twice: replay each run once")
+    depth = 2
+    while True:
+        labels = ["/".join(f.parts[-depth:]) for f in folders]
+        if len(set(labels)) == len(labels) or depth >= max(len(f.parts) for f in folders):
+            break
+        depth += 1
+    return [run if run.label == label else dataclasses.replace(run, label=label)
+            for run, label in zip(runs, labels)]
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path, command: str,
@@ -81,7 +102,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, command: str,
     (else each run's own, `run_gpu`)."""
     out = Path(out)
     check_report_out(out, force)
-    runs = [load_recorded_run(p) for p in run_dirs]
+    runs = _distinct_labels([load_recorded_run(p) for p in run_dirs])
     if gpu is not None:
         from servelab.simulator.gpus import get_gpu
 
@@ -293,6 +314,24 @@ def _meets(rp: Replay) -> dict[str, bool]:
     return {m: rp.errors[m]["mape_pct"] <= t for m, t in _targets(rp).items()}
 
 
+def _reported_only(rp: Replay) -> str | None:
+    """Why a run's figures are not judged against the targets (None: they are): priced as
+    another GPU than the one that recorded it (`--gpu`), or by kernels not measured on its
+    GPU inside its engine version."""
+    priced = rp.derived["cost_model"]["gpu"]
+    try:
+        recorded = run_gpu(dataclasses.replace(rp.run, gpu=None))
+    except NotReplayable:
+        recorded = None
+    if recorded is not None and recorded != priced:
+        return f"priced as {priced}, recorded on {recorded}"
+    if _measured(rp):
+        return None
+    if rp.derived["cost_model"].get("calibration_device") == priced:
+        return "kernels measured inside another vLLM version"
+    return "no measured kernels"
+
+
 def _measured(rp: Replay) -> bool:
     """Whether the GPU is priced by kernels measured on it (not borrowed, not carried over)."""
     cost = rp.derived["cost_model"]
@@ -399,8 +438,9 @@ def render(runs: Sequence[RecordedRun], replays: Sequence[Replay], skipped: dict
         meets = _meets(rp)
         verdict = ("met" if all(meets.values()) else "missed: " + ", ".join(
             f"{_NAMES[m]} MAPE > {_targets(rp)[m]:g}%" for m, ok in meets.items() if not ok))
-        if not _measured(rp):
-            verdict += " (no measured kernels: reported only)"
+        why = _reported_only(rp)
+        if why:
+            verdict += f" ({why}: reported only)"
         spread = sensitivity[rp.run.label]
         lines.append(
             f"| {rp.run.label} | {rp.derived['cost_model']['calibration']} | {e['e2el']['n']} | "
