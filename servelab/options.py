@@ -34,6 +34,31 @@ from servelab.config import (BATCHING_MODES, SPECULATIVE_METHODS, STEP_COMPOSITI
                              CacheConfig, SchedulerConfig, SpeculativeConfig)
 from servelab.engines import BUDGET, DEFAULT_ENGINE, EnginePreset, engine_names, get_preset
 
+
+class GivenFlag(argparse.Action):
+    """Store the value and remember that the flag was given (`args.given_flags`: dest ->
+    (flag as typed, value)), so that a default can be told from a flag given with the
+    default's value (`--vllm-args` must agree with the flags given, whatever their value);
+    the same option given again under another of its names with another value
+    (`--kv-dtype fp8 --kv-cache-dtype bf16`) is refused rather than the last one winning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "given_flags", None)
+        if given is None:
+            given = {}
+            setattr(namespace, "given_flags", given)
+        if self.dest in given and given[self.dest][1] != values \
+                and given[self.dest][0] != option_string:
+            raise argparse.ArgumentError(self, f"{values} disagrees with "
+                                               f"{given[self.dest][0]} {given[self.dest][1]}")
+        given[self.dest] = (option_string, values)
+        setattr(namespace, self.dest, values)
+
+
+def flag_given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether `dest`'s flag (a `GivenFlag`) was given on the command line."""
+    return dest in (getattr(args, "given_flags", None) or {})
+
 _SCHED_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
 _CACHE_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
 _ADMISSION_DEFAULTS = {f.name: f.default for f in fields(AdmissionConfig)}
@@ -235,7 +260,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser, *, policy_classes: Ma
     add_speculative_options(parser)
 
     p = parser.add_argument_group("policy")
-    p.add_argument("--policy", default="fcfs",
+    p.add_argument("--policy", default="fcfs", action=GivenFlag,
                    choices=list(policies) if policies is not None else list(policy_classes),
                    help="scheduling policy (default %(default)s)")
     for name, cls in policy_classes.items():

@@ -33,7 +33,8 @@ DTYPES = tuple(DTYPE_BYTES)
 
 
 def register(subparsers) -> None:
-    from servelab.options import add_output_options, add_workload_options, positive_float, positive_int
+    from servelab.options import (GivenFlag, add_output_options, add_workload_options,
+                                  positive_float, positive_int)
     from servelab.policies import policy_names
     from servelab.policies.cli_options import add_scheduler_options
     from servelab.simulator.router import router_names
@@ -53,16 +54,16 @@ def register(subparsers) -> None:
     add_workload_options(p)
 
     h = p.add_argument_group("model, GPU and cost model")
-    h.add_argument("--model", default="llama-3.1-8b", metavar="M",
+    h.add_argument("--model", default="llama-3.1-8b", metavar="M", action=GivenFlag,
                    help=f"catalog model ({', '.join(catalog_names())}), the Hugging Face id "
                         f"its config came from (meta-llama/Llama-3.1-8B), or a config.json path "
                         f"(default %(default)s)")
     h.add_argument("--gpu", default="h100-sxm", metavar="G",
                    help=f"catalog GPU ({', '.join(gpu_names())}) or a GPU spec .json file "
                         f"(default %(default)s)")
-    h.add_argument("--tp", type=positive_int, default=1,
+    h.add_argument("--tp", type=positive_int, default=1, action=GivenFlag,
                    help="tensor-parallel GPUs per replica (default %(default)s)")
-    h.add_argument("--pp", type=positive_int, default=1, metavar="N",
+    h.add_argument("--pp", type=positive_int, default=1, metavar="N", action=GivenFlag,
                    help="pipeline stages per replica (vLLM's --pipeline-parallel-size): the layers "
                         "split over N groups of --tp GPUs, N batches in flight (default %(default)s)")
     h.add_argument("--ep", type=positive_int, default=None, metavar="N",
@@ -84,6 +85,7 @@ def register(subparsers) -> None:
                         "quantization_config, as DeepSeek-V3's, which vLLM serves in FP8; bf16 "
                         "otherwise)")
     h.add_argument("--kv-dtype", "--kv-cache-dtype", choices=DTYPES, default="bf16",
+                   action=GivenFlag,
                    help="default %(default)s (--kv-cache-dtype: vLLM's name for it)")
     h.add_argument("--calibration", metavar="FILE",
                    help="calibration profile for this GPU: a JSON file, a packaged profile name, "
@@ -98,7 +100,7 @@ def register(subparsers) -> None:
                         "also given directly must agree; flags servelab cannot model are refused")
 
     c = p.add_argument_group("cluster and simulation")
-    c.add_argument("--replicas", type=positive_int, default=1,
+    c.add_argument("--replicas", type=positive_int, default=1, action=GivenFlag,
                    help="engine replicas, each with --tp GPUs (default %(default)s; with --dp "
                         "or --ep above --tp, the data-parallel ranks: a multiple of them)")
     c.add_argument("--router", choices=router_names(), default=None,
@@ -147,6 +149,9 @@ def config_from_args(args: argparse.Namespace):
                              f"context of {spec.context_length:,} tokens (its config.json's "
                              "max_position_embeddings and RoPE scaling); vLLM refuses it too")
         gpu = get_gpu(args.gpu)
+    if args.rate is not None and args.rate_scale not in (None, 1.0):
+        raise CLIError(f"--rate {args.rate:g} sets the mean request rate, which --rate-scale "
+                       f"{args.rate_scale:g} would multiply again: give one of them")
     ep, replicas, ranks = expert_layout(args, spec)
     # data-parallel ranks default to least-outstanding, as --vllm-args -dp N picks it
     # (`servelab.vllm_args`: vLLM's coordinator sends a request to the rank with the fewest
@@ -231,8 +236,24 @@ counts as not given (so that --vllm-args can set it). tests/test_engines.py keep
 equal to the parser's defaults."""
 
 
+def _check_prefix_cache_asked(args: argparse.Namespace) -> None:
+    """A run that asks for prefix caching or its CPU tier with a block manager that keeps
+    no prefix cache is refused (the contiguous baselines build without one, a vLLM preset's
+    prefix caching included: what `compare --block-managers` sets paging against)."""
+    from servelab.memory import caches_prefixes
+
+    manager = getattr(args, "block_manager", None) or "paged"
+    asked = [flag for flag, on in (("--prefix-caching", getattr(args, "prefix_caching", None)),
+                                   ("--kv-offload-gb", getattr(args, "kv_offload_gb", None)))
+             if on]
+    if asked and not caches_prefixes(manager):
+        raise CLIError(f"{' and '.join(asked)}: --block-manager {manager} keeps no prefix "
+                       f"cache (the paged manager does)")
+
+
 def with_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with the values --vllm-args sets; a flag given both ways must agree."""
+    from servelab.options import flag_given
     from servelab.vllm_args import catalog_model, translate
 
     with user_errors():
@@ -242,7 +263,9 @@ def with_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
         given = getattr(args, dest, None)
         if dest == "router" and given is not None:
             continue   # no vLLM flag: -dp's default router, which a --router given replaces
-        if given is not None and given != _VLLM_DESTS_DEFAULTS.get(dest) and given != value:
+        explicit = flag_given(args, dest) or (given is not None
+                                              and given != _VLLM_DESTS_DEFAULTS.get(dest))
+        if explicit and given != value:
             flag = "--" + dest.replace("_", "-")
             raise CLIError(f"{flag} {given} disagrees with --vllm-args, which sets it to {value}")
         setattr(out, dest, value)
@@ -288,10 +311,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.speculative == "off" and knobs:   # a sweep's off point lets them pass to the others
         raise CLIError(f"{knobs[0]} configures speculative decoding, which --speculative off "
                        "turns off")
+    _check_prefix_cache_asked(args)
     config = config_from_args(args)
     with user_errors():
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
         sim = build_simulation(config)
+    from servelab.traces.loaders import UNREAD_COLUMNS
+
+    trace_notes = (getattr(sim, "trace_provenance", None) or {}).get("notes", ())
+    notes = [*notes, *(n for n in trace_notes if n.startswith(UNREAD_COLUMNS))]
     cost = getattr(sim, "cost_model", None)         # a co-located run's (pools have two)
     if cost is not None:
         fitted = cost.profile.setup_note(cost.model.name, cost.tp, cost.weight_dtype, cost.kv_dtype)

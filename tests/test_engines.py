@@ -211,6 +211,13 @@ def test_simulate_reads_a_vllm_command_line(tmp_path, capsys):
     (["--max-num-seqs", "32", "--vllm-args", "--max-num-seqs 64"],
      "--max-num-seqs 32 disagrees with --vllm-args, which sets it to 64"),
     (["--vllm-args", "--enable-lora"], "LoRA adapters are not modelled"),
+    # a flag given with its default's value is given all the same
+    (["--tp", "1", "--vllm-args", "vllm serve meta-llama/Llama-3.1-8B -tp 2"],
+     "--tp 1 disagrees with --vllm-args, which sets it to 2"),
+    (["--model", "llama-3.1-8b", "--vllm-args", "vllm serve meta-llama/Llama-3.1-70B -tp 4"],
+     "--model llama-3.1-8b disagrees with --vllm-args, which sets it to llama-3.1-70b"),
+    (["--kv-dtype", "bf16", "--vllm-args", "--kv-cache-dtype fp8"],
+     "--kv-dtype bf16 disagrees with --vllm-args, which sets it to fp8"),
     (["--engine", "vllm-9"], "invalid choice: 'vllm-9'"),
     (["--calibration", "h100-sxm"], "calibration profile h100-sxm was fitted to kernels measured "
      "inside vLLM 0.14.0, not the chosen engine's 0.24.0: leave the calibration out to use "
@@ -221,6 +228,22 @@ def test_bad_engine_input_is_one_line_before_the_run(tmp_path, capsys, argv, mes
         assert main(["simulate", "--num-requests", "5", "--out", str(tmp_path / "x"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--kv-dtype", "fp8", "--kv-cache-dtype", "bf16", "--out", "unused"],
+    ["trace", "stats", "default", "--arrival-cv", "4", "--cv", "1"],
+])
+def test_one_option_under_two_names_with_two_values_is_refused(argv, capsys):
+    """An option's aliases (vLLM's name beside servelab's) given different values: an
+    error naming both, not the last one silently winning; the same value twice is fine."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "disagrees with" in capsys.readouterr().err
+    from servelab.cli import build_parser
+
+    same = ["simulate", "--kv-dtype", "fp8", "--kv-cache-dtype", "fp8", "--out", "unused"]
+    assert build_parser().parse_args(same).kv_dtype == "fp8"
 
 
 def test_the_defaults_vllm_args_may_override_are_the_parsers():

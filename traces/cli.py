@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from servelab.cli import CLIError
-from servelab.options import positive_int
+from servelab.options import GivenFlag, positive_int
 from servelab.traces.formats import trace_format_names
 
 TRACE_DIR_ENV = "SERVELAB_TRACE_DIR"
@@ -44,7 +44,7 @@ def _add_load_options(p: argparse.ArgumentParser, *, short_aliases: bool = False
                    help="target mean request rate: drawn arrivals for length-only tables (required "
                         "there), a time rescaling for timed traces, the total rate of 'default'")
     p.add_argument("--arrival-cv", *aliases["--arrival-cv"], dest="arrival_cv", type=float,
-                   default=1.0, metavar="CV",
+                   default=1.0, metavar="CV", action=GivenFlag,
                    help="inter-arrival coefficient of variation of drawn arrivals (1 = Poisson)")
     p.add_argument("--no-download", action="store_true",
                    help="fail instead of downloading a missing named dataset")
