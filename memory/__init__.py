@@ -14,10 +14,11 @@ from servelab.registry import import_submodules
 from .base import AllocStatus, BlockManager, BlockManagerError, BlockUsage
 from .paged import PagedBlockManager   # first: the default leads the list of names
 from .contiguous import ContiguousBlockManager
-from .registry import block_manager_names, make_block_manager, register_block_manager
+from .registry import (block_manager_names, caches_prefixes, make_block_manager,
+                       register_block_manager)
 
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerError", "BlockUsage",
-           "ContiguousBlockManager", "PagedBlockManager", "block_manager_names",
+           "ContiguousBlockManager", "PagedBlockManager", "block_manager_names", "caches_prefixes",
            "make_block_manager", "register_block_manager"]
 
 import_submodules(__name__, __path__)

@@ -476,5 +476,6 @@ class ContiguousBlockManager(BlockManager):
 
 for _mode in MODES:
     register_block_manager(f"contiguous-{_mode}",
-                           functools.partial(ContiguousBlockManager.from_config, mode=_mode))
+                           functools.partial(ContiguousBlockManager.from_config, mode=_mode),
+                           caches_prefixes=False)
 del _mode

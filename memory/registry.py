@@ -19,9 +19,23 @@ BlockManagerFactory = Callable[["CacheConfig", int], BlockManager]
 BLOCK_MANAGERS: Registry[BlockManagerFactory] = Registry("block manager")
 
 
-def register_block_manager(name: str, factory: BlockManagerFactory) -> BlockManagerFactory:
-    """Add a block manager under `name`; a duplicate name is an error."""
+_NO_PREFIX_CACHE: set[str] = set()
+
+
+def register_block_manager(name: str, factory: BlockManagerFactory, *,
+                           caches_prefixes: bool = True) -> BlockManagerFactory:
+    """Add a block manager under `name`; a duplicate name is an error. `caches_prefixes`
+    False: the manager keeps no prefix cache (a `CacheConfig` asking for one builds it all
+    the same, with no hits: the comparison the contiguous baselines make), so a command
+    line that asks for prefix caching or a CPU tier of it with this manager is refused."""
+    if not caches_prefixes:
+        _NO_PREFIX_CACHE.add(name)
     return BLOCK_MANAGERS.add(name, factory)
+
+
+def caches_prefixes(name: str) -> bool:
+    """Whether the block manager registered as `name` keeps a prefix cache."""
+    return name not in _NO_PREFIX_CACHE
 
 
 def block_manager_names() -> list[str]:

@@ -99,6 +99,10 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--tp", "3"], "tp=3 must divide"),
     (["--calibration", "/nonexistent/profile.json"], "cannot read calibration profile"),
     (["--no-prefix-caching", "--kv-offload-gb", "4"], "needs --prefix-caching"),
+    (["--rate", "5", "--rate-scale", "2"], "--rate 5 sets the mean request rate, which "
+     "--rate-scale 2 would multiply again: give one of them"),
+    (["--prefix-caching", "--block-manager", "contiguous-max"],
+     "--prefix-caching: --block-manager contiguous-max keeps no prefix cache"),
     (["--prefix-caching", "--kv-offload-gb", "300"], "more than its 1 x h100-sxm can have: 256 GiB"),
     (["--prefix-caching", "--kv-offload-gb", "200", "--cpu-kv-blocks", "40000"],
      "+ 78.1 GiB swap pool needs 278.1 GiB"),
