@@ -329,3 +329,21 @@ def test_out_that_holds_something_else_is_refused_before_any_work(runs, tmp_path
     assert main(base + ["--out", str(mine), "--force"]) == 0
     assert (mine / "validation.json").exists() and (mine / "notes.txt").read_text() == "keep me"
     assert main(base + ["--out", str(mine)]) == 0          # its own report now: rewritten
+
+
+def test_a_rerun_into_its_own_report_leaves_nothing_of_the_earlier_one(runs, tmp_path, capsys):
+    """Validating fewer runs into the same --out: the earlier replays and fit are gone, not
+    left beside the new report; one run given twice is refused (its steps would sit on
+    both sides of the held-out split)."""
+    _, dirs = runs
+    out, fresh = tmp_path / "v", tmp_path / "fresh"
+    two = ["validate", "--run", str(dirs[0]), "--run", str(dirs[2]), "--no-probe", "--no-plots"]
+    assert main(two + ["--fit", "--simulate", "--out", str(out)]) == 0
+    one = ["validate", "--run", str(dirs[0]), "--no-probe", "--no-plots", "--fit", "--simulate"]
+    assert main(one + ["--out", str(out)]) == 0
+    assert main(one + ["--out", str(fresh)]) == 0
+    listing = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*"))  # noqa: E731
+    assert listing(out / "replay") == listing(fresh / "replay")
+    assert main(["validate", "--run", str(dirs[0]), "--run", str(dirs[0]) + "/",
+                 "--out", str(tmp_path / "twice")]) == 2
+    assert "is given twice" in capsys.readouterr().err

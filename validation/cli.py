@@ -160,6 +160,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if given:
             raise CLIError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to "
                            "--fit, which was not given")
+    folders = [Path(path).resolve() for path in args.run]
+    twice = next((f for f in folders if folders.count(f) > 1), None)
+    if twice is not None:
+        raise CLIError(f"--run {twice} is given twice: its steps would sit on both sides of "
+                       f"the held-out split")
     try:
         runs = [load_real_run(path) for path in args.run]
         gpu = args.gpu or catalog_gpu(runs[0].device, runs[0].device_name)

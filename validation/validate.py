@@ -293,6 +293,21 @@ class ValidateOptions:
             raise ValueError(f"max_same_shape_spread must be > 1, got {self.max_same_shape_spread!r}")
 
 
+EARLIER_OUTPUTS = ("validation.json", "calibration.json", "step_pred_vs_measured.png",
+                   "step_error_hist.png", "step_error_vs_tokens.png")
+"""What a validation writes into its directory, beside `replay/`: an earlier one's are
+removed first, so that no file describes runs or options the new report does not."""
+
+
+def _clear_earlier_report(out: Path) -> None:
+    import shutil
+
+    for name in EARLIER_OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    if (out / "replay").is_dir():
+        shutil.rmtree(out / "replay")
+
+
 def validate(runs: Sequence[RealRun], options: ValidateOptions,
              out_dir: str | Path | None = None) -> dict[str, Any]:
     """Per-step validation of `runs` (one setup), optionally fitted and replayed; returns
@@ -312,6 +327,7 @@ def validate(runs: Sequence[RealRun], options: ValidateOptions,
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+        _clear_earlier_report(out)
     steps = [s for run in runs for s in run.steps]
     shapes = [step_shape(s) for s in steps]
     measured = np.array([s.duration_s for s in steps])
