@@ -163,3 +163,20 @@ def test_convert_refuses_an_output_it_would_not_write_in_that_format(tmp_path, c
     assert capsys.readouterr().err == ("servelab trace: error: trace convert writes servelab's "
                                        "canonical CSV, not parquet: name the output .csv\n")
     assert not out.exists()
+
+
+def test_a_servelab_trace_column_it_does_not_read_is_named(tmp_path, capsys):
+    """A misspelt optional column (`priorty`, `slo_ttft`) would leave every request at
+    priority 0 and without its SLO: the trace's notes name it, `trace stats` and
+    `simulate` print them; a trace with only known columns has no such note."""
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens,slo_ttft,priorty\n"
+                    "0.0,512,128,1,1\n0.1,2048,256,1,0\n")
+    assert any(n.startswith("columns not read: slo_ttft, priorty (") for n in load_trace(path).notes)
+    assert main(["trace", "stats", str(path)]) == 0
+    assert "columns not read: slo_ttft, priorty" in capsys.readouterr().out
+    assert main(["simulate", "--trace", str(path), "--out", str(tmp_path / "run")]) == 0
+    assert "note: columns not read: slo_ttft, priorty" in capsys.readouterr().err
+    good = tmp_path / "g.csv"
+    good.write_text("arrival_s,prompt_tokens,output_tokens,priority\n0.0,512,128,1\n")
+    assert not any(n.startswith("columns not read") for n in load_trace(good).notes)

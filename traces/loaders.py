@@ -32,6 +32,9 @@ FAILED_REASON = "failed request (0 response tokens)"
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per `hash_ids` block in the Mooncake traces (FAST'25 release README)."""
 
+UNREAD_COLUMNS = "columns not read"
+"""How a trace's note names header columns its format does not read (a misspelt
+`priorty` would otherwise go unnoticed: every request at priority 0)."""
 _SERVELAB_OPTIONAL = ("tenant", "priority", "slo_ttft_ms", "slo_tpot_ms", "prefix_block_size", "prefix_hashes")
 
 Row = tuple  # (line, time, prompt, output, hashes, block_size, tenant, priority, slo_ttft, slo_tpot)
@@ -95,6 +98,13 @@ def load_trace(path: str | os.PathLike, format: str = "auto", *, on_bad_row: str
                                                         clips, keep_failed)
     del data, lines
     notes = [f"format {fmt}"]
+    if fmt == "servelab":
+        known = (*spec.columns.values(), *_SERVELAB_OPTIONAL)
+        unread = [name for name in (c.strip().lower() for c in split_cells(header))
+                  if name not in known]
+        if unread:
+            notes.append(f"{UNREAD_COLUMNS}: {', '.join(unread)} (a servelab trace's columns: "
+                         f"{', '.join(known)})")
     if not spec.has_times:
         import numpy as np
 
