@@ -190,7 +190,8 @@ def load_profile(name_or_path: str | Path) -> CalibrationProfile:
 
 
 def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | None" = None,
-            engine_version: str | None = None) -> CalibrationProfile:
+            engine_version: str | None = None, *,
+            engine_flag: str = "--engine vllm-{major_minor}") -> CalibrationProfile:
     """The profile that prices `gpu`: `calibration` as given (a profile, a file, a packaged
     name, or "none" for the bare roofline), else — with an `engine_version` — the packaged
     profile `profile_for` picks for that version, else the GPU's default
@@ -199,7 +200,8 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
     A profile measured on another GPU is accepted only where the catalog says this GPU
     borrows it (H200 from H100: efficiencies are fractions of each GPU's own peaks). A
     chosen profile fitted inside another engine version than `engine_version` is an error
-    (either one unknown, None, is accepted)."""
+    (either one unknown, None, is accepted) naming the flag that chooses the profile's
+    version, `engine_flag` formatted with it (`{version}`, `{major_minor}`)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if engine_version is not None:
         version_key(engine_version, "engine version")
@@ -225,8 +227,10 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
         raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
                          f"{profile.engine_version}, not the chosen engine's {engine_version}: "
                          f"leave the calibration out to use {_shown(packaged_choice(spec, engine_version)[0])}, "
-                         f"or choose that engine "
-                         f"(--engine vllm-{'.'.join(profile.engine_version.split('.')[:2])})")
+                         f"or choose that engine ("
+                         + engine_flag.format(version=profile.engine_version,
+                                              major_minor=".".join(profile.engine_version.split(".")[:2]))
+                         + ")")
     return profile
 
 

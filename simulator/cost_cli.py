@@ -153,9 +153,13 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
     try:
         if args.points:
+            from servelab.cli import build_parser
+
+            flag_defaults = vars(build_parser().parse_args(["cost", args.kind, "--gpu", args.gpu]))
             rows = pricing.price_points(args.kind, args.points, vars(args),
                                         note=lambda line: print(f"cost: note: {line}",
-                                                                file=sys.stderr))
+                                                                file=sys.stderr),
+                                        flag_defaults=flag_defaults)
             if args.json:                  # numbers as numbers, as without --points
                 print(json.dumps([{k: _number(v) for k, v in row.items()} for row in rows],
                                  indent=2))

@@ -50,7 +50,8 @@ def _profile(gpu, opts: dict):
     if engine_version is None and opts.get("calibration") is None:
         from servelab.engines import DEFAULT_ENGINE, get_preset
         engine_version = get_preset(DEFAULT_ENGINE).engine_version
-    profile = resolve(gpu, opts.get("calibration"), engine_version)
+    profile = resolve(gpu, opts.get("calibration"), engine_version,
+                      engine_flag="--engine-version {version}")
     name = opts.get("calibration") or (packaged_choice(gpu, engine_version)[0] if engine_version
                                        else gpu.calibration or "none")
     return profile, name
@@ -476,12 +477,19 @@ _NOT_COLUMNS = frozenset({"func", "command", "command_parser", "kind", "points",
 """Entries of the parsed command line that are not a priced flag a column could set."""
 
 
-def price_points(kind: str, path: str | Path, defaults: dict, note=None) -> list[dict]:
+POINT_OUTPUT = "predicted_ms"
+"""The column `price_points` adds to every row (replacing one the file has)."""
+
+
+def price_points(kind: str, path: str | Path, defaults: dict, note=None,
+                 flag_defaults: dict | None = None) -> list[dict]:
     """Price every row of a CSV; columns named like the flags override `defaults`, except
     in an empty cell (a decode row's `tokens` beside prefill rows), which leaves the flag's
     value as given. Other columns (a measured time to compare with) are carried through
-    unread, and `note` (a callable) is told their names, lest a misspelt flag go unseen;
-    a file none of whose columns names a flag is refused."""
+    unread, and `note` (a callable) is told their names, lest a misspelt flag go unseen
+    (and that a `POINT_OUTPUT` column is replaced, and that a flag set away from its
+    default, `flag_defaults` being the parser's, fills only the empty cells of a column
+    that sets it too); a file none of whose columns names a flag is refused."""
     path = Path(path)
     try:
         with path.open(newline="") as f:
@@ -496,6 +504,16 @@ def price_points(kind: str, path: str | Path, defaults: dict, note=None) -> list
     if len(unread) == len(columns):
         raise ValueError(f"{path}: no column names a flag of `cost {kind}`; its columns may be "
                          f"{', '.join(flags)}")
+    if flag_defaults is not None and note:
+        for column in columns:
+            name = column.strip().replace("-", "_")
+            if name in flags and defaults[name] != flag_defaults.get(name):
+                note(f"{path}: column {column} sets {name} row by row; --{name.replace('_', '-')} "
+                     f"{defaults[name]} fills only its empty cells")
+    if POINT_OUTPUT in unread:
+        unread.remove(POINT_OUTPUT)
+        if note:
+            note(f"{path}: column {POINT_OUTPUT} is replaced by this pricing's")
     if unread and note:
         note(f"{path}: column{'s' if len(unread) > 1 else ''} {', '.join(unread)} "
              f"name{'' if len(unread) > 1 else 's'} no flag of `cost {kind}` and "
@@ -515,7 +533,7 @@ def price_points(kind: str, path: str | Path, defaults: dict, note=None) -> list
             result = price(kind, opts)
         except ValueError as exc:
             raise ValueError(f"{path}: line {line}: {exc}") from None
-        out.append({**row, "predicted_ms": result["predicted_ms"]})
+        out.append({**row, POINT_OUTPUT: result["predicted_ms"]})
     return out
 
 

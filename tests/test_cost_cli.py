@@ -462,3 +462,32 @@ def test_data_parallel_ranks_of_a_dense_model_are_replicas_priced_one_at_a_time(
     prices one of them, not a refusal naming --ep."""
     argv = ("step", "--gpu", GPU, "--model", "tiny-llama", "--decode", "8:100")
     assert cost_json(capsys, *argv, "--dp", 2)["predicted_ms"] == cost_json(capsys, *argv)["predicted_ms"]
+
+
+def test_a_profile_of_another_engine_version_names_costs_own_flag(capsys):
+    """`cost` chooses an engine version with --engine-version (simulate's --engine is not
+    one of its flags), and its refusal says so."""
+    argv = ["cost", "gemm", "--gpu", "h100-sxm", "--m", "512", "--n", "4096", "--k", "4096",
+            "--calibration", "h100-sxm", "--engine-version", "0.24.0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "or choose that engine (--engine-version 0.14.0)" in err and "--engine vllm" not in err
+
+
+def test_points_say_which_flags_and_columns_they_replace(tmp_path, capsys):
+    """With --points, a flag set away from its default that a column sets too fills only
+    that column's empty cells, and a note says so; a predicted_ms column already in the
+    file is replaced, and the note says so rather than that it is carried through unread."""
+    points = tmp_path / "p.csv"
+    points.write_text("m,n,k,dtype\n512,4096,4096,fp8\n")
+    base = ["cost", "gemm", "--gpu", "h100-sxm", "--points", str(points)]
+    assert main(base + ["--m", "7"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{points}: column m sets m row by row; --m 7 fills only its empty cells" in err
+    assert out.splitlines()[1].startswith("512,4096,4096,fp8,")
+    assert main(base + ["--out", str(tmp_path / "o.csv")]) == 0
+    capsys.readouterr()
+    again = ["cost", "gemm", "--gpu", "h100-sxm", "--points", str(tmp_path / "o.csv")]
+    assert main(again) == 0
+    err = capsys.readouterr().err
+    assert "column predicted_ms is replaced by this pricing's" in err and "unread" not in err
