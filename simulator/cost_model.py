@@ -268,7 +268,7 @@ class CostModel:
         dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
         stats = K.expert_load(tokens, x.experts, x.topk, x.ep, self.expert_load)
         t = K.fused_moe_time(tokens, x.hidden, x.width, x.experts, x.topk, x.ep, stats, g,
-                             self.kernels.moe_for(dtype, g, x.default_routing), dtype)
+                             self.kernels.moe_for(dtype, g, x.default_routing, x.ep), dtype)
         ops = [("moe_experts", "gemm", x.num_layers, t)]
         if x.dp > 1:
             exchange = K.alltoall_time(tokens * x.hidden * ACT_BYTES, x.dp, g, self.kernels.alltoall)
@@ -620,8 +620,8 @@ class CostModel:
             active, pairs = (float(v[0]) for v in K.expert_load([tokens], x.experts, x.topk, x.ep,
                                                                  self.expert_load)[:2])
             dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
-            p = kp.moe_for(dtype, g, x.default_routing)
-            w8a8 = p is kp.moe_fp8
+            p = kp.moe_for(dtype, g, x.default_routing, x.ep)
+            w8a8 = K.moe.kernel_dtype(dtype, g) == "fp8"
             per_expert = 3.0 * x.hidden * x.width
             flops = 2.0 * pairs * per_expert
             nbytes = (active * per_expert * DTYPE_BYTES[dtype]

@@ -183,7 +183,7 @@ def _moe(opts: dict) -> dict:
         raise ValueError(f"--inter ({inter}) must be divisible by --tp ({tp})")
     K.parse_expert_load(load)
     routing = opts.get("routing") or "renormalize"
-    p = profile.kernels.moe_for(dtype, gpu, routing == "renormalize")
+    p = profile.kernels.moe_for(dtype, gpu, routing == "renormalize", ep)
     router = float(K.gemm_time(t, e, h, gpu, profile.kernels.gemm))
     experts = float(K.moe_experts_time(t, h, inter, e, k, gpu, p, ep, tp, dtype, load))
     active, pairs = (float(x) for x in K.expert_load(t, e, k, ep, load)[:2])
@@ -201,7 +201,8 @@ def _moe(opts: dict) -> dict:
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,
-            "kernel": ("W8A8 FP8" if w8a8 else "weight-only FP8 (Marlin), BF16 maths"
+            "kernel": ("W8A8 FP8" + (" (the engine's kernel under EP)"
+                                     if p is profile.kernels.moe_fp8_ep else "") if w8a8 else "weight-only FP8 (Marlin), BF16 maths"
                        if dtype == "fp8" else "BF16" if p is profile.kernels.moe
                        else "BF16 (FlashInfer CUTLASS: this routing's kernel)"),
             "routing": routing,

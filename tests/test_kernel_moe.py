@@ -392,7 +392,7 @@ def test_cost_moe_is_the_kernel_plus_the_router(capsys):
     assert r["alltoall_ms"] > 0 and r["bound"] == "memory"
     rc, text, _ = cost(capsys, *ARGS, "--ep", 8, "--dtype", "fp8", "--expert-load", "power-law:1.2")
     assert rc == 0 and "MoE layer: 256 tokens, 256 experts of 7168x2048, top-8, EP 8" in text
-    assert "W8A8 FP8, power-law:1.2 load" in text
+    assert "W8A8 FP8 (the engine's kernel under EP), power-law:1.2 load" in text
 
 
 def test_cost_moe_says_whether_the_layer_has_a_tuned_vllm_config(capsys):

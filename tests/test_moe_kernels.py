@@ -413,3 +413,32 @@ def test_a_routing_the_default_kernel_does_not_take_is_priced_on_the_cutlass_pat
     assert priced["renormalize"][1] == pytest.approx(x.num_layers * per_layer[0], rel=1e-9)
     assert priced["softmax"][1] == pytest.approx(x.num_layers * per_layer[1], rel=1e-9)
     assert abs(per_layer[1] / per_layer[0] - 1) > 0.05
+
+
+def test_fp8_rows_under_ep_are_their_own_family_where_they_ran_another_kernel():
+    """Where a table's FP8 rows with EP above 1 ran one kernel and those without another
+    (vLLM 0.24 on H100: FlashInfer's CUTLASS under EP, Triton without), the EP rows are
+    `moe_fp8_ep`'s and layouts with EP are priced with it; one kernel throughout (or
+    several on either side, as B200's TRT-LLM variants) keeps every row in `moe_fp8`."""
+    from servelab.validation.kernel_families import FAMILIES
+    from servelab.validation.measurements import Table
+
+    cut, tri, other = "fi_cutlass", "triton", "trtllm_modular"
+    split = Table("moe", {"dtype": np.array(["fp8_block"] * 4 + ["bf16"], dtype=object),
+                          "ep": np.array([1, 2, 8, 1, 2]),
+                          "kernel": np.array([tri, cut, cut, tri, cut], dtype=object)},
+                  ["r1", "r2", "r3", "r4", "r5"])
+    assert FAMILIES["moe_fp8_ep"].select(split).tolist() == [False, True, True, False, False]
+    assert FAMILIES["moe_fp8"].select(split).tolist() == [True, False, False, True, False]
+    mixed = Table("moe", {"dtype": np.array(["fp8_block"] * 3, dtype=object),
+                          "ep": np.array([1, 2, 2]),
+                          "kernel": np.array([tri, cut, other], dtype=object)}, ["a", "b", "c"])
+    assert not FAMILIES["moe_fp8_ep"].select(mixed).any()
+    assert FAMILIES["moe_fp8"].select(mixed).all()
+
+    h100 = packaged("h100-sxm.vllm-0.24").kernels
+    gpu = get_gpu("h100-sxm")
+    assert h100.moe_for("fp8", gpu, ep=2) is h100.moe_fp8_ep is not None
+    assert h100.moe_for("fp8", gpu) is h100.moe_fp8 and h100.moe_for("bf16", gpu, ep=2) is h100.moe
+    b200 = packaged("b200.vllm-0.24").kernels
+    assert b200.moe_fp8_ep is None and b200.moe_for("fp8", get_gpu("b200"), ep=8) is b200.moe_fp8

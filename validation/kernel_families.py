@@ -262,6 +262,24 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "remote_pair_share": (0.01, 1.0, 0.5)}
 
 
+def _block_fp8_rows(t: Table) -> np.ndarray:
+    block = t["dtype"] == "fp8_block"
+    return block if block.any() else t["dtype"] == "fp8"
+
+
+def _ep_kernel_split(t: Table) -> np.ndarray:
+    """The FP8 rows (`_block_fp8_rows`) with EP above 1 where those ran another kernel than
+    the rows without EP, on every row of each side (vLLM 0.24 on H100: FlashInfer's CUTLASS
+    kernel under EP, 9,234 rows, and Triton without, 5,988): else none."""
+    rows = _block_fp8_rows(t)
+    if "kernel" not in t.columns or not rows.any():
+        return np.zeros(len(t), dtype=bool)
+    ep = rows & (t["ep"] > 1)
+    with_ep, without = set(t["kernel"][ep].tolist()), set(t["kernel"][rows & ~ep].tolist())
+    split = len(with_ep) == 1 and len(without) == 1 and with_ep != without
+    return ep if split else np.zeros(len(t), dtype=bool)
+
+
 def _fp8_moe_rows(t: Table) -> np.ndarray:
     """The FP8 fused-MoE rows the `moe_fp8` family is fitted to: block-scaled ones
     (`fp8_block`, 128 x 128 weight scales) where the table has any, else per-tensor ones.
@@ -269,9 +287,10 @@ def _fp8_moe_rows(t: Table) -> np.ndarray:
     `quantization_config.weight_block_size` [128, 128]), and the two scalings run different
     kernels: under vLLM 0.24 on H100 the per-tensor rows are ModelOpt checkpoints on
     FlashInfer's CUTLASS kernel, 2-4x the block rows' times (Triton without EP, CUTLASS with
-    it); on B200 TRT-LLM's block kernel runs about 30% slower than its per-tensor one."""
-    block = t["dtype"] == "fp8_block"
-    return block if block.any() else t["dtype"] == "fp8"
+    it); on B200 TRT-LLM's block kernel runs about 30% slower than its per-tensor one.
+    Where the rows under EP ran another kernel than the rows without, those are the
+    `moe_fp8_ep` family's (`_ep_kernel_split`)."""
+    return _block_fp8_rows(t) & ~_ep_kernel_split(t)
 
 
 def _flashinfer_cutlass(t: Table) -> np.ndarray:
@@ -422,6 +441,7 @@ FAMILIES: dict[str, Family] = {
     "moe": _moe_family("moe", "bf16"),
     "moe_fp8": _moe_family("moe_fp8", "fp8"),
     "moe_cutlass": _moe_family("moe_cutlass", "bf16", _cutlass_moe_rows),
+    "moe_fp8_ep": _moe_family("moe_fp8_ep", "fp8", _ep_kernel_split),
     "mla_prefill": Family(
         "mla_prefill", "mla_prefill", _attention_rows,
         {"floor_s": (5e-6, 2e-4, 2e-5), "compute_eff": (*FRACTION, 0.5),

@@ -237,7 +237,9 @@ def judge(fam: Family, table: Table, gpu: GPUSpec, params, heldout: np.ndarray) 
 
 _FP8_OF = {"gemm_fp8": ("gemm", "GEMM"), "moe_fp8": ("moe", "MoE")}
 OPTIONAL_FAMILIES = {"moe_cutlass": "no FlashInfer CUTLASS BF16 MoE measurements beside "
-                                    "another kernel's: every layer is priced with kernels.moe"}
+                                    "another kernel's: every layer is priced with kernels.moe",
+                     "moe_fp8_ep": "no FP8 MoE measurements under EP on another kernel than "
+                                   "without: every layout is priced with kernels.moe_fp8"}
 """Kernel paths an engine takes only on some GPUs: without measurements a profile has none
 (`KernelParams.moe_cutlass` None), and nothing is carried from another profile."""
 """FP8 families that take their BF16 family's parameters where no FP8 rows were measured

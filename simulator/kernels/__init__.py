@@ -54,7 +54,8 @@ __all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "AllToAllPara
 _SECTIONS = {"gemm": GemmParams, "gemm_fp8": GemmParams, "attn_prefill": PrefillAttentionParams,
              "attn_decode": DecodeAttentionParams, "elementwise": ElementwiseParams,
              "collective": CollectiveParams, "host_link": HostLinkParams, "moe": MoEParams,
-             "moe_fp8": MoEParams, "moe_cutlass": MoEParams, "mla_prefill": MLAPrefillParams,
+             "moe_fp8": MoEParams, "moe_cutlass": MoEParams, "moe_fp8_ep": MoEParams,
+             "mla_prefill": MLAPrefillParams,
              "mla_decode": MLADecodeParams, "alltoall": AllToAllParams}
 
 
@@ -83,6 +84,12 @@ class KernelParams:
     the CUTLASS one otherwise (plain softmax top-k: a Qwen3-MoE config with
     `norm_topk_prob` false). None where no table measured that kernel beside the default
     one: every layer is priced with `moe`."""
+    moe_fp8_ep: MoEParams | None = None
+    """FP8 fused MoE under expert parallelism, where the engine runs another kernel then
+    than without it: vLLM 0.24 on H100 ran block-scaled FP8 layers on FlashInfer's CUTLASS
+    kernel at every EP degree above 1 and on Triton without EP (aiconfigurator's tables,
+    their `kernel_source`). None where no table shows such a split: `moe_fp8` prices
+    every layout."""
     mla_prefill: MLAPrefillParams = MLAPrefillParams()
     mla_decode: MLADecodeParams = MLADecodeParams()
     alltoall: AllToAllParams = AllToAllParams()
@@ -100,15 +107,16 @@ class KernelParams:
     def gemm_for(self, dtype: str) -> GemmParams:
         return self.gemm_fp8 if dtype == "fp8" else self.gemm
 
-    def moe_for(self, dtype: str, gpu, default_routing: bool = True) -> MoEParams:
+    def moe_for(self, dtype: str, gpu, default_routing: bool = True, ep: int = 1) -> MoEParams:
         """The fused-MoE parameters that price `dtype` weights on `gpu`: W8A8 FP8 where it
-        has FP8 tensor cores, else (BF16, or FP8 run weight-only) the BF16 kernel's — the
+        has FP8 tensor cores (`moe_fp8_ep` under expert parallelism, `ep` > 1, where the
+        profile has one), else (BF16, or FP8 run weight-only) the BF16 kernel's — the
         fallback kernel's (`moe_cutlass`) for a layer whose routing the default BF16 kernel
         does not take (`default_routing` False), where the profile has one."""
         from servelab.simulator.kernels.moe import kernel_dtype
 
         if kernel_dtype(dtype, gpu) == "fp8":
-            return self.moe_fp8
+            return self.moe_fp8 if ep <= 1 or self.moe_fp8_ep is None else self.moe_fp8_ep
         return self.moe if default_routing or self.moe_cutlass is None else self.moe_cutlass
 
     def to_dict(self) -> dict[str, dict]:
