@@ -318,8 +318,10 @@ def _cutlass_moe_rows(t: Table) -> np.ndarray:
     return cutlass if (bf16 & ~cutlass).any() else np.zeros(len(t), dtype=bool)
 
 
-def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | None = None
-                ) -> Family:
+def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | None = None,
+                grouped_gemm: bool = False) -> Family:
+    """A fused-MoE family; `grouped_gemm`: its rows are FlashInfer's CUTLASS kernel, priced
+    with the grouped-GEMM library's settings only (no Triton tiles or tuned configs)."""
     fixed = dict(TRITON_MOE, **({"quant_elem_s": 0.0} if dtype == "bf16" else {}))
     # the grouped-GEMM libraries do not read vLLM's tuned Triton configs
     other = dict(GROUPED_GEMM_MOE, tuned_compute_eff=0.0,
@@ -333,7 +335,8 @@ def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | Non
     return Family(
         name, "moe", rows or (_fp8_moe_rows if dtype == "fp8" else _bf16_moe_rows), _MOE_FITTED,
         lambda t, g, p: _moe_predict(t, g, p, dtype), _moe_band, MOE_BANDS,
-        fixed=triton, alternatives=lambda gpu: (dict(other),),
+        fixed=(lambda gpu: dict(other)) if grouped_gemm else triton,
+        alternatives=(lambda gpu: ()) if grouped_gemm else (lambda gpu: (dict(other),)),
         # the third start: a low floor, the rest of it in the K loops (`k_depth_s`), near
         # where the H100 fits end; from the first two the fit keeps a floor twice the
         # fastest narrow layers' times and k_depth_s near 0
@@ -440,8 +443,8 @@ FAMILIES: dict[str, Family] = {
         size_axes=("num_tokens",)),
     "moe": _moe_family("moe", "bf16"),
     "moe_fp8": _moe_family("moe_fp8", "fp8"),
-    "moe_cutlass": _moe_family("moe_cutlass", "bf16", _cutlass_moe_rows),
-    "moe_fp8_ep": _moe_family("moe_fp8_ep", "fp8", _ep_kernel_split),
+    "moe_cutlass": _moe_family("moe_cutlass", "bf16", _cutlass_moe_rows, grouped_gemm=True),
+    "moe_fp8_ep": _moe_family("moe_fp8_ep", "fp8", _ep_kernel_split, grouped_gemm=True),
     "mla_prefill": Family(
         "mla_prefill", "mla_prefill", _attention_rows,
         {"floor_s": (5e-6, 2e-4, 2e-5), "compute_eff": (*FRACTION, 0.5),
