@@ -93,8 +93,8 @@ def _recorded(args: argparse.Namespace) -> dict:
     """The parsed flags as JSON values, for config.json ('off' for an infinite wait)."""
     out = {}
     for key, value in sorted(vars(args).items()):
-        if callable(value) or key == "force":   # how to write, not what was run
-            continue
+        if callable(value) or key in ("force", "given_flags"):   # how to write or parse,
+            continue                                              # not what was run
         out[key] = "off" if value == float("inf") else value
     return out
 

@@ -301,6 +301,7 @@ def test_cli_writes_a_complete_run_directory(tmp_path, capsys):
     given, derived = config["config"], config["derived"]
     assert (given["model"], given["device"], given["seed"]) == ("tiny-llama", "cpu", 5)
     assert given["cli_args"]["tenant_weights"] == {"a": 2.0, "b": 1.0}
+    assert given["cli_args"]["policy"] == "fair" and "given_flags" not in given["cli_args"]
     assert derived["policy"] == {"name": "fair", "weights": {"a": 2.0, "b": 1.0},
                                  "input_weight": 1.0, "output_weight": 2.0}
     assert derived["cache"]["num_gpu_blocks"] == 12 and derived["kv_blocks"] == "given"
