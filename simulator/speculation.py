@@ -55,8 +55,11 @@ def proposer_spec(config: SpeculativeConfig, target: ModelSpec) -> ModelSpec | N
         raise ValueError(f"--speculative mtp needs a model with multi-token-prediction layers "
                          f"(`num_nextn_predict_layers`: DeepSeek-V3); {target.name} "
                          f"({target.architecture}) has none: use eagle, ngram or draft:MODEL")
-    # EAGLE / MTP: one decoder layer of the target's shape, through the target's LM head
-    return replace(target, num_layers=1, name=f"{target.name} {config.method} head")
+    # EAGLE / MTP: one decoder layer of the target's shape, through the target's LM head;
+    # a mixture-of-experts target's is one of its MoE layers (DeepSeek-V3's MTP layer is:
+    # its model card), not one of its dense leading layers' indices past the head's one
+    moe = replace(target.moe, dense_layers=()) if target.moe is not None else None
+    return replace(target, num_layers=1, moe=moe, name=f"{target.name} {config.method} head")
 
 
 MTP_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})

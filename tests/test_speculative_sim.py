@@ -180,3 +180,20 @@ def test_mtp_needs_a_model_with_multi_token_prediction_layers():
         proposer_spec(mtp, load_model_spec("llama-3.1-8b"))
     eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=1)
     assert proposer_spec(eagle, load_model_spec("llama-3.1-8b")).num_layers == 1
+
+
+def test_a_mixture_of_experts_targets_head_is_one_of_its_moe_layers():
+    """DeepSeek-V3's MTP head (and an EAGLE head on a MoE target) is one MoE layer: its
+    weights are positive and take KV room from the target (a head built with the target's
+    three dense leading layers' indices counted -2 MoE layers and added room)."""
+    from servelab.config import SpeculativeConfig
+    from servelab.models import load_model_spec
+    from servelab.simulator.footprint import kv_capacity_blocks, weight_bytes_per_gpu
+    from servelab.simulator.speculation import proposer_spec
+
+    target = load_model_spec("deepseek-v3")
+    head = proposer_spec(SpeculativeConfig(method="mtp", num_speculative_tokens=1), target)
+    assert head.num_layers == 1 and head.moe is not None and head.moe.dense_layers == ()
+    assert weight_bytes_per_gpu(head, 8, "fp8") > 0
+    without = kv_capacity_blocks(target, "h200", 8, weight_dtype="fp8")
+    assert kv_capacity_blocks(target, "h200", 8, weight_dtype="fp8", proposer=head) < without
