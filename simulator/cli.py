@@ -128,6 +128,7 @@ def policy_flag_owners() -> dict[str, str]:
 
 def config_from_args(args: argparse.Namespace):
     """The `SimulationConfig` the flags describe; user errors raise CLIError."""
+    from servelab.memory import caches_prefixes
     from servelab.models import catalog_name_of, load_model_spec
     from servelab.policies.cli_options import configs_from_args
     from servelab.simulator.disaggregation import disaggregation_from_args
@@ -178,7 +179,8 @@ def config_from_args(args: argparse.Namespace):
             policy=opts.policy, policy_options=opts.policy_options,
             block_size=cache["block_size"], kv_blocks=cache["num_gpu_blocks"],
             cpu_kv_blocks=cache["num_cpu_blocks"], block_manager=cache["block_manager"],
-            prefix_caching=cache["enable_prefix_caching"], watermark=cache["watermark"],
+            prefix_caching=cache["enable_prefix_caching"] and caches_prefixes(cache["block_manager"]),
+            watermark=cache["watermark"],
             kv_offload_gb=opts.kv_offload_gb,
             replicas=replicas, router=router, slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms, fast_forward=args.fast_forward,
@@ -209,7 +211,7 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int, int]:
     docs.vllm.ai serving/expert_parallel_deployment), each data-parallel rank an engine
     with its own scheduler (serving/data_parallel_deployment): --dp N on a
     mixture-of-experts model sets ep = N × tp, and --ep above --tp implies ep / tp ranks.
-    The ranks are replicas: --replicas left at 1 becomes their number, and a larger value
+    The ranks are replicas: --replicas left out becomes their number, and a value given
     must be a multiple of it. On a dense model --dp N is N independent replicas, as vLLM
     runs it. (Commands without these flags, such as the sweeps, get ep 1.)"""
     tp, replicas = args.tp, args.replicas
@@ -221,7 +223,9 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int, int]:
         ep = dp * tp
     ep = ep or 1
     ranks = dp if dp is not None else (ep // tp if ep > tp and ep % tp == 0 else 1)
-    if ranks > 1 and replicas == 1:
+    from servelab.options import flag_given
+
+    if ranks > 1 and replicas == 1 and not flag_given(args, "replicas"):
         replicas = ranks
     elif replicas % ranks:
         raise CLIError(f"--replicas {replicas} must be a multiple of the {ranks} data-parallel "

@@ -146,12 +146,18 @@ def _layouts(args, parser):
             if len(shapes) > 1:   # the pools' shape names every layout, after the GPU and TP
                 at = list(values).index("tp") + 1
                 values = dict([*list(values.items())[:at], ("pools", unit.name), *list(values.items())[at:]])
+            build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]}, shape)
+            config = build(1)
+            ranks = config.replicas if shape is None else 1
+            if ranks > 1:   # --ep/--dp: a replica is a deployment of that many engines
+                unit = _Unit(unit.name, unit.gpus * ranks, unit.cost * ranks,
+                             f"{unit.describe} x {ranks} data-parallel ranks")
+                build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]},
+                                          shape, ranks=ranks)
             most = args.max_gpus // unit.gpus
             if most < 1:
                 skipped.append((values, f"{unit.describe} needs more than --max-gpus {args.max_gpus}"))
                 continue
-            build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]}, shape)
-            config = build(1)
             machine = (config.model, config.gpu, config.tp, config.pp, config.weight_dtype, config.kv_dtype, config.engine,
                        config.block_size, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                        config.disaggregation)
@@ -214,12 +220,14 @@ def _unit(args, values: dict, shape: tuple[int, int] | None) -> _Unit:
     return _Unit(name, gpus, cost, f"a {name} pool unit ({gpus} GPUs)")
 
 
-def _config_at(args, parser, values: dict, shape: tuple[int, int] | None, count: int):
-    """The run of a layout at `count` replicas, or `count` pool units of `shape`."""
+def _config_at(args, parser, values: dict, shape: tuple[int, int] | None, count: int,
+               ranks: int = 1):
+    """The run of a layout at `count` replicas (each a deployment of `ranks` data-parallel
+    engines under --ep/--dp), or `count` pool units of `shape`."""
     values = {k: v for k, v in values.items() if k != "pools"}
     if shape is None:
         return point_config(args, parser, {**values, **dict.fromkeys((*POOL_AXES, *POOL_FLAGS)),
-                                           "replicas": count})
+                                           "replicas": count * ranks})
     return point_config(args, parser, {**values, "prefill_replicas": count * shape[0],
                                        "decode_replicas": count * shape[1]})
 

@@ -321,3 +321,20 @@ def test_plan_help_states_what_plan_searches_by_default(capsys):
     assert "(default: plan searches every catalog GPU with a price)" in text
     assert "tensor-parallel GPUs per replica (default: plan searches 1,2,4,8)" in text
     assert "(default None)" not in text and "fcfs,priority,sjf,fair" not in text
+
+
+def test_a_layout_with_data_parallel_ranks_counts_and_prices_every_rank(tmp_path, capsys):
+    """Under --ep 2 a replica is a deployment of two engines on two GPUs: the plan runs
+    count x 2 replicas and counts and prices both GPUs (it priced one)."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--trace", "default", "--model", "qwen3-30b-a3b", "--ep", "2",
+                 "--rate", "30", "--num-requests", "100", "--p99-ttft-ms", "2000",
+                 "--gpus", "h100-sxm", "--tps", "1", "--out", str(out)]) == 0
+    answer = capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    price = plan["prices"]["h100-sxm"]
+    assert "(2 GPUs)" in answer and f"${2 * price:.2f}/h" in answer
+    runs = {p.parent.name: json.loads(p.read_text())["config"]
+            for p in (out / "runs").glob("*/config.json")}
+    counts = {name: int(name.split("_x")[1].split("_")[0]) for name in runs}
+    assert runs and all(c["replicas"] == 2 * counts[n] and c["ep"] == 2 for n, c in runs.items())

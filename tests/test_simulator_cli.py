@@ -99,6 +99,8 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
     (["--tp", "3"], "tp=3 must divide"),
     (["--calibration", "/nonexistent/profile.json"], "cannot read calibration profile"),
     (["--no-prefix-caching", "--kv-offload-gb", "4"], "needs --prefix-caching"),
+    (["--model", "qwen3-30b-a3b", "--ep", "2", "--replicas", "1"],
+     "--replicas 1 must be a multiple of the 2 data-parallel ranks"),
     (["--rate", "5", "--rate-scale", "2"], "--rate 5 sets the mean request rate, which "
      "--rate-scale 2 would multiply again: give one of them"),
     (["--prefix-caching", "--block-manager", "contiguous-max"],
@@ -354,6 +356,13 @@ def test_out_holding_another_run_is_refused_unless_forced(tmp_path, trace_file, 
     assert "--force" in err and (out / "config.json").read_text() == before
     assert simulate("--trace", str(trace_file), "--out", str(out), "--policy", "sjf", "--force") == 0
     assert load_config(out / "config.json").policy == "sjf"
+    # a disaggregated run replaced by a co-located one leaves none of its own files
+    assert simulate("--trace", str(trace_file), "--out", str(out), "--prefill-replicas", "1",
+                    "--decode-replicas", "1", "--force") == 0
+    assert (out / "disaggregation.json").exists() and (out / "handoffs.csv").exists()
+    assert simulate("--trace", str(trace_file), "--out", str(out), "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "requests.csv", "steps.csv",
+                                                     "summary.json"]
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("mine")
@@ -510,3 +519,15 @@ def test_a_run_fitted_profile_on_another_setup_is_noted(tmp_path, capsys):
     assert ("servelab simulate: note: the calibration profile was fitted to real runs of "
             "llama-3.1-8b at tp 1, bf16 weights, bf16 KV; this run is llama-2-7b at tp 2, bf16 "
             "weights, bf16 KV: its step overhead") in capsys.readouterr().err
+
+
+def test_a_block_manager_without_a_prefix_cache_runs_and_records_none(tmp_path):
+    """Under a vLLM preset (prefix caching on by default) a contiguous baseline runs without
+    one, and its config, summary and request table say so (no prefix-cache keys, no
+    cached-token columns), as outputs.md describes a run that kept no prefix cache."""
+    out = tmp_path / "cmax"
+    assert simulate("--trace", "default", "--rate", "2", "--num-requests", "20",
+                    "--block-manager", "contiguous-max", "--out", str(out)) == 0
+    assert load_config(out / "config.json").prefix_caching is False
+    assert "prefix_cache_hit_rate" not in json.loads((out / "summary.json").read_text())
+    assert "cached_tokens" not in (out / "requests.csv").read_text().splitlines()[0]
