@@ -66,7 +66,7 @@ from servelab.outputs import PreemptionMode
 from servelab.policies import build_scheduler
 from servelab.records import RequestRecord, StepRecord
 from servelab.reports import summarize
-from servelab.reports.runio import write_json, write_records
+from servelab.reports.runio import clear_optional_files, write_json, write_records
 from servelab.request import Request
 
 __all__ = ["CLOCKS", "RealRunConfig", "RealRunResult", "RunSetupError", "derive_num_gpu_blocks",
@@ -410,6 +410,7 @@ def run_real(config: RealRunConfig, out_dir: str | os.PathLike | None = None, *,
     speculation = (speculation_summary(speculative, executor.acceptance, sorted(live))
                    if speculative.enabled else None)
     if out is not None:
+        clear_optional_files(out)
         write_json(out / "summary.json", summary)
         write_records(out, records, steps, config.output_format)
         if config.save_outputs:

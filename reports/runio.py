@@ -79,6 +79,19 @@ _BATCH_ROWS = 1 << 18
 
 # --- writing ----------------------------------------------------------------------------
 
+OPTIONAL_RUN_FILES = ("disaggregation.json", "handoffs.csv", "handoffs.parquet",
+                      "speculation.json", "outputs.jsonl")
+"""Files a run directory holds only for some runs (disaggregated, speculative, with the
+outputs saved): `clear_optional_files` removes an earlier run's before a new one is written."""
+
+
+def clear_optional_files(out_dir: PathLike) -> None:
+    """Remove what an earlier run wrote into `out_dir` beside the tables that this one may
+    not write (`OPTIONAL_RUN_FILES`): a run replaced with --force leaves none of them."""
+    for name in OPTIONAL_RUN_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
+
+
 def write_records(out_dir: PathLike, requests: Sequence[RequestRecord],
                   steps: Sequence[StepRecord], output_format: str = "csv") -> None:
     """Write out_dir/requests.<format> and out_dir/steps.<format> (removing the other

@@ -658,9 +658,10 @@ def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
 def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = "csv") -> None:
     """config.json, summary.json (unless the result has none: a stale one is removed),
     then requests and steps (.csv or .parquet)."""
-    from servelab.reports.runio import write_json, write_records
+    from servelab.reports.runio import clear_optional_files, write_json, write_records
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_optional_files(out_dir)
     write_json(out_dir / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
                                          "config": result.config.to_dict(),
                                          "derived": result.derived})
