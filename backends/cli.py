@@ -211,7 +211,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"servelab run: note: --gpu-memory-utilization sizes the KV cache on a GPU; on "
               f"the CPU it holds at most {CPU_KV_BYTES // 2**20} MiB ({result.num_gpu_blocks:,} "
               "blocks here): set it with --kv-blocks", file=sys.stderr)
-    if opts.engine is not None and opts.engine.async_scheduling:
+    if opts.engine is not None and opts.engine.async_scheduling and device.split(":")[0] != "cpu":
+        # (vLLM's CPU backend schedules synchronously too: vllm-project/vllm#31525)
         print(f"servelab run: note: {opts.engine.name} schedules asynchronously (a request "
               "arriving during a step waits one step more); this engine steps synchronously, "
               "as `servelab simulate --no-async-scheduling` does", file=sys.stderr)

@@ -134,7 +134,8 @@ def add_arguments(parser) -> None:
         parser, "one prefill and one decode engine in one process, the KV copied between "
                 "their caches (--prefill-replicas 1 --decode-replicas 1; --prefill-kv-blocks and "
                 "--decode-kv-blocks size them, else --kv-blocks, else they share one engine's); the pool "
-                "TP, GPU, link and layer-wise transfer flags are the simulator's and refused here")
+                "TP, GPU, link and layer-wise transfer flags are the simulator's and refused here",
+        simulated_only_hidden=True)
 
 
 # --------------------------------------------------------------------------- setup

@@ -137,27 +137,36 @@ SIMULATED_POOLS = ("a prefill pool and a decode pool joined by a KV link (both -
 
 
 def add_disaggregation_arguments(parser: argparse.ArgumentParser,
-                                 description: str = SIMULATED_POOLS) -> None:
-    """The `servelab simulate` flags of a disaggregated run, in their own group."""
+                                 description: str = SIMULATED_POOLS,
+                                 simulated_only_hidden: bool = False) -> None:
+    """The `servelab simulate` flags of a disaggregated run, in their own group.
+    `simulated_only_hidden`: the pool TP, GPU, link and transfer flags are parsed (to be
+    refused in one line) but left out of --help (`servelab run`, which has no --tp or
+    --gpu for them to default to)."""
     from servelab.options import positive_int
     from servelab.simulator.links import link_names
+
+    def shown(text: str) -> str:
+        return argparse.SUPPRESS if simulated_only_hidden else text
 
     g = parser.add_argument_group("disaggregated prefill/decode", description)
     g.add_argument("--prefill-replicas", type=positive_int, metavar="N", help="prefill replicas")
     g.add_argument("--decode-replicas", type=positive_int, metavar="M", help="decode replicas")
     for pool in ("prefill", "decode"):
         g.add_argument(f"--{pool}-tp", type=positive_int, metavar="N",
-                       help=f"tensor-parallel GPUs per {pool} replica (default --tp)")
-        g.add_argument(f"--{pool}-gpu", metavar="G", help=f"GPU of the {pool} pool (default --gpu)")
+                       help=shown(f"tensor-parallel GPUs per {pool} replica (default --tp)"))
+        g.add_argument(f"--{pool}-gpu", metavar="G",
+                       help=shown(f"GPU of the {pool} pool (default --gpu)"))
         g.add_argument(f"--{pool}-kv-blocks", type=positive_int, metavar="N",
                        help=f"KV blocks per {pool} replica (default --kv-blocks, or derived from "
                             "its GPU memory)")
     g.add_argument("--kv-link", metavar="NAME", default=None,
-                   help=f"link a prompt's KV crosses, from the catalog: {', '.join(link_names())} "
-                        f"(default {DEFAULT_KV_LINK}; see docs/disaggregation.md)")
+                   help=shown(f"link a prompt's KV crosses, from the catalog: "
+                              f"{', '.join(link_names())} (default {DEFAULT_KV_LINK}; see "
+                              f"docs/disaggregation.md)"))
     g.add_argument("--kv-transfer", choices=KV_TRANSFER_MODES, default=None,
-                   help="send the KV once the prefill ends (default: as vLLM's NIXL connector "
-                        "does), or layer by layer while it is computed")
+                   help=shown("send the KV once the prefill ends (default: as vLLM's NIXL "
+                              "connector does), or layer by layer while it is computed"))
 
 
 def disaggregation_from_args(args: argparse.Namespace) -> DisaggregationConfig | None:
