@@ -28,6 +28,7 @@ import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from servelab.cli import CLIError
 from servelab.labels import COLOCATED
@@ -107,6 +108,13 @@ def _layout_axes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
     return args   # args.gpu / args.tp stay as given: grid_axes refuses --gpu with --gpus
 
 
+def _planned_gpus(args: argparse.Namespace, swept: Sequence[str]) -> list[str]:
+    """The swept GPUs and the pools' own (--prefill-gpu, --decode-gpu): every GPU a layout
+    may be priced at."""
+    pools = [getattr(args, f"{pool}_gpu", None) for pool in ("prefill", "decode")]
+    return list(dict.fromkeys([*swept, *(g for g in pools if g)]))
+
+
 def _price_of(gpu: str, args: argparse.Namespace) -> float:
     from servelab.simulator.gpus import get_gpu
 
@@ -126,10 +134,11 @@ def _layouts(args, parser):
     from servelab.sweeps.plan import Layout
 
     axes = dict(grid_axes(args, parser))
-    unknown = sorted(set(args.gpu_price) - set(axes["gpu"]))
+    planned = _planned_gpus(args, axes["gpu"])
+    unknown = sorted(set(args.gpu_price) - set(planned))
     if unknown:
         raise CLIError(f"--gpu-price names {', '.join(unknown)}, not among the GPUs planned "
-                       f"({', '.join(axes['gpu'])})")
+                       f"({', '.join(planned)})")
     rates = axes.pop("rate")
     if len(rates) > 1:
         raise CLIError("plan sizes a deployment for one traffic: give --rate or --rate-scale, not --rates")
@@ -269,7 +278,8 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             write_plan_file(out, plan, unsettled=unsettled, settings={
                 "objective": args.objective, "rate": rate, "rate_scale": args.rate_scale,
                 "max_gpus": args.max_gpus, "num_requests": args.num_requests,
-                "prices": {g: _price_of(g, args) for g in dict.fromkeys(dict(r.labels)["gpu"] for r in plan.results)}
+                "prices": {g: _price_of(g, args) for g in _planned_gpus(
+                    args, list(dict.fromkeys(dict(r.labels)["gpu"] for r in plan.results)))}
                 if args.objective == "cost" else {},
                 "skipped": [{"labels": v, "why": why} for v, why in skipped]})
     except SweepError as exc:

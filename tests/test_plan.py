@@ -338,3 +338,18 @@ def test_a_layout_with_data_parallel_ranks_counts_and_prices_every_rank(tmp_path
             for p in (out / "runs").glob("*/config.json")}
     counts = {name: int(name.split("_x")[1].split("_")[0]) for name in runs}
     assert runs and all(c["replicas"] == 2 * counts[n] and c["ep"] == 2 for n, c in runs.items())
+
+
+def test_a_pools_own_gpu_is_priced_listed_and_overridable(tmp_path, capsys):
+    """--prefill-gpu's GPU is one the plan prices: --gpu-price may name it, and the report
+    lists its price (it was charged at the catalog's, unlisted, and --gpu-price refused it)."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--trace", "default", "--rate", "20", "--num-requests", "100",
+                 "--p99-ttft-ms", "3000", "--gpus", "h100-sxm", "--tps", "1",
+                 "--prefill-replicas", "1", "--decode-replicas", "1", "--prefill-gpu", "l40s",
+                 "--gpu-price", "h100-sxm=4,l40s=0.5", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["prices"] == {"h100-sxm": 4.0, "l40s": 0.5}
+    assert "h100-sxm $4, l40s $0.5" in (out / "report.md").read_text()
+    pooled = [r for r in plan["layouts"] if r["labels"]["pools"] == "1P(l40s)+1D"]
+    assert pooled and all(r["cost_per_replica"] == pytest.approx(4.5) for r in pooled)
