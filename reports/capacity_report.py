@@ -119,11 +119,14 @@ def _answer(groups, criterion: str, tolerance: float, config: Mapping[str, Any],
         rest = [f"{name} {_amount(g)}" for name, g in zip(names[1:], ranked[1:])]
         sentences.append(head + "".join(f", {r}" for r in rest) + ".")
     runs = f"{num_requests:,} requests per run"
-    unsteady = [g["labels"].get("policy", "?") for g in groups if g.get("steady_state_warning")]
-    caveat = (f" The run at {' and '.join(unsteady)}'s capacity had not settled: treat "
+    unsteady = [_who(g) for g in groups if g.get("steady_state_warning")]
+    caveat = (f" The run at the capacity of {' and of '.join(unsteady)} had not settled: treat "
               f"{'that figure' if len(unsteady) == 1 else 'those figures'} as an upper bound (see run length "
               "below).") if unsteady else ""
-    return (" ".join(sentences) + f" ({config['model']} on {config['gpu']}, {runs}; each capacity is the "
+    swept = {a for g in groups for a in g["labels"] if a != "policy"}
+    setup = " ".join(x for x in (None if "model" in swept else config["model"],
+                                 None if "gpu" in swept else f"on {config['gpu']}") if x)
+    return (" ".join(sentences) + f" ({setup + ', ' if setup else ''}{runs}; each capacity is the "
             f"highest rate that held, with the first rate that broke at most {tolerance:.0%} above it.)"
             + caveat)
 
@@ -153,6 +156,7 @@ def _bracket_table(groups) -> Table:
                      "n/a" if broke is None else f"{100 * broke['attainment']:.1f}",
                      "n/a" if g["bracket_width"] is None else f"{100 * g['bracket_width']:.1f}%",
                      str(len(g["probes"])),
+                     "n/a" if held is None else
                      "yes" if g.get("steady_state_warning") is None else "no (see below)"])
     return Table(["Policy", "Capacity (req/s)", "SLO met at capacity (%)", "First broken (req/s)",
                   "SLO met where broken (%)", "Bracket", "Runs", "Queue settled at capacity"], rows)

@@ -248,3 +248,27 @@ def test_runs_that_fail_are_named_and_the_report_comes_from_those_that_succeeded
     assert "## Runs that failed" in text and text.count(error) == 2
     assert "an unknown rate (a run failed" in text.split("\n\n")[1]
     assert (out / "index.html").exists()
+
+
+def test_the_opening_sentence_names_the_swept_groups_not_the_first_one():
+    """Groups over models (or GPUs): the parenthesis does not name the first group's model
+    as everyone's, and an unsettled capacity names its group, not its policy twice; a
+    group that found no capacity is not called settled."""
+    from servelab.reports.capacity_report import _answer, _bracket_table
+
+    def group(model, policy, rate, unsettled):
+        return {"labels": {"model": model, "policy": policy}, "status": "found", "capacity": rate,
+                "held": {"rate": rate, "attainment": 0.95}, "broke": {"rate": rate * 1.02,
+                                                                    "attainment": 0.8},
+                "bracket_width": 0.02, "probes": [1, 2],
+                "steady_state_warning": "not steady" if unsettled else None}
+
+    groups = [group("qwen2.5-7b", "fcfs", 20.0, True), group("llama-3.1-8b", "fcfs", 18.0, True)]
+    text = _answer(groups, "90% SLO attainment", 0.02,
+                   {"model": "qwen2.5-7b", "gpu": "h100-sxm"}, 300)
+    assert "(on h100-sxm, 300 requests per run;" in text and "qwen2.5-7b on h100-sxm" not in text
+    assert "The run at the capacity of model=qwen2.5-7b, fcfs and of model=llama-3.1-8b, fcfs " \
+           "had not settled" in text
+    none = {**group("llama-3.1-8b", "fcfs", 0.0, False), "status": "breaks", "capacity": None,
+            "held": None}
+    assert _bracket_table([none]).rows[0][-1] == "n/a"
