@@ -138,18 +138,20 @@ def _settings(cfg: dict, derived: dict, swept: set) -> list[tuple[str | None, st
     sched = cfg["scheduler"]
     chunk = f"chunked prefill of {sched['chunked_prefill']} tokens" if sched["chunked_prefill"] \
         else "no chunked prefill"
-    cost = derived.get("cost_model", {})
-    priced = f"engine {cfg.get('engine') or 'servelab'}" + (
-        f" (kernels: {cost['calibration']}, measured inside vLLM "
-        f"{cost['calibration_engine_version']})" if cost.get("calibration_engine_version")
-        and "gpu" not in swept else "")
     pools = derived.get("disaggregation")   # a prefill and a decode pool (simulator/disaggregated_run.py)
+    costs = [derived.get("cost_model", {})] if pools is None else \
+        [pools[name].get("cost_model", {}) for name in ("prefill", "decode")]
+    kernels = list(dict.fromkeys(f"{c['calibration']}, measured inside vLLM "
+                                 f"{c['calibration_engine_version']}"
+                                 for c in costs if c.get("calibration_engine_version")))
+    priced = f"engine {cfg.get('engine') or 'servelab'}" + (
+        f" (kernels: {' and '.join(kernels)})" if kernels and "gpu" not in swept else "")
     layout = f"{cfg['replicas']} replica(s)" if pools is None else "disaggregated: " + " + ".join(
         f"{'swept' if f'{name}_replicas' in swept else pools[name]['replicas']} {name} replica(s)"
         for name in ("prefill", "decode")) + f", KV over {pools['kv_link']['name']} ({pools['kv_transfer']})"
     blocks = derived.get("kv_blocks_per_replica", cfg["kv_blocks"])
     return [
-        ("engine", "engine", priced),
+        ("engine", "engine or its kernels", priced),
         ("model", "model", f"model {cfg['model']}"), ("gpu", "GPU", f"GPU {cfg['gpu']}"),
         ("tp", "tensor parallelism", f"tensor parallelism {cfg['tp']}"),
         *_other_parallelism(cfg), (None, "layout", layout),

@@ -61,6 +61,7 @@ class Pool:
                 **({"cpu_tier_blocks_per_replica": self.host_blocks} if self.host_blocks else {}),
                 "cost_model": {"calibration": self.profile_name, "calibration_source": self.profile_line,
                                "calibration_device": cost.profile.device,
+                               "calibration_engine_version": cost.profile.engine_version,
                                "step_overhead_s": cost.step_overhead_s, "scales": dict(cost.scales),
                                "kernels": _kernels_used(cost)}}
 

@@ -353,3 +353,19 @@ def test_a_pools_own_gpu_is_priced_listed_and_overridable(tmp_path, capsys):
     assert "h100-sxm $4, l40s $0.5" in (out / "report.md").read_text()
     pooled = [r for r in plan["layouts"] if r["labels"]["pools"] == "1P(l40s)+1D"]
     assert pooled and all(r["cost_per_replica"] == pytest.approx(4.5) for r in pooled)
+
+
+def test_pools_on_the_layouts_own_gpu_share_its_engine_and_kernels_in_the_report(tmp_path):
+    """A plan over co-located and 1P+1D layouts of one GPU: every point runs the same
+    engine and kernels, and the report says so (it listed the engine as differing, the
+    pools' records lacking the kernels' engine version)."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--trace", "default", "--rate", "40", "--num-requests", "100",
+                 "--p99-ttft-ms", "2000", "--p99-tpot-ms", "50", "--gpus", "h100-sxm",
+                 "--tps", "1", "--prefill-replicas", "1", "--decode-replicas", "1",
+                 "--out", str(out)]) == 0
+    line = next(x for x in (out / "report.md").read_text().splitlines()
+                if x.startswith("Every point:"))
+    assert line.startswith("Every point: engine vllm-0.24 (kernels: h100-sxm.vllm-0.24, "
+                           "measured inside vLLM 0.24.0);")
+    assert "engine or its kernels" not in line
