@@ -62,15 +62,21 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
                                            target, colours, "SLO attainment vs request rate" + suffix,
                                            tenants=tenants)))
     doc += [Heading(2, "How it was found"), Text(_method(criterion, tolerance, data["start_rates"]))]
-    doc += [Heading(2, "How the answer depends on run length"), *_run_length(groups, out_dir, data)]
+    run_length = _run_length(groups, out_dir, data)
+    if run_length:   # nothing to say where no capacity held
+        doc += [Heading(2, "How the answer depends on run length"), *run_length]
     notes = [f"{_who(g)}: {n}" for g in groups for n in g["notes"]]
     if notes:
         doc += [Heading(2, "Notes"), Bullets(notes)]
+    found = any(g["capacity"] is not None for g in groups)
+    # with none found the search's runs compare the policies at its lowest start rate
+    title = "The policies at each capacity found" if found else \
+        "The policies at the lowest start rate (no capacity was found)"
     if comparison is None:
-        doc += [Heading(2, "The policies at each capacity found"),
+        doc += [Heading(2, title),
                 Text(f"No run at the capacities succeeded ({unstored}); rerun the same command to retry them.")]
     else:
-        doc += build_document(comparison, title="The policies at each capacity found", level=2)
+        doc += build_document(comparison, title=title, level=2)
     return doc
 
 

@@ -272,3 +272,19 @@ def test_the_opening_sentence_names_the_swept_groups_not_the_first_one():
     none = {**group("llama-3.1-8b", "fcfs", 0.0, False), "status": "breaks", "capacity": None,
             "held": None}
     assert _bracket_table([none]).rows[0][-1] == "n/a"
+
+
+def test_a_search_that_finds_no_capacity_says_where_it_compared(tmp_path):
+    """Nothing holds (50 KV blocks): no settled-queue claim, no empty run-length section,
+    and the comparison is titled at the lowest start rate, not at "each capacity found"."""
+    from servelab.cli import main
+
+    out = tmp_path / "cap"
+    assert main(["capacity", "--trace", "default", "--policies", "fcfs", "--num-requests", "100",
+                 "--kv-blocks", "50", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "## The policies at the lowest start rate (no capacity was found)" in text
+    assert "How the answer depends on run length" not in text
+    assert "at each capacity found" not in text
+    row = next(x for x in text.splitlines() if x.startswith("| fcfs | n/a"))
+    assert row.endswith("| n/a |")
