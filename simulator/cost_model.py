@@ -481,35 +481,62 @@ class CostModel:
         j = np.arange(num_steps, dtype=np.float64)
         return total, np.cumsum(fixed + np.maximum(a + b * j, c + d * j))
 
+    @property
+    def host_copy(self) -> tuple[float, float]:
+        """(seconds per batched copy, seconds per block) of KV blocks over the host link:
+        what a step's swaps, or its offloads or loads of the CPU tier, each add."""
+        return self._swap
+
     def decode_run_steps_within(self, shape: BatchShape, budget_s: float,
-                                max_steps: int | None = None) -> int:
+                                max_steps: int | None = None, extra=None) -> int:
         """The most whole steps of a decode run (see `decode_run_duration`) that end within
-        `budget_s`, capped at `max_steps`; O(1): a quadratic solve and a ±1 correction."""
+        `budget_s`, capped at `max_steps`; O(1): a quadratic solve and a ±1 correction.
+        `extra(k)`: seconds the first k steps take besides their kernels (non-decreasing
+        in k, e.g. host-tier copies); then O(log steps)."""
         if not budget_s >= 0:
             raise ValueError(f"budget_s must be >= 0, got {budget_s!r}")
         if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 0):
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
         lines = self._run_lines(shape)
-        return self._steps_within(lines, budget_s, max_steps, _split_lines(*lines[1:]))
+        pieces = _split_lines(*lines[1:])
+        return self._steps_within_extra(lines, budget_s, max_steps, pieces, extra)
 
     def decode_run_until(self, shape: BatchShape, max_steps: int, budget_s: float,
-                         ) -> tuple[int, float]:
+                         extra=None) -> tuple[int, float]:
         """(k, seconds) of the decode run (see `decode_run_duration`) of at most `max_steps`
         steps that start before `budget_s`: those that end within it, and the one under
         way at `budget_s` if it starts strictly before. What a simulator engine can run
-        before an arrival at `budget_s` could change the batch. One pricing of `shape`."""
+        before an arrival at `budget_s` could change the batch. One pricing of `shape`.
+        `extra` as for `decode_run_steps_within`, and in the seconds."""
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
         if not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
         lines = self._run_lines(shape)
         pieces = _split_lines(*lines[1:])
-        k = self._steps_within(lines, budget_s, max_steps, pieces)
-        total = _split_total(lines[0], pieces, k)
+        k = self._steps_within_extra(lines, budget_s, max_steps, pieces, extra)
+        total = _split_total(lines[0], pieces, k) + (extra(k) if extra is not None else 0.0)
         if k < max_steps and total < budget_s:
             k += 1
-            total = _split_total(lines[0], pieces, k)
+            total = _split_total(lines[0], pieces, k) + (extra(k) if extra is not None else 0.0)
         return k, total
+
+    def _steps_within_extra(self, lines: tuple[float, float, float, float, float],
+                            budget_s: float, max_steps: int | None, pieces: tuple, extra) -> int:
+        """`_steps_within` with `extra(k)` seconds added to the first k steps: the steps
+        within the budget without it bound the answer, a bisection below finds it."""
+        k = self._steps_within(lines, budget_s, max_steps, pieces)
+        if extra is None:
+            return k
+        fixed = lines[0]
+        lo = 0
+        while lo < k:
+            mid = (lo + k + 1) // 2
+            if _split_total(fixed, pieces, mid) + extra(mid) <= budget_s:
+                lo = mid
+            else:
+                k = mid - 1
+        return lo
 
     def _steps_within(self, lines: tuple[float, float, float, float, float], budget_s: float,
                       max_steps: int | None, pieces: tuple) -> int:

@@ -29,7 +29,10 @@ the steps that start before the next arrival this replica can receive (those tha
 then and the one under way when it comes, which it cannot join: `decode_run_until` on
 the run's `BatchShape`; under a policy that accounts service, which an arrival may read,
 only those that end by then), applies them at once (`advance_decodes`) and sleeps the
-run's closed-form duration, writing one steps.csv row with `num_steps` = k. The
+run's closed-form duration, writing one steps.csv row with `num_steps` = k. With a CPU
+tier, a run may outlast the free list: each later step evicts cached blocks with a copy
+to the tier, and the run's duration adds every such step's copy as the step would pay it
+(`OffloadRun`: the host link's latency once per copying step, and each block's time). The
 scheduler's state and every request record come out as if the k steps had run
 one by one (`fast_forward=False` does that; a property test compares the two), up to
 float rounding of the summed step times — and so, in principle, up to which side of a
@@ -225,37 +228,48 @@ class Replica:
         lag = self.lag
         if lag is not None and lag.queued:
             return None   # they join the next step but one: a run of one step at most
-        k = sched.decode_run_bound(now, MAX_RUN_STEPS)
+        # A run may outlast the free list where each step's copies to the host tier are
+        # priced with it (they are added to the run's time below).
+        k = sched.decode_run_bound(now, MAX_RUN_STEPS, offloads=True)
         if k < 2:
             return None
+        copies = sched.decode_run_offloads
+        cost = self.cost_model
+        extra = None
+        if copies is not None:
+            latency_s, block_s = cost.host_copy
+            extra = lambda num_steps: copies.seconds(num_steps, latency_s, block_s)  # noqa: E731
         # Step j of the run decodes every sequence over its context + j (+1: the new token).
         num_seqs, context_sum = sched.decode_shape()
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum)
-        cost = self.cost_model
         budget = self.feed.next_s - now
         if budget == math.inf:
-            duration = cost.decode_run_duration(shape, k)[0]
+            duration = cost.decode_run_duration(shape, k)[0] + (extra(k) if extra else 0.0)
         elif budget <= 0:
             return None
         elif sched.policy.charges_service:
             # the policy accounts service, which an arrival may read: the run ends by it
-            k = cost.decode_run_steps_within(shape, budget, k)
-            duration = cost.decode_run_duration(shape, k)[0]
+            k = cost.decode_run_steps_within(shape, budget, k, extra)
+            duration = cost.decode_run_duration(shape, k)[0] + (extra(k) if extra else 0.0)
         else:
             # Steps that start before the next arrival cannot see it: the run takes those
             # ending by then and the one under way when it comes (unless that one would
             # start at the arrival itself, which then joins it). Under asynchronous
             # scheduling the arrival is then queued at the run's end, as at a step's.
-            k, duration = cost.decode_run_until(shape, k, budget)
+            k, duration = cost.decode_run_until(shape, k, budget, extra)
         if k < 2:
             return None
+        if copies is not None:   # the run's steps.csv row counts them
+            shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum,
+                               num_offload_blocks=copies.blocks(k))
         self.apply_decode_run(now, k, duration, shape)
         return duration
 
     def apply_decode_run(self, now: float, k: int, duration: float, shape: BatchShape) -> None:
         """Advance the scheduler by a run of `k` plain decode steps starting `now` and
         lasting `duration` (`decode_run_bound` allowed at least k; `shape` is the run's
-        first step, `decode_shape`), and write the run's steps.csv row."""
+        first step, `decode_shape`, with the run's copies to the host tier), and write the
+        run's steps.csv row."""
         sched = self.scheduler
         sched.advance_decodes(k)
         bm = sched.bm

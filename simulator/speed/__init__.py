@@ -23,8 +23,10 @@ without one gets the plain path for what needs it):
   (tests/test_memory_properties.py holds a manager that declares it to the law). With
   it: `append_slots_many(growth)` (the same blocks and copies as `append_slots` in
   turn), `num_free_blocks_without_offload` (free blocks takeable without a copy to a
-  host tier) and `known_later(num_tokens, keys)` (does a LATER answer for these very
-  keys still stand?).
+  host tier), `offload_room` (how many more a decode run may take, each copied to the
+  host tier: `DecodeBatch.run_bound` then hands the run's copies to the caller to price)
+  and `known_later(num_tokens, keys)` (does a LATER answer for these very keys still
+  stand?).
 - `max_uniform_growth(seq_ids, limit)`: the largest k <= limit such that every listed
   sequence can append k slots, one at a time, with no failure and no copy; it may
   under-estimate, never over-estimate. Without it no decode run is fast-forwarded

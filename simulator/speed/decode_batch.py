@@ -28,6 +28,7 @@ fast-forwarded simulation equals a stepped one (tests/test_simulator_fastforward
 from __future__ import annotations
 
 import heapq
+from itertools import accumulate
 from typing import Callable
 
 from servelab.config import SchedulerConfig
@@ -72,6 +73,8 @@ class DecodeBatch:
         self._joins = 0
         self._synced_tick = 0                      # every member written back at this tick
         self._step_rows: tuple = ()                # the rows of the pending step
+        self.run_offloads: OffloadRun | None = None
+        """The host-tier copies of the run the last `run_bound` allowed (None: none)."""
 
     # ------------------------------------------------------------------ within a step
     def take_step(self, listed: dict[int, Request], step: StepBudget, prefill: bool | None,
@@ -247,13 +250,19 @@ class DecodeBatch:
 
     # ------------------------------------------------------------------ fast-forward
     def run_bound(self, running: dict[int, Request], listed: dict[int, Request], limit: int,
-                  admits: Admits) -> int:
+                  admits: Admits, offloads: bool = False) -> int:
         """How many of the next steps (at most `limit`) are certain to be plain decode
         steps for every running sequence — none finishes, none is short of memory or
         copies a block, all of them fit in one step, and nothing waiting can be admitted
         (`admits`). A run is taken with every running request a member (O(block_size))
         or none (O(sequences)): members that decode beside listed requests are dissolved
-        into `listed` first (when no listed request is prefilling: no run then)."""
+        into `listed` first (when no listed request is prefilling: no run then).
+
+        `offloads`: the caller prices the copies to a host tier that a run's growth makes
+        once the free list is spent (`run_offloads`); then a run of members may take
+        evictable blocks too (`offload_room`). Otherwise it stops where the free list
+        does: such a step's price is not the run's."""
+        self.run_offloads = None
         if self._members and listed:
             if any(s.is_prefilling for r in listed.values() for s in r.seqs):
                 return 0
@@ -268,19 +277,22 @@ class DecodeBatch:
             if k <= 0 or n > self._max_run_seqs or admits(n):
                 return 0
             # Step j of the run (at tick + j) takes one block per member of bucket
-            # (tick + j) % block_size: k = q·block_size + r steps take q·n blocks plus the
-            # first r buckets of the cycle.
-            bs, buckets = self._bs, self._buckets
-            q, spare = divmod(self._bm.num_free_blocks_without_offload, n)
-            if k <= q * bs:
-                return k  # memory for q whole cycles: the finish comes first
-            r = 0
-            while r < bs - 1:
-                spare -= len(buckets[(tick + r) % bs])
-                if spare < 0:
-                    break
-                r += 1
-            return min(k, q * bs + r)
+            # (tick + j) % block_size.
+            free = self._bm.num_free_blocks_without_offload
+            if k <= free // n * self._bs:
+                return k  # memory for whole cycles of growth: the finish comes first
+            served = self._steps_served(free, n, tick)
+            if k <= served:
+                return k
+            room = self._bm.offload_room if offloads else 0
+            if room:
+                more = self._steps_served(free + room, n, tick)
+                if more > served:
+                    self.run_offloads = OffloadRun(
+                        [len(self._buckets[(tick + j) % self._bs]) for j in range(self._bs)],
+                        free, served)
+                    return min(k, more)
+            return served
         k = limit
         seq_ids = []
         max_len = self._max_model_len
@@ -304,6 +316,20 @@ class DecodeBatch:
             return 0
         uniform_growth = getattr(self._bm, "max_uniform_growth", None)   # a capability
         return uniform_growth(seq_ids, k) if uniform_growth is not None else 0
+
+    def _steps_served(self, blocks: int, n: int, tick: int) -> int:
+        """How many steps from `tick` the n members' growth takes at most `blocks` blocks
+        in all: k = q·block_size + r steps take q·n blocks plus the first r buckets of
+        the cycle."""
+        bs, buckets = self._bs, self._buckets
+        q, spare = divmod(blocks, n)
+        r = 0
+        while r < bs - 1:
+            spare -= len(buckets[(tick + r) % bs])
+            if spare < 0:
+                break
+            r += 1
+        return q * bs + r
 
     def advance(self, num_steps: int, running: dict[int, Request],
                 on_service: Callable[[Request, int, int], None] | None) -> None:
@@ -368,3 +394,41 @@ class _Member:
                  finish_tick: int, join_no: int) -> None:
         self.req, self.seq, self.base, self.out_base = req, seq, base, out_base
         self.bm_tokens, self.finish_tick, self.join_no = bm_tokens, finish_tick, join_no
+
+
+class OffloadRun:
+    """The copies to the host tier of a decode run whose growth outlasts the free list
+    (`DecodeBatch.run_bound` with offloads): step j of the run takes counts[j % cycle]
+    blocks; the first `free` blocks of the run come off the free list, every later one
+    is an evictable block copied to the host before its step. A step's copies are one
+    batched transfer, as `CostModel.step_time` prices them: the link's latency plus a
+    time per block. O(cycle) to build, O(1) per question."""
+
+    __slots__ = ("_cycle", "_per_cycle", "_taken", "_copying", "_free", "_first")
+
+    def __init__(self, counts: list[int], free: int, first: int) -> None:
+        self._cycle = len(counts)
+        self._taken = list(accumulate(counts, initial=0))
+        self._per_cycle = self._taken[-1]
+        self._copying = list(accumulate((c > 0 for c in counts), initial=0))
+        self._free = free
+        self._first = first
+        """The run's first step that copies (the free list serves the steps before it)."""
+
+    def blocks(self, num_steps: int) -> int:
+        """Blocks the first `num_steps` steps copy to the host."""
+        q, r = divmod(num_steps, self._cycle)
+        return max(0, q * self._per_cycle + self._taken[r] - self._free)
+
+    def copying_steps(self, num_steps: int) -> int:
+        """How many of the first `num_steps` steps copy anything: from the first that
+        does, every one that takes a block."""
+        return max(0, self._copying_before(num_steps) - self._copying_before(self._first))
+
+    def _copying_before(self, num_steps: int) -> int:
+        q, r = divmod(num_steps, self._cycle)
+        return q * self._copying[-1] + self._copying[r]
+
+    def seconds(self, num_steps: int, latency_s: float, block_s: float) -> float:
+        """The copies' time over the first `num_steps` steps."""
+        return self.copying_steps(num_steps) * latency_s + self.blocks(num_steps) * block_s

@@ -372,6 +372,17 @@ class RunPagedBlockManager(PagedGrowth, PagedSwapping, PagedCommon, BlockManager
         free list is free of copies. Without one, every free block."""
         return len(self._free) if self._host is not None else self.num_free_blocks
 
+    @property
+    def offload_room(self) -> int:
+        """Blocks beyond `num_free_blocks_without_offload` a run of decode steps may take,
+        each evicted with a copy to the host tier: the evictable ones, at most the tier's
+        size, so that the tier gives up none of the run's own offloads before their copies
+        are taken. 0 without a host tier."""
+        host = self._host
+        if host is None:
+            return 0
+        return min(self.num_free_blocks - len(self._free), host.num_blocks)
+
     def evictable_hashes(self) -> list[int]:
         """The chain hashes of `evictable_blocks()`, in the same order: what is cached
         and in which eviction order, independent of which block ids hold it."""

@@ -39,7 +39,7 @@ from servelab.records import RequestRecord
 from servelab.request import Request
 
 from .admission import MemoKVAdmission
-from .decode_batch import DecodeBatch
+from .decode_batch import DecodeBatch, OffloadRun
 
 __all__ = ["BatchingScheduler", "tokens_until_preemptible", "waiting_candidates"]
 
@@ -192,7 +192,7 @@ class BatchingScheduler(Scheduler):
         return self.pop_records()
 
     # ------------------------------------------------------------------ fast-forward
-    def decode_run_bound(self, now: float, limit: int) -> int:
+    def decode_run_bound(self, now: float, limit: int, offloads: bool = False) -> int:
         """How many of the next steps (at most `limit`) are certain to be plain decode
         steps — every running sequence decodes one token, and nothing is admitted,
         swapped, preempted, copied or finished — whatever time they take. Such a run can
@@ -200,7 +200,12 @@ class BatchingScheduler(Scheduler):
         scheduling it step by step. Call it between update() and the next schedule().
         O(block_size + waiting candidates) when every running sequence is batched,
         otherwise O(running sequences) (see DecodeBatch.run_bound); O(running sequences)
-        too under a preemptive policy that `reorders_running` while requests wait."""
+        too under a preemptive policy that `reorders_running` while requests wait.
+
+        `offloads`: the caller prices a run's copies to the host tier
+        (`decode_run_offloads`), so the run may outlast the free list (see
+        DecodeBatch.run_bound)."""
+        self._batch.run_offloads = None
         self._check_between_steps("decode_run_bound")
         if self.swapped or self._pending_rejects or not self._running or limit <= 0 or self._spec_k:
             return 0   # a speculating engine's steps produce a drawn number of tokens each
@@ -209,19 +214,37 @@ class BatchingScheduler(Scheduler):
         if candidates is None:
             return 0   # the policy cannot say which waiting request could come next
         k = self._batch.run_bound(self._running, self._listed, limit,
-                                  lambda num_seqs: self._admits_while_decoding(candidates, num_seqs))
+                                  lambda num_seqs: self._admits_while_decoding(candidates, num_seqs),
+                                  offloads)
         if k > 0 and self._may_preempt and policy.reorders_running and candidates:
             # the run ends before a running request sinks to where a waiting one may preempt it
             k = min(k, tokens_until_preemptible(policy, candidates, self.running.values()))
         return k
 
+    @property
+    def decode_run_offloads(self) -> OffloadRun | None:
+        """The host-tier copies of the run the last `decode_run_bound` allowed, step by
+        step (None: it makes none)."""
+        return self._batch.run_offloads
+
     def advance_decodes(self, num_steps: int) -> None:
         """Apply `num_steps` plain decode steps at once (`decode_run_bound` must have
-        allowed at least that many). Per-sequence cost O(1), not O(steps)."""
+        allowed at least that many). Per-sequence cost O(1), not O(steps). The run's
+        copies to the host tier (`decode_run_offloads`) are the caller's to price: they
+        are taken here, not handed to the next step."""
         self._check_between_steps("advance_decodes")
         self._refusals.clock += num_steps
         self._batch.advance(num_steps, self._running,
                             self.policy.on_service if self._charges_service else None)
+        if self._host_tier:
+            offloads, loads = self.bm.take_transfers()
+            run = self._batch.run_offloads
+            expected = run.blocks(num_steps) if run is not None else 0
+            if len(offloads) != expected or len(loads):
+                raise SchedulerError(f"a fast-forward of {num_steps} steps copied {len(offloads)} "
+                                     f"blocks to the host tier and {len(loads)} back, not "
+                                     f"{expected} and 0")
+        self._batch.run_offloads = None
 
     def decode_shape(self) -> tuple[int, int]:
         """(sequences, Σ (context + 1)) of the next step if every running sequence
