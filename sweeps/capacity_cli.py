@@ -29,7 +29,7 @@ from servelab.cli import CLIError
 from servelab.options import fraction, number, positive_float
 from servelab.progress import PointProgress
 from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, drop_other_reports,
-                                 grid_axes, plural, point_config)
+                                 grid_axes, note_another_search, plural, point_config)
 
 _tolerance = number(float, low=0, high=1, low_open=True, high_open=True)
 """A relative width in (0, 1): --tolerance."""
@@ -131,7 +131,8 @@ def check_slos(args, parser, targets, values: dict | None = None) -> None:
 def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.capacity_report import write_capacity_report
     from servelab.reports.slo import slo_attainment
-    from servelab.sweeps.capacity import Search, search_capacity, steady_state_warning, write_capacity_file
+    from servelab.sweeps.capacity import (CAPACITY_FILE, Search, search_capacity, steady_state_warning,
+                                          write_capacity_file)
     from servelab.sweeps.runner import SweepRunner, default_workers
     from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
@@ -152,6 +153,10 @@ def _cmd_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     out = Path(args.out)
     if args.force:
         drop_other_reports(out, "capacity")
+    note_another_search(
+        out, "capacity", CAPACITY_FILE, "capacity search",
+        (str(targets), list(start), args.num_requests, [dict(s.labels) for s in searches]),
+        lambda d: (d["criterion"], d["start_rates"], d["num_requests"], [g["labels"] for g in d["groups"]]))
     workers = args.workers or default_workers()
     print(f"capacity: {plural(len(searches), 'search', 'es')} from {', '.join(f'{r:g}' for r in start)} "
           f"req/s to {targets}, within {args.tolerance:.0%}, "

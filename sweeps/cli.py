@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -262,6 +263,23 @@ def drop_other_reports(out: Path, command: str) -> None:
     for name, marker in SWEEP_REPORTS:
         if name not in (command, "compare") and out.is_dir():
             (out / marker).unlink(missing_ok=True)
+
+
+def note_another_search(out: Path, command: str, file: str, what: str, mine: Any,
+                        key: Callable[[dict], Any]) -> None:
+    """Say so when `out` holds a search of this command's kind (its `file`) that is not
+    this one (`key` of that file differs from `mine`, compared as JSON): its report is
+    replaced, as compare says of another grid. A rerun of the same search says nothing."""
+    from servelab.reports.runio import read_json
+
+    try:
+        earlier = key(read_json(out / file))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if json.loads(json.dumps(mine)) != json.loads(json.dumps(earlier)):
+        print(f"{command}: note: {out} held another {what}; its report is replaced by this one's "
+              "(stored runs of points that recur are reused, the others stay on disk)",
+              file=sys.stderr)
 
 
 def _earlier_grid(out: Path) -> set[str] | None:

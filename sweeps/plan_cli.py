@@ -36,7 +36,7 @@ from servelab.options import positive_float, positive_int
 from servelab.progress import PointProgress
 from servelab.sweeps.capacity_cli import add_target_arguments, check_slos, slo_targets
 from servelab.sweeps.cli import (add_grid_arguments, check_sweep_out, drop_other_reports,
-                                 grid_axes, plural, point_config, single_flag)
+                                 grid_axes, note_another_search, plural, point_config, single_flag)
 
 DEFAULT_TPS = (1, 2, 4, 8)
 """Tensor-parallel degrees tried when neither --tp nor --tps is given: one NVLink domain
@@ -243,7 +243,7 @@ def _config_at(args, parser, values: dict, shape: tuple[int, int] | None, count:
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from servelab.reports.plan_report import write_plan_report
-    from servelab.sweeps.plan import search_plan, write_plan_file
+    from servelab.sweeps.plan import PLAN_FILE, search_plan, write_plan_file
     from servelab.sweeps.runner import SweepRunner, default_workers
     from servelab.sweeps.sweep import SweepError, SweepPoint, write_sweep_file
 
@@ -259,6 +259,12 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = Path(args.out)
     if args.force:
         drop_other_reports(out, "plan")
+    note_another_search(
+        out, "plan", PLAN_FILE, "plan",
+        (str(targets), args.objective, rate, args.rate_scale, args.max_gpus, args.num_requests,
+         [dict(layout.labels) for layout in layouts]),
+        lambda d: (d["criterion"], d["objective"], d["rate"], d["rate_scale"], d["max_gpus"],
+                   d["num_requests"], [layout["labels"] for layout in d["layouts"]]))
     workers = args.workers or default_workers()
     traffic = f"{rate:g} req/s" if rate is not None else f"the trace's rate x {args.rate_scale or 1:g}"
     print(f"plan: {plural(len(layouts), 'layout')} at {traffic} to {targets}, up to {args.max_gpus} GPUs, "

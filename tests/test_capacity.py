@@ -288,3 +288,18 @@ def test_a_search_that_finds_no_capacity_says_where_it_compared(tmp_path):
     assert "at each capacity found" not in text
     row = next(x for x in text.splitlines() if x.startswith("| fcfs | n/a"))
     assert row.endswith("| n/a |")
+
+
+def test_a_capacity_search_over_another_says_its_report_is_replaced(tmp_path, capsys):
+    """As compare says of another grid: the same search again says nothing, another one
+    (here another policy) says that the earlier report is replaced."""
+    from servelab.cli import main
+
+    out = tmp_path / "cap"
+    base = ["capacity", "--trace", "default", "--num-requests", "100", "--kv-blocks", "50", "--out", str(out)]
+    assert main([*base, "--policies", "fcfs"]) == 0
+    assert main([*base, "--policies", "fcfs"]) == 0
+    assert "held another" not in capsys.readouterr().err
+    assert main([*base, "--policies", "sjf"]) == 0
+    assert (f"capacity: note: {out} held another capacity search; its report is replaced by this "
+            "one's") in capsys.readouterr().err

@@ -369,3 +369,16 @@ def test_pools_on_the_layouts_own_gpu_share_its_engine_and_kernels_in_the_report
     assert line.startswith("Every point: engine vllm-0.24 (kernels: h100-sxm.vllm-0.24, "
                            "measured inside vLLM 0.24.0);")
     assert "engine or its kernels" not in line
+
+
+def test_a_plan_over_another_says_its_report_is_replaced(tmp_path, capsys):
+    """As compare says of another grid: the same plan again says nothing, another one
+    (here another latency target) says that the earlier report is replaced."""
+    out = tmp_path / "plan"
+    base = ["plan", "--trace", "default", "--rate", "20", "--num-requests", "100", "--gpus", "h100-sxm",
+            "--tps", "1", "--out", str(out)]
+    assert main([*base, "--p99-ttft-ms", "3000"]) == 0
+    assert main([*base, "--p99-ttft-ms", "3000"]) == 0
+    assert "held another" not in capsys.readouterr().err
+    assert main([*base, "--p99-ttft-ms", "2000"]) == 0
+    assert f"plan: note: {out} held another plan; its report is replaced by this one's" in capsys.readouterr().err
