@@ -159,7 +159,11 @@ prefill chunk of K + 1 tokens over the sequence's context, the proposer as K for
 the draft model (an EAGLE / MTP head: one decoder layer of the target's shape; an n-gram
 lookup: free), and the draft's weights and KV come out of the same GPU memory. A run's
 `config.json` records the acceptance (`derived.speculation`: decode steps, proposed and
-accepted tokens, per request). In `compare` and `capacity`, `--speculative off,draft:M`
+accepted tokens, per request). Its `acceptance_rate` is accepted over proposed tokens, as
+vLLM's draft acceptance rate counts it (and the real backend's speculation.json), not the
+per-token probability `--acceptance-rate` sets: a token is proposed only while the ones
+before it were accepted, so with probability A and K tokens it comes to
+A(1 − A^K) / (K(1 − A)) in expectation (0.59 for A = 0.8, K = 4). In `compare` and `capacity`, `--speculative off,draft:M`
 and `--num-speculative-tokens 2,4` are sweep axes (K changes nothing without a proposer:
 sweep it over proposers only, `off` in a comparison of its own). The real backend runs the same
 scheduling with a draft model (or n-gram proposals) and rejection sampling, and measures

@@ -222,8 +222,10 @@ def test_remote_pairs_pay_their_share_of_the_combine_traffic():
             kept - skipped, 0.99 * base.combine_traffic * remote * (4.0 * h + 6.0 * i)
             / (H100.hbm_bandwidth_gbps * 1e9), rtol=1e-9)
         assert (remote > 0).all() == (ep > 1)
-    # the Triton tables keep every zero row; vLLM 0.24's FlashInfer kernels drop most
-    assert packaged("h100-sxm").kernels.moe.remote_pair_share == 1.0
+    # the Triton tables pay a zero row in both GEMMs' outputs besides the combine (the
+    # fits: about 1.3-2x); vLLM 0.24's FlashInfer kernels drop most remote pairs
+    for name in ("a100-80gb", "h100-sxm", "h100-sxm.vllm-0.24", "rtx-pro-6000.vllm-0.19"):
+        assert 1.2 < packaged(name).kernels.moe.remote_pair_share < 2.0, name
     assert packaged("b200.vllm-0.24").kernels.moe.remote_pair_share < 0.3
 
 

@@ -398,11 +398,17 @@ class MoEParams(_Params):
     weights. Fitted 0.48 (L40S FP8), 0.66 (A100,
     L40S BF16), 0.88-1.00 on Hopper and Blackwell; 1: no difference."""
     remote_pair_share: float = 1.0
-    """Share of a pair's `combine_traffic` paid for a pair routed to another GPU's experts
-    (EP): vLLM's Triton kernel writes a zero row for each and the top-k sum reads it (1;
-    the vLLM 0.14 and 0.19 tables fit 1.00), while the FlashInfer kernels vLLM 0.24 runs
-    keep only the GPU's own pairs (fitted 0.01 at its bound for H100 FP8, CUTLASS; 0.14-0.20
-    on B200)."""
+    """A pair routed to another GPU's experts (EP) pays this multiple of a pair's
+    `combine_traffic`. vLLM's Triton kernel runs a block whose expert is off the rank as
+    `write_zeros_to_output` (vllm/model_executor/layers/fused_moe/fused_moe.py): a zero row
+    in both GEMMs' outputs (2 x inter/TP + hidden elements, which a local pair's GEMMs
+    write as results), which the activation and the top-k sum then read as a local pair's.
+    That is (6 x hidden + 10 x inter/TP) bytes against (4 x hidden + 6 x inter/TP): 1.56x
+    for Qwen3-30B-A3B's layer, 1.64x for Mixtral's. Fitted on the Triton tables: 1.3-1.9
+    (A100, H100 under vLLM 0.14 and 0.24, RTX PRO 6000, L40S FP8), 3.4 on L40S BF16. The
+    FlashInfer kernels vLLM 0.24 runs keep only the GPU's own pairs: fitted 0.01 (its
+    bound) for H100 FP8 (CUTLASS), 0.08-0.23 on B200. 1: a remote pair costs a local one's
+    combine."""
     k_depth_s: float = 0.0
     """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
     inter/TP for down) that a call waits for besides its throughput terms: each tile runs
@@ -415,8 +421,7 @@ class MoEParams(_Params):
     0.3-2.3 ns on the vLLM 0.19-0.24 tables and L40S BF16, about 0 for L40S FP8 (whose
     large tiles' streaming rate, `large_memory_eff`, took it over); 0: no such wait."""
 
-    _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff",
-                  "remote_pair_share")
+    _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
               "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff",
               "remote_pair_share")
