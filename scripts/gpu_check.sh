@@ -3,8 +3,10 @@
 # GPU machine, from the repository root, after scripts/gpu_prepare.sh ran here:
 #     bash scripts/gpu_check.sh                  # writes $OUT/ (or runs/gpu-check/)
 #     bash scripts/gpu_check.sh --sections fidelity,engine   # rerun some sections
-# On any machine, in about a minute, with no GPU (what CI runs):
-#     bash scripts/gpu_check.sh --dry-run --out runs/gpu-check-dry
+# On any machine, in a minute or two, with no GPU (what CI runs), on a trace slice:
+#     python scripts/gpu_check.py slice --trace-dir ../shared/traces --out runs/slice.csv \
+#         --num-requests 32 --max-model-len 256
+#     bash scripts/gpu_check.sh --dry-run --trace runs/slice.csv --out runs/gpu-check-dry
 # Checks its prerequisites first and says in one line what is missing. Where $OUT is set
 # (the device machine), the results travel back as $OUT/gpu-check.tgz (everything),
 # $OUT/gpu-results.md, $OUT/manifest.json and $OUT/console.log.
@@ -54,7 +56,7 @@ if [ $DRY -eq 0 ] && ! "$PY" -P -c "import torch,sys; sys.exit(0 if torch.cuda.i
     missing+=("a CUDA device (torch.cuda.is_available() is False; --dry-run runs without one)")
 fi
 [ -f .gpu/traces/azure-conv-2023-slice.csv ] || [[ " ${ARGS[*]-} " == *" --trace "* ]] \
-    || missing+=(".gpu/traces/azure-conv-2023-slice.csv (run scripts/gpu_prepare.sh here first and carry .gpu)")
+    || missing+=(".gpu/traces/azure-conv-2023-slice.csv (run scripts/gpu_prepare.sh here first and carry .gpu, or give --trace SLICE: python scripts/gpu_check.py slice --help)")
 if [ ${#missing[@]} -gt 0 ]; then
     echo "gpu_check: missing: $(IFS=';'; echo "${missing[*]}") (simpy: run scripts/gpu_prepare.sh and carry .gpu)" >&2
     exit 2

@@ -111,6 +111,13 @@ def _remember_parsers(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from servelab.registry import import_plugins
+
+    try:   # the user's own entries, before the parser offers the registries' names
+        import_plugins()
+    except ValueError as exc:
+        print(f"servelab: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
     command_parser = vars(args).pop("command_parser")

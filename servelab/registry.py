@@ -80,3 +80,24 @@ def _describe(entry: object) -> str:
     module = getattr(entry, "__module__", None) or type(entry).__module__
     name = getattr(entry, "__qualname__", None) or repr(entry)
     return f"{module}.{name}"
+
+
+PLUGINS_ENV = "SERVELAB_PLUGINS"
+"""Environment variable naming modules of the user's own (comma-separated, importable from
+the Python path) that register entries: the command line imports them before it offers
+the registries' names, and so does every worker process of a sweep."""
+
+
+def import_plugins() -> list[str]:
+    """Import the modules `$SERVELAB_PLUGINS` names (in order; their registrations run on
+    import) and return their names. A module that cannot be imported is a ValueError
+    naming it."""
+    import os
+
+    names = [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"${PLUGINS_ENV} names {name!r}, which cannot be imported: {exc}") from None
+    return names

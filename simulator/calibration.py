@@ -224,6 +224,9 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
                          f"{spec.name!r} {advice}")
     if engine_version is not None and profile.engine_version is not None \
             and version_key(profile.engine_version) != version_key(engine_version):
+        if not isinstance(calibration, CalibrationProfile) \
+                and _same_profile(calibration, packaged_choice(spec, engine_version)[0]):
+            return profile   # the one leaving it out picks, carried over to this engine
         raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
                          f"{profile.engine_version}, not the chosen engine's {engine_version}: "
                          f"leave the calibration out to use {_shown(packaged_choice(spec, engine_version)[0])}, "
@@ -232,6 +235,15 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
                                               major_minor=".".join(profile.engine_version.split(".")[:2]))
                          + ")")
     return profile
+
+
+def _same_profile(a: str | Path, b: str) -> bool:
+    """Do two calibration arguments (packaged names or files) name the same profile?"""
+    if str(a) == str(b):
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.suffix == ".json" and pb.suffix == ".json" and pa.is_file() and pb.is_file() \
+        and pa.resolve() == pb.resolve()
 
 
 # ------------------------------------------------------------- engine-version resolution
@@ -320,7 +332,7 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
     if want in borrowed:
         return borrowed[want], (f"carried over: no {spec.name} tables; {lender}'s vLLM "
                                 f"{_fmt(want)} profile ({spec.name} borrows {lender}'s, "
-                                f"the nearest measured architecture)")
+                                f"as its GPU file names)")
     if borrowed:
         got = _nearest(borrowed, want)
         return borrowed[got], (f"carried over: no {spec.name} tables, no {lender} tables for "

@@ -166,9 +166,11 @@ class GPUSpec:
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
         check_known_keys(data, {f.name for f in fields(cls)}, f"{source}: unknown field(s)")
         missing = sorted({"name", "bf16_tflops", "hbm_bandwidth_gbps", "memory_gb",
-                          "pcie_gbps"} - set(data))
+                          "pcie_gbps", "sm_count"} - set(data))
         if missing:
             raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+        if data.get("architecture") != "cpu":
+            _check_units(data, source)
         kwargs = dict(data)
         for key in ("device_names", "aliases"):
             value = kwargs.get(key, [])
@@ -187,6 +189,24 @@ class GPUSpec:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+_UNIT_BOUNDS = {"bf16_tflops": (1.0, 1e5, "TFLOP/s", "a datasheet's 989 TFLOPS is 989"),
+                "hbm_bandwidth_gbps": (20.0, 1e6, "GB/s", "a datasheet's 3.35 TB/s is 3350"),
+                "memory_gb": (1.0, 1e5, "GB", "an 80 GB GPU is 80"),
+                "pcie_gbps": (1.0, 1e4, "GB/s", "PCIe Gen5 x16 is 64")}
+"""Plausible ranges of a GPU file's figures in their units, so that a figure in another
+unit (TB/s for GB/s, bytes for GB) is refused rather than priced: far wider than any GPU
+(the catalog's span 24-288 GB, 165-2,500 TFLOP/s, 864-8,000 GB/s), only not by 1,000x."""
+
+
+def _check_units(data: dict, source: str) -> None:
+    for name, (low, high, unit, example) in _UNIT_BOUNDS.items():
+        value = data.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
+                and not low <= value <= high:
+            raise ValueError(f"{source}: {name} is in {unit} ({example}); {value:g} is outside "
+                             f"{low:g}-{high:g}: a figure in another unit?")
 
 
 def _catalog_folder():

@@ -557,6 +557,10 @@ def _profile_choice(gpu, calibration: str | None, engine_version: str | None) ->
 
     if calibration is not None:
         shown = "the bare roofline" if calibration == "none" else calibration
+        if engine_version is not None and calibration != "none":
+            name, why = packaged_choice(gpu, engine_version)
+            if name == calibration and "carried over" in why:   # the default, named
+                return calibration, f"{shown}, as given (--calibration): {why}"
         return calibration, f"{shown}, as given (--calibration)"
     if engine_version is not None:
         return packaged_choice(gpu, engine_version)

@@ -79,8 +79,12 @@ class SweepInterrupted(KeyboardInterrupt):
 
 
 def _ignore_interrupts() -> None:
-    """Pool worker initializer: Ctrl-C is the driver's to handle (see the module docstring)."""
+    """Pool worker initializer: Ctrl-C is the driver's to handle (see the module docstring);
+    a spawned worker imports the user's own entries (`$SERVELAB_PLUGINS`) as the driver did."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from servelab.registry import import_plugins
+
+    import_plugins()
 
 
 class SweepRunner:

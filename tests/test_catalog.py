@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -189,6 +190,19 @@ def test_gpu_spec_validation_and_overrides():
     assert probed.hbm_bandwidth_gbps == 80.0 and probed.name == "cpu"
     with pytest.raises(ValueError, match="unknown GPUSpec field.*bandwidth"):
         get_gpu("cpu").with_overrides(bandwidth=1.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("sm_count"), "missing field.*sm_count"),   # was priced as a 1-SM GPU
+    (lambda d: d.update(hbm_bandwidth_gbps=3.35), "hbm_bandwidth_gbps is in GB/s.*3.35 is outside"),
+    (lambda d: d.update(memory_gb=80e9), "memory_gb is in GB.*outside"),
+    (lambda d: d.update(bf16_tflops=989e12), "bf16_tflops is in TFLOP/s"),
+])
+def test_a_gpu_file_without_its_sm_count_or_in_other_units_is_refused(change, message):
+    data = json.loads((Path(__file__).parents[1] / "simulator" / "data" / "gpus" / "h100-sxm.json").read_text())
+    change(data)
+    with pytest.raises(ValueError, match=message):
+        GPUSpec.from_dict(data, "my-gpu.json")
 
 
 @pytest.mark.parametrize("device_name, gpu", [

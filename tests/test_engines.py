@@ -336,3 +336,19 @@ def test_data_parallel_ranks_of_a_moe_model_are_one_lockstep_deployment_however_
         config = _config(tmp_path / name)
         blocks.append((config["config"]["ep"], config["derived"]["kv_blocks_per_replica"]))
     assert blocks[0] == blocks[1] and blocks[0][0] == 2
+
+
+def test_naming_the_profile_the_engine_would_carry_over_is_accepted(tmp_path, capsys):
+    """rtx-pro-6000 has tables for vLLM 0.19 only: under the default engine (0.24) leaving
+    the calibration out carries that profile over, so naming it is the same choice (it was
+    refused as fitted inside another engine version); another version's profile of a GPU
+    that has one for this engine is still refused."""
+    from servelab.simulator.calibration import resolve
+
+    assert main(["simulate", "--gpu", "rtx-pro-6000", "--calibration", "rtx-pro-6000.vllm-0.19",
+                 "--num-requests", "5", "--out", str(tmp_path / "x")]) == 0
+    assert "as given (--calibration): carried over: no rtx-pro-6000 tables for vLLM 0.24.0" \
+        in capsys.readouterr().out
+    assert resolve("rtx-pro-6000", "rtx-pro-6000.vllm-0.19", "0.24.0").engine_version == "0.19.0"
+    with pytest.raises(ValueError, match="leave the calibration out to use h100-sxm.vllm-0.24"):
+        resolve("h100-sxm", "h100-sxm", "0.24.0")

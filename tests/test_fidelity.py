@@ -217,3 +217,43 @@ def test_engine_ratios_compare_the_shapes_both_versions_measured(tmp_path):
     assert r["p10"] == pytest.approx(0.7) and r["p90"] == pytest.approx(1.6)
     text = render([], Path("fidelity.md"), [], ratios={("h100-sxm", "0.14.0", "0.24.0"): ratios})
     assert "| h100-sxm | vLLM 0.24.0 / 0.14.0 | gemm | 5 | 0.70 | 1.00 | 1.60 |" in text
+
+
+def test_calibrate_checks_its_out_path_before_fitting(synthetic_gemms, tmp_path, capsys):
+    """A fit takes minutes: an --out it could not write was a traceback after it; now a
+    folder as --out, or one that cannot be made, is one line before any work, and a
+    missing folder is made."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, message in ((tmp_path, "is a folder: name the profile file to write"),
+                         (blocker / "p.json", "cannot make the folder of --out")):
+        rc = main(["calibrate", "--from-measurements", str(synthetic_gemms), "--gpu", "h100-sxm",
+                   "--out", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+    out = tmp_path / "new" / "folder" / "p.json"
+    assert main(["calibrate", "--from-measurements", str(synthetic_gemms), "--gpu", "h100-sxm",
+                 "--out", str(out)]) == 0
+    assert out.exists()
+
+
+def test_fp8_kv_rows_faster_than_an_fp8_cache_explains_are_said_to_be_so():
+    """The RTX PRO 6000's FP8-KV prefill rows run up to 1,137x faster than the BF16 row of
+    the same shape: the report printed their errors (1,856% MAPE) as the model's. Pairs
+    within what halved KV bytes and FP8 maths allow get no note."""
+    import numpy as np
+
+    from servelab.validation.fidelity import _fp8_speedup_note
+    from servelab.validation.measurements import Table
+
+    def table(speedups):
+        n = len(speedups)
+        bf16 = np.full(n, 1e-3)
+        return Table("attn_prefill", {
+            "tokens": np.tile(np.arange(n), 2), "heads": np.full(2 * n, 8),
+            "kv_dtype": np.array(["bf16"] * n + ["fp8"] * n, dtype=object),
+            "latency_s": np.concatenate([bf16, bf16 / np.array(speedups)])}, ["r"] * (2 * n))
+
+    assert _fp8_speedup_note(table([1.0, 1.3, 1.6, 1.9] * 5)) is None
+    note = _fp8_speedup_note(table([1.5] * 15 + [40.0, 100.0, 300.0, 900.0, 1137.0]))
+    assert note.startswith("These FP8 rows run faster than an FP8 cache explains") and "1,137x (20 pairs)" in note

@@ -16,6 +16,7 @@ import pytest
 
 from servelab.backends.kernels.cuda_compile import (
     CUDA_TARGETS,
+    target_for,
     CudaCompiler,
     KernelCompileError,
     KernelResources,
@@ -47,11 +48,15 @@ def compiler() -> CudaCompiler:
 
 
 def test_every_catalog_gpu_has_a_target() -> None:
-    """A GPU added to the catalog (simulator/data/gpus) gets its kernels compile-checked."""
-    covered = {t.architecture for t in CUDA_TARGETS}
-    missing = {name: get_gpu(name).architecture for name in gpu_names()
-               if get_gpu(name).architecture not in covered | {"cpu"}}
-    assert not missing, f"no CUDA_TARGETS entry for the architecture of {missing}"
+    """A GPU added to the catalog (simulator/data/gpus) gets its kernels compile-checked,
+    against the limits of its own compute capability: the RTX PRO 6000 (12.0) has 99 KiB
+    of shared memory per block where the B200 (10.0) has 227 KiB (it was listed under
+    sm_100, by its architecture's name)."""
+    missing = {name: get_gpu(name).compute_capability for name in gpu_names()
+               if get_gpu(name).architecture != "cpu" and target_for(get_gpu(name).compute_capability) is None}
+    assert not missing, f"no CUDA_TARGETS entry for the compute capability of {missing}"
+    assert target_for("12.0").name == "sm_120" and target_for("12.0").max_shared_bytes == 99 * 1024
+    assert target_for("10.3").name == "sm_100" and "rtx-pro-6000" not in target_for("10.0").gpus
 
 
 def test_decode_configurations_meet_every_group_with_every_other_axis_value() -> None:

@@ -127,3 +127,32 @@ def test_trace_formats_have_one_registry_that_detection_reads(monkeypatch, tmp_p
     path.write_text("t_us,num_prefill_tokens,num_decode_tokens\n5000000,10,2\n\"4000000\",11,3\n")
     with pytest.raises(TraceError, match=r"line 3: out-of-order timestamp: time 4000000.0 us"):
         load_trace(path)
+
+
+def test_the_command_line_imports_the_users_own_modules_named_in_servelab_plugins(
+        tmp_path, monkeypatch, capsys):
+    """A router in a module of the user's, outside the package, named by $SERVELAB_PLUGINS:
+    the command line offers it (it had no way to import such a module); a module that
+    cannot be imported is one line."""
+    from servelab.cli import main
+    from servelab.simulator.router import ROUTERS
+
+    # the registration is the process's: undone after the test (and the module forgotten)
+    monkeypatch.setattr(ROUTERS, "_entries", dict(ROUTERS._entries))
+    monkeypatch.delitem(sys.modules, "my_servelab_router", raising=False)
+    (tmp_path / "my_servelab_router.py").write_text(
+        "from servelab.simulator.router import Router, register_router\n\n"
+        "@register_router('always-last')\n"
+        "class AlwaysLast(Router):\n"
+        "    def route(self, req, outstanding):\n"
+        "        return self.num_replicas - 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SERVELAB_PLUGINS", "my_servelab_router")
+    assert main(["simulate", "--num-requests", "20", "--replicas", "2", "--router", "always-last",
+                 "--out", str(tmp_path / "run")]) == 0
+    monkeypatch.setenv("SERVELAB_PLUGINS", "no_such_servelab_plugin")
+    assert main(["simulate", "--out", str(tmp_path / "x")]) == 2
+    sys.modules.pop("my_servelab_router", None)
+    assert capsys.readouterr().err == ("servelab: error: $SERVELAB_PLUGINS names "
+                                       "'no_such_servelab_plugin', which cannot be imported: "
+                                       "No module named 'no_such_servelab_plugin'\n")

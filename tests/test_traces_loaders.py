@@ -453,3 +453,23 @@ def test_mooncake_null_prefix_hash_is_a_bad_line(tmp_path):
         load_trace(path)
     trace = load_trace(path, on_bad_row="drop")
     assert [r.arrival_s for r in trace.records] == [0.0, 2.0]
+
+
+def test_a_header_two_formats_of_the_same_columns_could_read_is_refused(tmp_path, monkeypatch):
+    """Two formats of the very same columns (here the gateway-log example's columns in
+    ms and in s): detection cannot tell which is meant, and took the first registered,
+    silently 1,000x off for the other; now it asks for --trace-format, and naming one
+    reads the file."""
+    from servelab.traces.formats import TRACE_FORMATS, TraceFormat, register_trace_format
+    from servelab.traces.record import TraceFormatError
+
+    monkeypatch.setattr(TRACE_FORMATS, "_entries", dict(TRACE_FORMATS._entries))
+    cols = {"time": "ts", "prompt": "prompt_len", "output": "completion_len"}
+    register_trace_format(TraceFormat("log-ms", cols, time_unit="ms"))
+    register_trace_format(TraceFormat("log-s", cols, time_unit="s"))
+    path = tmp_path / "log.csv"
+    path.write_text("ts,prompt_len,completion_len\n0,10,5\n2,12,6\n")
+    with pytest.raises(TraceFormatError, match="those of trace formats 'log-ms' and 'log-s'.*--trace-format"):
+        detect_format(path)
+    assert load_trace(path, format="log-s").records[1].arrival_s == 2.0
+    assert load_trace(path, format="log-ms").records[1].arrival_s == 0.002

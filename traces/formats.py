@@ -15,7 +15,8 @@ published (`../shared/traces/README.md` describes the files):
 
 A file's format is detected from its first line (`detect`): the format whose columns the
 header holds, the one with the most columns when several do (a length table's two columns
-are also in a Splitwise header), ties to the first registered. `--trace-format`,
+are also in a Splitwise header), ties to the first registered; two formats of the very
+same columns (say one in ms, one in s) make a header ambiguous, an error. `--trace-format`,
 `load_trace(format=...)` and detection read this registry, so a new CSV format is one
 `register_trace_format(TraceFormat(...))` where it is defined (docs/extending.md): the
 loader reads its time, prompt and output columns as it reads Splitwise's. What a built-in
@@ -123,6 +124,13 @@ def detect(header: str) -> TraceFormat | None:
         if not fmt.json_lines and set(fmt.columns.values()) <= names \
                 and (best is None or len(fmt.columns) > len(best.columns)):
             best = fmt
+    if best is not None:
+        same = [f.name for _, f in TRACE_FORMATS.items()
+                if f is not best and not f.json_lines and set(f.columns.values()) == set(best.columns.values())]
+        if same:   # e.g. one in ms, one in s: which is meant, the header cannot say
+            raise ValueError(f"the header's columns are those of trace formats {best.name!r} and "
+                             f"{', '.join(map(repr, same))}, which read them differently: "
+                             f"name one with --trace-format")
     return best
 
 

@@ -45,7 +45,10 @@ def detect_format(path: str | os.PathLike, first_line: str | None = None) -> str
     if first_line is None:
         with open(path, "rb") as f:
             first_line = _first_nonblank(read_lines(f.read(65536)))[1] or ""
-    fmt = detect(first_line)
+    try:
+        fmt = detect(first_line)
+    except ValueError as exc:   # two formats of the very same columns
+        raise TraceFormatError(str(path), 1, str(exc)) from None
     if fmt is None:
         raise TraceFormatError(str(path), 1, f"cannot tell the trace format from the first line "
                                f"{first_line.strip()[:120]!r}; expected one of the headers of "

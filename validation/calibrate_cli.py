@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from servelab.cli import CLIError
 from servelab.options import non_negative_int, number, positive_int
@@ -102,6 +103,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from servelab.validation.kernel_fit import calibrate
     from servelab.validation.measurements import load_measurements
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise CLIError(f"--out {out} is a folder: name the profile file to write (e.g. {out / 'my-gpu.json'})")
+    try:   # before the fit, which takes minutes: a folder that cannot be made fails now
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot make the folder of --out {out}: {exc.strerror or exc}") from None
     try:
         gpu = get_gpu(args.gpu)
         fallback = load_profile(args.fallback) if args.fallback else None
@@ -115,7 +123,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
                        data_version=args.data_version, max_points=args.max_points,
                        progress=lambda line: print(line, file=sys.stderr), gpu=gpu)
-    path = result.profile.save(args.out)
+    try:
+        path = result.profile.save(out)
+    except OSError as exc:
+        raise CLIError(f"cannot write the profile to {out}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps({name: {"params": fit.params.to_dict(), "stats": fit.stats,
                                  "stats_without_glitches": fit.clean_stats,

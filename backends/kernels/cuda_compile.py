@@ -44,7 +44,7 @@ from servelab.simulator.gpus import get_gpu, gpu_names
 
 from .launch import KernelLaunch
 
-__all__ = ["CudaTarget", "CUDA_TARGETS", "KernelResources", "KernelCompileError",
+__all__ = ["CudaTarget", "CUDA_TARGETS", "target_for", "KernelResources", "KernelCompileError",
            "CudaCompiler", "cuda_backend_installed", "supported_targets"]
 
 KIB = 1024
@@ -65,8 +65,10 @@ class CudaTarget:
 
     @property
     def gpus(self) -> str:
-        """The catalog GPUs of this architecture (``simulator/data/gpus``)."""
-        return ", ".join(n for n in gpu_names() if get_gpu(n).architecture == self.architecture)
+        """The catalog GPUs (``simulator/data/gpus``) this target compiles for
+        (`target_for`: by compute capability, not architecture name, since Blackwell
+        spans sm_100 and sm_120)."""
+        return ", ".join(n for n in gpu_names() if target_for(get_gpu(n).compute_capability) is self)
 
 
 CUDA_TARGETS = (
@@ -74,7 +76,23 @@ CUDA_TARGETS = (
     CudaTarget("sm_89", 89, "ada", 99 * KIB),
     CudaTarget("sm_90", 90, "hopper", 227 * KIB),
     CudaTarget("sm_100", 100, "blackwell", 227 * KIB),
+    CudaTarget("sm_120", 120, "blackwell", 99 * KIB),
 )
+"""sm_120 is the workstation and consumer Blackwell (the RTX PRO 6000, compute capability
+12.0): 99 KiB of shared memory per block, as Ada's, where the data-centre B200 (10.0) has
+227 KiB (CUDA C++ Programming Guide, technical specifications per compute capability)."""
+
+
+def target_for(compute_capability: str) -> CudaTarget | None:
+    """The target a GPU of this compute capability ("12.0") runs: the one of that very
+    capability, else its major version's first (10.3, the B300, runs sm_100 code and has
+    its limits); None for none (a CPU, or a capability no target covers)."""
+    if not compute_capability:
+        return None
+    major, minor = (int(x) for x in compute_capability.split("."))
+    exact = [t for t in CUDA_TARGETS if t.capability == 10 * major + minor]
+    family = [t for t in CUDA_TARGETS if t.capability // 10 == major and t.capability <= 10 * major + minor]
+    return (exact or family or [None])[0]
 
 
 def cuda_backend_installed() -> bool:
