@@ -225,7 +225,7 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
     if engine_version is not None and profile.engine_version is not None \
             and version_key(profile.engine_version) != version_key(engine_version):
         if not isinstance(calibration, CalibrationProfile) \
-                and _same_profile(calibration, packaged_choice(spec, engine_version)[0]):
+                and same_profile(calibration, packaged_choice(spec, engine_version)[0]):
             return profile   # the one leaving it out picks, carried over to this engine
         raise ValueError(f"{label} was fitted to kernels measured inside vLLM "
                          f"{profile.engine_version}, not the chosen engine's {engine_version}: "
@@ -237,7 +237,7 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
     return profile
 
 
-def _same_profile(a: str | Path, b: str) -> bool:
+def same_profile(a: str | Path, b: str) -> bool:
     """Do two calibration arguments (packaged names or files) name the same profile?"""
     if str(a) == str(b):
         return True

@@ -553,13 +553,13 @@ def _kernels_used(cost) -> dict:
 
 def _profile_choice(gpu, calibration: str | None, engine_version: str | None) -> tuple[str, str]:
     """The name of the profile that prices a run, and one line saying why it is that one."""
-    from servelab.simulator.calibration import packaged_choice
+    from servelab.simulator.calibration import packaged_choice, same_profile
 
     if calibration is not None:
         shown = "the bare roofline" if calibration == "none" else calibration
         if engine_version is not None and calibration != "none":
             name, why = packaged_choice(gpu, engine_version)
-            if name == calibration and "carried over" in why:   # the default, named
+            if same_profile(calibration, name):   # the engine's own choice, named
                 return calibration, f"{shown}, as given (--calibration): {why}"
         return calibration, f"{shown}, as given (--calibration)"
     if engine_version is not None:
