@@ -14,7 +14,9 @@ not O(members):
   back to the scheduler (`dissolve`), which schedules the step one by one;
 - across steps (`run_bound`, `advance`): a run of plain decode steps is applied in closed
   form (the simulator's fast-forward): O(block_size) for members, O(sequences) for the
-  requests the scheduler lists one by one.
+  requests the scheduler lists one by one. With a CPU tier, a run of members may outlast
+  the free list, its later steps evicting cached blocks with a copy each to the tier:
+  `OffloadRun` says which step copies how many, for the caller to price.
 
 Members' Sequences, and their slots in the block manager, are brought up to the tick
 lazily; `sync` does it for all (O(members)), and the scheduler calls it before it shows a
