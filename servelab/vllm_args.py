@@ -244,7 +244,8 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
             out.notes.append(f"--vllm-args {flag}: {_APPROXIMATED[flag]}")
     quantized = out.values.get("_quantization") is not None
     _resolve_dtypes(out.values)
-    if out.values.pop("_expert_parallel", False):
+    expert_parallel = out.values.pop("_expert_parallel", False)
+    if expert_parallel:
         # EP spans the TP x DP GPUs: the data-parallel ranks form one deployment (--dp)
         out.values["dp"] = out.values.get("replicas", 1)
     if "model" in out.values and catalog is not None:
@@ -267,6 +268,10 @@ def translate(command_line: str, catalog: Callable[[str], str] | None = None) ->
                              "spread over the DP x TP GPUs, as --dp; without "
                              "--enable-expert-parallel vLLM shards each expert over them (tensor "
                              "parallel), priced here as expert parallelism")
+        if expert_parallel and not _is_moe(out.values["model"]):
+            del out.values["dp"]   # its replicas stay independent, as without the switch
+            out.notes.append(f"--vllm-args --enable-expert-parallel: {out.values['model']} has no "
+                             "experts to spread; the switch changes nothing (as in vLLM)")
     return out
 
 

@@ -112,8 +112,8 @@ def register(subparsers) -> None:
     c.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="each engine schedules a step ahead (vLLM's --async-scheduling): a "
                         "request arriving during a step waits one more (default: the engine's; "
-                        "on under the vLLM presets, except with --pp above 1 or --speculative "
-                        "draft/ngram, where vLLM 0.14 turns it off)")
+                        "on under the vLLM presets, except with --pp above 1, --speculative "
+                        "draft/ngram or --gpu cpu, where vLLM turns it off)")
     from servelab.simulator.disaggregation import add_disaggregation_arguments
     add_disaggregation_arguments(p)   # --prefill-replicas, --decode-replicas, --kv-link, ...
     p.set_defaults(func=_cmd_simulate)

@@ -240,12 +240,14 @@ def _check_pipeline(c: SimulationConfig) -> None:
     check_int(_OWNER, "pp", c.pp, 1)
     if c.pp == 1:
         return
-    why = ("speculative decoding" if c.scheduler.speculative.enabled else
-           "disaggregated prefill/decode pools" if c.disaggregation is not None else
-           f"data-parallel expert parallelism (ep={c.ep} above tp={c.tp})" if c.ep > c.tp else None)
+    why = (("speculative decoding", "pipeline stages run plain decoding")
+           if c.scheduler.speculative.enabled else
+           ("disaggregated prefill/decode pools", "pipeline stages run in co-located replicas")
+           if c.disaggregation is not None else
+           (f"data-parallel expert parallelism (ep={c.ep} above tp={c.tp})",
+            "pipeline stages run without data-parallel ranks") if c.ep > c.tp else None)
     if why is not None:
-        raise ValueError(f"{_OWNER}.pp {c.pp} with {why} is not modelled: pipeline stages run "
-                         "plain decoding in co-located replicas without data-parallel ranks")
+        raise ValueError(f"{_OWNER}.pp {c.pp} with {why[0]} is not modelled: {why[1]}")
 
 
 def _check_experts(c: SimulationConfig) -> None:
@@ -590,8 +592,11 @@ def check_layout(config: SimulationConfig) -> None:
     from servelab.models import load_model_spec
     from servelab.simulator.footprint import Footprint
 
-    Footprint.of(load_model_spec(config.model), config.tp, config.weight_dtype, config.kv_dtype,
-                 ep=config.ep)
+    model = load_model_spec(config.model)
+    Footprint.of(model, config.tp, config.weight_dtype, config.kv_dtype, ep=config.ep)
+    if config.pp > model.num_layers:   # as PipelineLayout refuses it
+        raise ValueError(f"pp={config.pp} exceeds {model.name}'s {model.num_layers} layers: every "
+                         f"pipeline stage needs one at least (pp <= {model.num_layers})")
 
 
 def check_host_tier(config: SimulationConfig) -> None:

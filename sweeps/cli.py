@@ -223,7 +223,8 @@ def plural(n: int, noun: str, suffix: str = "s") -> str:
 
 
 def check_points(points) -> None:
-    """A layout the model cannot take (`--tps 1,3` on a model of 32 heads) or a CPU tier
+    """A layout the model cannot take (`--tps 1,3` on a model of 32 heads, `--pp 40` on
+    one of 32 layers) or a CPU tier
     larger than its machine allows fails its points alike: say so once, before the sweep
     starts (each distinct machine and tier checked once)."""
     from servelab.simulator.run import check_host_tier, check_layout
@@ -231,7 +232,7 @@ def check_points(points) -> None:
     seen = set()
     for point in points:
         c = point.config
-        machine = (c.model, c.gpu, c.tp, c.ep, c.weight_dtype, c.kv_dtype, c.calibration,
+        machine = (c.model, c.gpu, c.tp, c.ep, c.pp, c.weight_dtype, c.kv_dtype, c.calibration,
                    c.block_size, c.kv_offload_gb, c.cpu_kv_blocks)
         if machine not in seen:
             seen.add(machine)

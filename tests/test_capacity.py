@@ -303,3 +303,17 @@ def test_a_capacity_search_over_another_says_its_report_is_replaced(tmp_path, ca
     assert main([*base, "--policies", "sjf"]) == 0
     assert (f"capacity: note: {out} held another capacity search; its report is replaced by this "
             "one's") in capsys.readouterr().err
+
+
+def test_a_capacity_whose_run_held_few_of_the_requests_asked_says_so(tmp_path, capsys):
+    """Llama-3.1-70B in FP8 on one H100 rejects long requests; the search walks down to a
+    rate at which the default workload's 600 s hold 19 of 300 requests, and its capacity
+    from those few read as an answer (docs/parallelism.md reports none)."""
+    from servelab.cli import main
+
+    assert main(["capacity", "--trace", "default", "--policies", "fcfs", "--rates", "2",
+                 "--tolerance", "0.05", "--p99-ttft-ms", "3000", "--p99-tpot-ms", "150",
+                 "--num-requests", "300", "--model", "llama-3.1-70b", "--gpu", "h100-sxm",
+                 "--weight-dtype", "fp8", "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "  few requests: its run held 19 of the 300 requests asked (the trace ends first at" in out

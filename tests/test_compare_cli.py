@@ -231,3 +231,16 @@ def test_a_length_only_trace_without_rates_is_refused_before_the_sweep(tmp_path,
     assert not out.exists()
     assert main(["compare", "--trace", str(trace), "--policies", "fcfs", "--rates", "2",
                  "--workers", "1", "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize("command", ["compare", "capacity"])
+def test_a_pp_above_the_models_layers_in_a_sweep_is_one_line_before_any_run(tmp_path, capsys, command):
+    """As a tp that does not divide the heads: refused before the sweep (it ran the other
+    points and failed each pp=40 one)."""
+    out = tmp_path / "s"
+    rc = main([command, "--trace", "default", "--policies", "fcfs", "--num-requests", "50",
+               "--pp", "1,40", *(["--rates", "5"] if command == "compare" else []), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (f"servelab {command}: error: pp=40 exceeds llama-3.1-8b's 32 layers: "
+                               "every pipeline stage needs one at least (pp <= 32)\n"), err
+    assert not (out / "runs").exists()

@@ -94,6 +94,16 @@ def test_expert_parallelism_makes_the_data_parallel_ranks_one_deployment():
     assert translate("--enable-expert-parallel -tp 2").values == {"tp": 2, "dp": 1}
 
 
+def test_expert_parallelism_on_a_dense_model_is_said_to_change_nothing():
+    """It was accepted without a word (--ep on a dense model is refused: that flag asks
+    for something; vLLM's switch on a dense model is a no-op there too)."""
+    out = translate("vllm serve meta-llama/Llama-3.1-8B -dp 2 --enable-expert-parallel",
+                    catalog=catalog_model)
+    assert "dp" not in out.values and out.values["replicas"] == 2
+    assert out.notes[-1] == ("--vllm-args --enable-expert-parallel: llama-3.1-8b has no experts to "
+                             "spread; the switch changes nothing (as in vLLM)")
+
+
 def test_served_models_map_to_the_catalog(tmp_path):
     assert catalog_model("mistralai/Mistral-7B") == "mistral-7b"
     assert catalog_model("meta-llama/Llama-3.1-70B-Instruct") == "llama-3.1-70b"

@@ -252,7 +252,11 @@ def test_layouts_pipelines_do_not_run_are_refused(changes, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--model", "tiny-llama", "--pp", "3"], "pp=3 exceeds tiny-llama's 2 layers"),
-    (["simulate", "--pp", "2", "--speculative", "ngram"], "--pp 2 with speculative decoding is not modelled"),
+    (["simulate", "--pp", "2", "--speculative", "ngram"],
+     "--pp 2 with speculative decoding is not modelled: pipeline stages run plain decoding"),
+    (["simulate", "--pp", "2", "--prefill-replicas", "1", "--decode-replicas", "1"],
+     "--pp 2 with disaggregated prefill/decode pools is not modelled: pipeline stages run in "
+     "co-located replicas"),
     (["run", "--model", "tiny-llama", "--pp", "2"], "pipeline parallelism is simulation-only"),
 ])
 def test_the_commands_refuse_in_one_line(argv, message, tmp_path, capsys):
