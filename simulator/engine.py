@@ -41,6 +41,7 @@ float-rounding tie an arrival that coincides with a step end to ~1e-15 s falls.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -235,10 +236,10 @@ class Replica:
             return None
         copies = sched.decode_run_offloads
         cost = self.cost_model
-        extra = None
+        extra = None   # the run's copies to the host tier: seconds over its first k steps
         if copies is not None:
             latency_s, block_s = cost.host_copy
-            extra = lambda num_steps: copies.seconds(num_steps, latency_s, block_s)  # noqa: E731
+            extra = partial(copies.seconds, latency_s=latency_s, block_s=block_s)
         # Step j of the run decodes every sequence over its context + j (+1: the new token).
         num_seqs, context_sum = sched.decode_shape()
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum)
