@@ -515,10 +515,10 @@ class CostModel:
         lines = self._run_lines(shape)
         pieces = _split_lines(*lines[1:])
         k = self._steps_within_extra(lines, budget_s, max_steps, pieces, extra)
-        total = _split_total(lines[0], pieces, k) + (extra(k) if extra is not None else 0.0)
+        total = _extra_total(lines[0], pieces, k, extra)
         if k < max_steps and total < budget_s:
             k += 1
-            total = _split_total(lines[0], pieces, k) + (extra(k) if extra is not None else 0.0)
+            total = _extra_total(lines[0], pieces, k, extra)
         return k, total
 
     def _steps_within_extra(self, lines: tuple[float, float, float, float, float],
@@ -528,11 +528,10 @@ class CostModel:
         k = self._steps_within(lines, budget_s, max_steps, pieces)
         if extra is None:
             return k
-        fixed = lines[0]
         lo = 0
         while lo < k:
             mid = (lo + k + 1) // 2
-            if _split_total(fixed, pieces, mid) + extra(mid) <= budget_s:
+            if _extra_total(lines[0], pieces, mid, extra) <= budget_s:
                 lo = mid
             else:
                 k = mid - 1
@@ -737,6 +736,12 @@ def _split_lines(a: float, b: float, c: float, d: float
         split = 0 if cross <= 0 else (math.inf if cross == math.inf else math.ceil(cross))
         return split, (a, b), (c, d)
     return math.inf, ((a, b) if a > c else (c, d)), (0.0, 0.0)
+
+
+def _extra_total(fixed: float, split_lines: tuple, k: int, extra) -> float:
+    """`_split_total` plus `extra(k)`, the run's seconds besides its kernels (None: none)."""
+    total = _split_total(fixed, split_lines, k)
+    return total + extra(k) if extra is not None else total
 
 
 def _split_total(fixed: float, split_lines: tuple, k: int) -> float:
