@@ -212,6 +212,8 @@ def _moe(opts: dict) -> dict:
             "weight_bytes": weight_bytes, "flops": flops, "compute_ms": _ms(compute),
             "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory",
             "vllm_tuned_config": tuned,
+            "misaligned_slowdown": (round(p.misaligned_slowdown, 4)
+                                    if K.moe.misaligned_width(h, inter / tp) else 1.0),
             "compute_eff": round(float(K.moe.layer_compute_eff(p, gpu, dtype, e, ep, inter / tp)), 4)}
 
 
@@ -435,7 +437,11 @@ def describe(kind: str, r: dict) -> str:
                 f"  full tiles at {r['compute_eff']:.2f} of peak: "
                 + (f"vLLM ships a tuned kernel config for {r['experts'] // r['ep']} experts of "
                    f"width {r['inter'] // r['tp']} on this GPU" if r["vllm_tuned_config"] else
-                   "no tuned vLLM kernel config priced for this layer on this GPU"))
+                   "no tuned vLLM kernel config priced for this layer on this GPU")
+                + (f"\n  expert width per GPU {r['inter'] // r['tp']} is not a multiple of "
+                   f"{K.moe.TRITON_ALIGNMENT}: the grouped GEMMs priced "
+                   f"{r['misaligned_slowdown']:.2f}x slower (unvectorised loads)"
+                   if r["misaligned_slowdown"] != 1.0 else ""))
     if kind == "mla":
         what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"
                 if r["phase"] == "prefill" else

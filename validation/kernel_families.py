@@ -259,7 +259,7 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
                "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7),
                "k_depth_s": (1e-13, 1e-7, 4e-9), "large_memory_eff": (0.1, 1.0, 0.8),
-               "remote_pair_share": (0.01, 6.0, 0.5)}
+               "remote_pair_share": (0.01, 6.0, 0.5), "misaligned_slowdown": (1.0, 4.0, 1.3)}
 
 
 def _block_fp8_rows(t: Table) -> np.ndarray:
@@ -318,6 +318,12 @@ def _cutlass_moe_rows(t: Table) -> np.ndarray:
     return cutlass if (bf16 & ~cutlass).any() else np.zeros(len(t), dtype=bool)
 
 
+def _moe_untold(t: Table) -> dict:
+    """No misaligned-width term where the table has no layer of such a width."""
+    widths = t["inter"] / t["tp"]
+    return {} if K.moe.misaligned_width(t["hidden"], widths).any() else {"misaligned_slowdown": 1.0}
+
+
 def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | None = None,
                 grouped_gemm: bool = False) -> Family:
     """A fused-MoE family; `grouped_gemm`: its rows are FlashInfer's CUTLASS kernel, priced
@@ -343,7 +349,7 @@ def _moe_family(name: str, dtype: str, rows: Callable[[Table], np.ndarray] | Non
         starts=({}, {"compute_eff": 0.7, "small_tile_eff": 0.9, "overlap": 1.5},
                 {"floor_s": 1.2e-5, "k_depth_s": 4e-9, "compute_eff": 0.3, "overlap": 1.4,
                  "combine_traffic": 1.9, "l2_fraction": 0.45, "l2_gain": 19.0}),
-        size_axes=("tokens",), prepare=moe_load_columns)
+        size_axes=("tokens",), prepare=moe_load_columns, untold=_moe_untold)
 
 
 def _mla_prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:

@@ -205,7 +205,8 @@ def _parameters(base, names: list[str]):
         for n in names:
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
-            if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation"):
+            if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation",
+                     "misaligned_slowdown"):
                 values[n] = max(1.0, values[n])
             if n == "wave_quantization":
                 values[n] = min(1.0, values[n])

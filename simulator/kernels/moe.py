@@ -409,6 +409,17 @@ class MoEParams(_Params):
     FlashInfer kernels vLLM 0.24 runs keep only the GPU's own pairs: fitted 0.01 (its
     bound) for H100 FP8 (CUTLASS), 0.08-0.23 on B200. 1: a remote pair costs a local one's
     combine."""
+    misaligned_slowdown: float = 1.0
+    """Multiple of the grouped GEMMs' time (compute, weight streaming and the K loops) for a
+    layer whose expert width per GPU (inter/TP) or hidden size is not a multiple of
+    `TRITON_ALIGNMENT`; 1: no difference. Triton compiles a kernel once per
+    divisibility-by-16 pattern of its integer arguments (`JITFunction._spec_of`,
+    triton/runtime/jit.py), and only with those hints vectorises the loads; vLLM's fused-MoE
+    kernel takes the widths and strides as such arguments. Measured (aiconfigurator's
+    `moe_perf`, BF16, 128 experts of width 1,856 / 704 at TP 8-32 and 512 of width 1,344 at
+    TP 8-16, so 22-232 per GPU), every GPU but the L40S runs those layers 1.3-2x slower
+    than the model of aligned ones prices them, from 8 tokens up (below, the floor hides it):
+    fitted per profile. Width 464 (a multiple of 16) of the same layer shows nothing."""
     k_depth_s: float = 0.0
     """Seconds per element of the two GEMMs' reduction depths (hidden for gate and up,
     inter/TP for down) that a call waits for besides its throughput terms: each tile runs
@@ -424,10 +435,13 @@ class MoEParams(_Params):
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
               "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff",
-              "remote_pair_share")
+              "remote_pair_share", "misaligned_slowdown")
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.misaligned_slowdown < 1:
+            raise ValueError(f"MoEParams.misaligned_slowdown must be >= 1 (1: aligned and "
+                             f"misaligned widths alike), got {self.misaligned_slowdown!r}")
         if self.tuned_compute_eff > 1:
             raise ValueError(f"MoEParams.tuned_compute_eff must be 0 (no tuned configs) or a "
                              f"fraction of peak in (0, 1], got {self.tuned_compute_eff!r}")
@@ -509,12 +523,26 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     gemms = np.maximum(compute, memory) if p.overlap == INF else _overlap(compute, memory, p.overlap)
     if p.k_depth_s:
         gemms = gemms + p.k_depth_s * (hidden + inter_gpu)
+    if p.misaligned_slowdown != 1.0:
+        gemms = np.where(misaligned_width(hidden, inter_gpu), p.misaligned_slowdown * gemms, gemms)
     counted = t * topk                # every GPU's pairs, each GPU's own at full weight
     if p.remote_pair_share != 1.0:
         counted = pairs + p.remote_pair_share * np.maximum(counted - pairs, 0.0)
     combine = p.combine_traffic * counted * (4.0 * hidden + 2.0 * projections * inter_gpu) / bw
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
+
+
+TRITON_ALIGNMENT = 16
+"""Triton specialises a kernel for integer arguments divisible by this (see
+`MoEParams.misaligned_slowdown`)."""
+
+
+def misaligned_width(hidden, inter_gpu) -> np.ndarray:
+    """Whether a layer's hidden size or expert width per GPU is not a multiple of
+    `TRITON_ALIGNMENT` (elementwise)."""
+    return (np.remainder(np.rint(np.asarray(hidden, dtype=np.float64)), TRITON_ALIGNMENT) != 0) \
+        | (np.remainder(np.rint(np.asarray(inter_gpu, dtype=np.float64)), TRITON_ALIGNMENT) != 0)
 
 
 def kernel_dtype(dtype: str, gpu: GPUSpec) -> str:
