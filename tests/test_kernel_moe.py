@@ -413,6 +413,32 @@ def test_cost_moe_says_whether_the_layer_has_a_tuned_vllm_config(capsys):
     assert "tuned kernel config for 8 experts of width 7168 on this GPU" in text
 
 
+def test_intermediate_rows_that_fit_in_l2_are_read_back_faster():
+    """combine_l2_fraction / combine_l2_gain: the activation and the top-k sum read the
+    GEMMs' outputs back from L2 while the rows of every pair fit there (L40S: 96 MB), at
+    HBM speed once they are far larger; the GEMMs and the floor are unchanged."""
+    base = dataclasses.replace(packaged("l40s").kernels.moe, combine_l2_fraction=0.0,
+                               combine_l2_gain=1.0)
+    held = dataclasses.replace(base, combine_l2_fraction=0.8, combine_l2_gain=3.0)
+    no_combine = dataclasses.replace(base, combine_traffic=1e-12)
+    h, i, e, k = QWEN3_30B["hidden"], QWEN3_30B["inter"], QWEN3_30B["experts"], QWEN3_30B["topk"]
+    tokens = np.array([16.0, 1_000_000.0])     # rows of 0.26 MB and 16 GB
+    stats = K.expert_load(tokens, e, k, 8)
+    t_base, t_held, gemms = (K.fused_moe_time(tokens, h, i, e, k, 8, stats, L40S, p)
+                             for p in (base, held, no_combine))
+    combine_base, combine_held = t_base - gemms, t_held - gemms
+    assert combine_held[0] == pytest.approx(combine_base[0] / 3.0, rel=1e-3)
+    assert combine_held[1] == pytest.approx(combine_base[1], rel=1e-3)
+    with pytest.raises(ValueError, match="combine_l2_gain must be >= 1"):
+        dataclasses.replace(base, combine_l2_gain=0.5)
+    # fitted where the tables show it: the L40S (BF16 and FP8) and the RTX PRO 6000's FP8
+    l40s = packaged("l40s").kernels
+    for p in (l40s.moe, l40s.moe_fp8):
+        assert 0.5 < p.combine_l2_fraction < 1.5 and p.combine_l2_gain > 1.5
+    assert packaged("rtx-pro-6000.vllm-0.19").kernels.moe_fp8.combine_l2_gain > 1.1
+    assert packaged("h100-sxm").kernels.moe.combine_l2_fraction == 0.0
+
+
 def test_cost_moe_says_when_the_expert_width_is_misaligned(capsys):
     """Nemotron-3-Nano's experts (2,688 x 1,856) at TP 8 are 232 wide per GPU, not a
     multiple of 16: cost moe says so and prices them with the profile's slowdown; at TP 4

@@ -259,7 +259,8 @@ _MOE_FITTED = {"floor_s": (1e-6, 1e-3, 2e-5), "compute_eff": (0.03, 1.0, 0.4),
                "l2_gain": (1.0, 20.0, 2.0), "tuned_compute_eff": (0.03, 1.0, 0.6),
                "width_knee": (256.0, 1e6, 16384.0), "expert_s": (1e-9, 2e-5, 5e-7),
                "k_depth_s": (1e-13, 1e-7, 4e-9), "large_memory_eff": (0.1, 1.0, 0.8),
-               "remote_pair_share": (0.01, 6.0, 0.5), "misaligned_slowdown": (1.0, 4.0, 1.3)}
+               "remote_pair_share": (0.01, 6.0, 0.5), "misaligned_slowdown": (1.0, 4.0, 1.3),
+               "combine_l2_fraction": (0.05, 4.0, 1.0), "combine_l2_gain": (1.0, 20.0, 2.0)}
 
 
 def _block_fp8_rows(t: Table) -> np.ndarray:

@@ -22,7 +22,7 @@ def _overlap(compute, memory, q: float):
 
 
 def _check_fields(params, skip: tuple[str, ...] = ()) -> None:
-    """Every field a number; fractions of peak in (0, 1]; `overlap` >= 1; `l2_gain` >= 1;
+    """Every field a number; fractions of peak in (0, 1]; `overlap` >= 1; `*l2_gain` >= 1;
     everything else finite and >= 0 (fields in `skip` are checked by their owner)."""
     for f in fields(params):
         if f.name in skip:
@@ -37,7 +37,7 @@ def _check_fields(params, skip: tuple[str, ...] = ()) -> None:
         elif f.name == "overlap":
             if not value >= 1:
                 raise ValueError(f"{owner} must be >= 1 (1: no overlap, inf: full), got {value!r}")
-        elif f.name == "l2_gain":
+        elif f.name.endswith("l2_gain"):
             if not 1 <= value < INF:
                 raise ValueError(f"{owner} must be >= 1 (L2 is never slower than HBM), "
                                  f"got {value!r}")

@@ -15,9 +15,11 @@ The time is a roofline of two terms, as for a dense GEMM (`gemm.py`):
     memory  = (weight passes x W x weight_bytes [/ large_memory_eff]
                + pairs x activation bytes) / (HBM x memory_eff) + weight passes x expert_s
 
-combined by a soft maximum, plus a floor, the last tiles' serial loops over K (`k_depth_s`),
-the top-k combine over every pair of the step (another GPU's at `remote_pair_share`) and,
-for FP8 (W8A8), the activation quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
+combined by a soft maximum (times `misaligned_slowdown` for a width Triton cannot align),
+plus a floor, the last tiles' serial loops over K (`k_depth_s`), the top-k combine over
+every pair of the step (another GPU's at `remote_pair_share`; read back from L2 while the
+pairs' rows fit there, `combine_l2_fraction`) and, for FP8 (W8A8), the activation
+quantisation. `eff` is `tuned_compute_eff` for the layers vLLM
 ships a tuned kernel config for, else compute_eff / (1 + inter/TP / width_knee): untuned wide
 experts run at a lower rate (`VLLM_TUNED_MOE`). At small batches the weights of each activated
 expert dominate; at large batches the padded tiles' FLOPs do. An expert's weights are read
@@ -409,6 +411,20 @@ class MoEParams(_Params):
     FlashInfer kernels vLLM 0.24 runs keep only the GPU's own pairs: fitted 0.01 (its
     bound) for H100 FP8 (CUTLASS), 0.08-0.23 on B200. 1: a remote pair costs a local one's
     combine."""
+    combine_l2_fraction: float = 0.0
+    """Share of L2 the call's intermediate rows may fill and still be read back from it by
+    the activation and the top-k sum (each GEMM's output is written and read again within
+    the call, so this holds in serving as in a benchmark); 0: never. The rows held at once
+    are the larger of the gate/up output and the down output, for every (token, expert)
+    pair of the step (Triton's intermediate cache has a row per pair, a remote pair's
+    zeros included), BF16; the share falls off as for a streamed set (`l2_hit`,
+    sharpness 2). L40S (96 MB of L2; vLLM 0.14, aiconfigurator's `moe_perf`, FP8,
+    Qwen3-30B-A3B's layer at EP 128, power-law routing, where the combine is most of the
+    time): 74, 124, 310, 878 and 1,970 µs at 512 to 8,192 tokens, 1.7x, 2.5x, 2.8x and 2.2x
+    per doubling as the rows leave L2, then 2x (0.24 µs per token), where the combine
+    traffic itself is linear in the tokens."""
+    combine_l2_gain: float = 1.0
+    """How much faster than HBM those rows are read from L2 (1: no faster)."""
     misaligned_slowdown: float = 1.0
     """Multiple of the grouped GEMMs' time (compute, weight streaming and the K loops) for a
     layer whose expert width per GPU (inter/TP) or hidden size is not a multiple of
@@ -435,7 +451,8 @@ class MoEParams(_Params):
     _fractions = ("compute_eff", "small_tile_eff", "memory_eff", "large_memory_eff")
     _added = ("small_stream_rows", "large_stream_rows", "l2_fraction", "l2_gain",
               "tuned_compute_eff", "width_knee", "expert_s", "k_depth_s", "large_memory_eff",
-              "remote_pair_share", "misaligned_slowdown")
+              "remote_pair_share", "misaligned_slowdown", "combine_l2_fraction",
+              "combine_l2_gain")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -529,6 +546,10 @@ def fused_moe_time(tokens, hidden, inter_gpu, experts, topk, ep, stats, gpu: GPU
     if p.remote_pair_share != 1.0:
         counted = pairs + p.remote_pair_share * np.maximum(counted - pairs, 0.0)
     combine = p.combine_traffic * counted * (4.0 * hidden + 2.0 * projections * inter_gpu) / bw
+    if p.combine_l2_fraction:
+        held = t * topk * np.maximum(hidden, (projections - 1.0) * inter_gpu) * 2.0
+        hit = l2_hit(held, gpu, p.combine_l2_fraction, sharpness=2.0)
+        combine = combine * ((1.0 - hit) + hit / p.combine_l2_gain)
     quant = p.quant_elem_s * (t * hidden + pairs * inter_gpu) if w8a8 else 0.0
     return np.where(t > 0, p.floor_s + gemms + combine + quant, 0.0)
 
