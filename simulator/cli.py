@@ -327,7 +327,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cost = getattr(sim, "cost_model", None)         # a co-located run's (pools have two)
     if cost is not None:
         fitted = cost.profile.setup_note(cost.model.name, cost.tp, cost.weight_dtype, cost.kv_dtype)
-        notes = [*notes, *([fitted] if fitted else [])]
+        notes = [*notes, *(n for n in (fitted, cost.expert_width_note()) if n)]
     for note in notes:
         print(f"servelab simulate: note: {note}", file=sys.stderr)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")

@@ -93,7 +93,9 @@ def register(subparsers) -> None:
     e.add_argument("--ep", type=positive_int, default=1,
                    help="expert parallelism: GPUs the experts are spread over (default 1)")
     e.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor parallelism: GPUs each expert's width is split over (default 1)")
+                   help="tensor parallelism: GPUs each expert's width is split over (default 1; "
+                        "with --ep, one layer on ep x tp GPUs, as aiconfigurator's tables "
+                        "measure it; `cost step --ep` is vLLM's layout: experts whole over ep GPUs)")
     e.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                    help="expert weights (fp8: W8A8 where the GPU has FP8 tensor cores, else "
                         "weight-only as vLLM's Marlin kernel runs it; default %(default)s)")

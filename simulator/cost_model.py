@@ -393,6 +393,21 @@ class CostModel:
             t += self._copy[0] + shape.num_copy_blocks * self._copy[1]
         return t
 
+    def expert_width_note(self) -> str | None:
+        """One line when this layout leaves the routed experts a width per GPU that is not a
+        multiple of 16, which the fused-MoE fit prices slower (`MoEParams.misaligned_slowdown`);
+        None otherwise."""
+        x = self.shapes.experts
+        if x is None or not K.moe.misaligned_width(x.hidden, x.width):
+            return None
+        dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
+        slowdown = self.kernels.moe_for(dtype, self.gpu, x.default_routing, x.ep).misaligned_slowdown
+        how = (f"its fused experts' GEMMs are priced {slowdown:.2f}x slower, as this GPU's tables "
+               f"measure such widths" if slowdown != 1.0 else
+               "this profile prices no slowdown for it (its tables show none or measure none)")
+        return (f"{self.model.name}'s experts are {x.width} wide per GPU at this layout, not a "
+                f"multiple of {K.moe.TRITON_ALIGNMENT}: {how} (docs/moe-mla.md)")
+
     # --- data-parallel ranks in lock-step (`simulator/data_parallel.py`) -------------------
 
     @property

@@ -360,7 +360,8 @@ def _check_sparse_layout(model: ModelSpec, tp: int, ep: int) -> None:
         raise ValueError(f"ep={ep} must be a multiple of tp={tp}: vLLM spreads the experts over "
                          "the TP × DP GPUs of a replica")
     if moe.num_experts % ep:
-        raise ValueError(f"ep={ep} must divide {name}'s {moe.num_experts} routed experts")
+        raise ValueError(f"ep={ep} (tp {tp} x dp {ep // tp}) must divide {name}'s "
+                         f"{moe.num_experts} routed experts")
 
 
 def _sparse_footprint(model: ModelSpec, tp: int, ep: int, wb: int, kvb: int) -> Footprint:

@@ -14,6 +14,7 @@ from servelab._validate import check_bounded
 from servelab.models import load_model_spec
 from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged_choice, resolve
+from servelab.simulator.footprint import ACT_BYTES
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 from servelab.simulator.kernels.movement import ONE_STAGE, RING, SYMM_MEM, TWO_STAGE
 
@@ -194,9 +195,9 @@ def _moe(opts: dict) -> dict:
     flops = 2.0 * pairs * per_expert
     compute = flops / gpu.peak_flops("fp8" if w8a8 else "bf16")
     memory = weight_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
-    # dispatch and combine: each token's hidden state to and from the GPUs of its experts
-    a2a_bytes = t / ep * k * h * (1.0 if w8a8 else 2.0)
-    a2a = 2.0 * float(K.alltoall_time(a2a_bytes, ep, gpu, profile.kernels.alltoall))
+    # the EP exchange as the step prices it (`CostModel._group_expert_ops`): vLLM's default
+    # all-gather of every token's hidden state before the experts, reduce-scatter after
+    exchange = 2.0 * float(K.alltoall_time(t * h * ACT_BYTES, ep, gpu, profile.kernels.alltoall))
     tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, kernel, e, ep, inter / tp))
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
@@ -207,14 +208,26 @@ def _moe(opts: dict) -> dict:
                        else "BF16 (FlashInfer CUTLASS: this routing's kernel)"),
             "routing": routing,
             "expert_load": load, "predicted_ms": _ms(router + experts), "router_ms": _ms(router),
-            "experts_ms": _ms(experts), "alltoall_ms": _ms(a2a),
+            "experts_ms": _ms(experts), "ep_exchange_ms": _ms(exchange),
             "active_experts": round(active, 2), "pairs": round(pairs, 2),
             "weight_bytes": weight_bytes, "flops": flops, "compute_ms": _ms(compute),
             "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory",
             "vllm_tuned_config": tuned,
+            "misaligned_width": bool(K.moe.misaligned_width(h, inter / tp)),
             "misaligned_slowdown": (round(p.misaligned_slowdown, 4)
                                     if K.moe.misaligned_width(h, inter / tp) else 1.0),
             "compute_eff": round(float(K.moe.layer_compute_eff(p, gpu, dtype, e, ep, inter / tp)), 4)}
+
+
+def _misaligned_note(r: dict) -> str:
+    """A line for a layer whose expert width per GPU is not a multiple of 16, else ''."""
+    if not r["misaligned_width"]:
+        return ""
+    width = r["inter"] // r["tp"]
+    how = (f"the grouped GEMMs priced {r['misaligned_slowdown']:.2f}x slower, as this GPU's "
+           f"tables measure such widths" if r["misaligned_slowdown"] != 1.0 else
+           "this profile prices no slowdown for it (its tables show none or measure none)")
+    return f"\n  expert width per GPU {width} is not a multiple of {K.moe.TRITON_ALIGNMENT}: {how}"
 
 
 def _mla(opts: dict) -> dict:
@@ -325,7 +338,14 @@ def _step(opts: dict) -> dict:
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
             "per_layer_ms": _ms(_layer_time(breakdown.items()) / layers),
-            "ops": _op_rows(list(breakdown.items()), layers, total)}
+            "ops": _op_rows(list(breakdown.items()), layers, total),
+            **_step_notes(cm)}
+
+
+def _step_notes(cm) -> dict:
+    """{"notes": [...]} for what the reader of a step's price should know, or {}."""
+    notes = [n for n in (cm.expert_width_note(),) if n]
+    return {"notes": notes} if notes else {}
 
 
 def _layer_time(ops) -> float:
@@ -401,7 +421,7 @@ def _pipelined_step(cm, pp: int, label: str, profile, prefill, decode, shape) ->
             "transfers": [{"between": [s, s + 1], "link": link.link.name, "lanes": link.lanes,
                            "ms": _ms(t)} for s, (link, t) in enumerate(zip(layout.links, transfer_s))],
             "transfer_ms": _ms(sum(transfer_s)),
-            "ops": _op_rows(ops, layers, total)}
+            "ops": _op_rows(ops, layers, total), **_step_notes(cm)}
 
 
 def describe(kind: str, r: dict) -> str:
@@ -432,16 +452,16 @@ def describe(kind: str, r: dict) -> str:
                 f"on the most loaded GPU ({r['active_experts']} experts, {r['pairs']} token-expert "
                 f"pairs)\n"
                 f"  roofline of the experts: compute {r['compute_ms']:.4f} ms, weights "
-                f"{r['memory_ms']:.4f} ms ({r['bound']}-bound); EP dispatch + combine all-to-all "
-                f"{r['alltoall_ms']:.4f} ms (not included)\n"
+                f"{r['memory_ms']:.4f} ms ({r['bound']}-bound)"
+                + (f"; EP exchange (all-gather before, reduce-scatter after, over {r['ep']} "
+                   f"GPUs) {r['ep_exchange_ms']:.4f} ms (not included)" if r["ep"] > 1 else "")
+                + "\n"
                 f"  full tiles at {r['compute_eff']:.2f} of peak: "
                 + (f"vLLM ships a tuned kernel config for {r['experts'] // r['ep']} experts of "
                    f"width {r['inter'] // r['tp']} on this GPU" if r["vllm_tuned_config"] else
-                   "no tuned vLLM kernel config priced for this layer on this GPU")
-                + (f"\n  expert width per GPU {r['inter'] // r['tp']} is not a multiple of "
-                   f"{K.moe.TRITON_ALIGNMENT}: the grouped GEMMs priced "
-                   f"{r['misaligned_slowdown']:.2f}x slower (unvectorised loads)"
-                   if r["misaligned_slowdown"] != 1.0 else ""))
+                   "no tuned vLLM kernel config priced for this layer on this GPU (files are "
+                   "priced for few-expert layers only: docs/moe-mla.md)")
+                + _misaligned_note(r))
     if kind == "mla":
         what = (f"prefill of {r['batch']} x {r['tokens']} tokens after {r['context']} cached"
                 if r["phase"] == "prefill" else
@@ -477,6 +497,7 @@ def describe(kind: str, r: dict) -> str:
         per_layer = f"{op['per_layer_ms']:.4f}" if op["per_layer_ms"] is not None else "-"
         lines.append(f"  {op['op']:<22}{op['class']:<14}{op['calls']:>6}{per_layer:>12}"
                      f"{op['total_ms']:>12.4f}{op['share_pct']:>7.1f}%  {op['bound']}")
+    lines += [f"  note: {note}" for note in r.get("notes", ())]
     return "\n".join(lines)
 
 

@@ -391,7 +391,7 @@ def test_cost_moe_is_the_kernel_plus_the_router(capsys):
     expected = K.moe_layer_time(256, 7168, 2048, 256, 8, H100, k.moe, k.gemm, ep=8)
     assert r["predicted_ms"] == pytest.approx(float(expected) * 1e3, abs=1e-6)
     assert r["kernel"] == "BF16" and r["pairs"] == 256 and r["active_experts"] == 32
-    assert r["alltoall_ms"] > 0 and r["bound"] == "memory"
+    assert r["ep_exchange_ms"] > 0 and r["bound"] == "memory"
     rc, text, _ = cost(capsys, *ARGS, "--ep", 8, "--dtype", "fp8", "--expert-load", "power-law:1.2")
     assert rc == 0 and "MoE layer: 256 tokens, 256 experts of 7168x2048, top-8, EP 8" in text
     assert "W8A8 FP8 (the engine's kernel under EP), power-law:1.2 load" in text
@@ -453,6 +453,41 @@ def test_cost_moe_says_when_the_expert_width_is_misaligned(capsys):
     assert rc == 0 and f"232 is not a multiple of 16: the grouped GEMMs priced {slowdown:.2f}x" in text
     rc, text, _ = cost(capsys, *nano, "--tp", 4)
     assert rc == 0 and "not a multiple" not in text
+
+
+def test_cost_moe_prices_the_ep_exchange_as_the_step_does(capsys):
+    """The EP exchange `cost moe` shows beside the layer is the step's: vLLM's all-gather of
+    every token's hidden state before the experts and reduce-scatter after."""
+    layer = ("--gpu", "rtx-pro-6000", "--tokens", 128, "--hidden", 2048, "--inter", 768,
+             "--experts", 128, "--topk", 8)
+    rc, out, err = cost(capsys, *layer, "--ep", 2, "--json")
+    assert rc == 0, err
+    rc2 = main(["cost", "step", "--gpu", "rtx-pro-6000", "--model", "qwen3-30b-a3b", "--dp", "2",
+                "--decode", "64:1000", "--json"])
+    step, _ = capsys.readouterr()
+    ops = {op["op"]: op for op in json.loads(step)["ops"]}
+    assert rc2 == 0 and json.loads(out)["ep_exchange_ms"] == pytest.approx(
+        ops["ep_dispatch"]["per_layer_ms"] + ops["ep_combine"]["per_layer_ms"], abs=2e-4)
+    rc, text, _ = cost(capsys, *layer)
+    assert rc == 0 and "EP exchange" not in text     # one GPU: no exchange to mention
+
+
+def test_cost_step_and_simulate_say_when_a_layout_misaligns_the_experts(capsys, tmp_path):
+    """Qwen3-30B-A3B's 768-wide experts are 24 wide at TP 32: cost step and simulate note
+    the slowdown the profile prices; at TP 4 (192) they say nothing."""
+    step = ["cost", "step", "--gpu", "h100-sxm", "--model", "qwen3-30b-a3b", "--decode", "16:1000"]
+    assert main([*step, "--tp", "32"]) == 0
+    out, _ = capsys.readouterr()
+    slowdown = packaged("h100-sxm.vllm-0.24").kernels.moe.misaligned_slowdown
+    assert f"note: qwen3-30b-a3b's experts are 24 wide per GPU at this layout, not a multiple of 16: " \
+           f"its fused experts' GEMMs are priced {slowdown:.2f}x slower" in out
+    assert main([*step, "--tp", "4"]) == 0
+    assert "note:" not in capsys.readouterr()[0]
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,64,4\n0.01,64,4\n")
+    assert main(["simulate", "--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--tp", "32",
+                 "--trace", str(trace), "--out", str(tmp_path / "run")]) == 0
+    assert "24 wide per GPU at this layout" in capsys.readouterr()[1]
 
 
 def test_cost_moe_on_a100_fp8_says_weight_only(capsys):

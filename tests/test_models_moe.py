@@ -275,7 +275,7 @@ def test_deepseek_v3_fits_eight_h200_in_fp8_but_not_bf16():
 
 
 @pytest.mark.parametrize("model, tp, ep, line", [
-    ("mixtral-8x7b", 1, 3, r"^ep=3 must divide mixtral-8x7b's 8 routed experts$"),
+    ("mixtral-8x7b", 1, 3, r"^ep=3 \(tp 1 x dp 3\) must divide mixtral-8x7b's 8 routed experts$"),
     ("mixtral-8x7b", 4, 2, r"^ep=2 must be a multiple of tp=4: vLLM spreads the experts over "
                            r"the TP × DP GPUs of a replica$"),
     ("llama-2-7b", 1, 2, r"^ep=2 spreads experts over GPUs, and llama-2-7b has none$"),

@@ -180,7 +180,7 @@ def test_flags_reach_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--model", "qwen3-30b-a3b", "--ep", "3"], "ep=3 must divide qwen3-30b-a3b's 128 routed experts"),
+    (["--model", "qwen3-30b-a3b", "--ep", "3"], "ep=3 (tp 1 x dp 3) must divide qwen3-30b-a3b's 128 routed experts"),
     (["--model", "tiny-llama", "--ep", "2"], "ep=2 spreads experts over GPUs, and tiny-llama has none"),
     (["--model", "tiny-moe", "--ep", "2", "--replicas", "3"],
      "--replicas 3 must be a multiple of the 2 data-parallel ranks of a deployment"),
