@@ -402,11 +402,8 @@ class CostModel:
             return None
         dtype = "fp8" if self.weight_dtype == "fp8" else "bf16"
         slowdown = self.kernels.moe_for(dtype, self.gpu, x.default_routing, x.ep).misaligned_slowdown
-        how = (f"its fused experts' GEMMs are priced {slowdown:.2f}x slower, as this GPU's tables "
-               f"measure such widths" if slowdown != 1.0 else
-               "this profile prices no slowdown for it (its tables show none or measure none)")
-        return (f"{self.model.name}'s experts are {x.width} wide per GPU at this layout, not a "
-                f"multiple of {K.moe.TRITON_ALIGNMENT}: {how} (docs/moe-mla.md)")
+        return (f"{self.model.name} at this layout: {K.moe.misaligned_note(x.width, slowdown)} "
+                "(docs/moe-mla.md)")
 
     # --- data-parallel ranks in lock-step (`simulator/data_parallel.py`) -------------------
 

@@ -223,11 +223,7 @@ def _misaligned_note(r: dict) -> str:
     """A line for a layer whose expert width per GPU is not a multiple of 16, else ''."""
     if not r["misaligned_width"]:
         return ""
-    width = r["inter"] // r["tp"]
-    how = (f"the grouped GEMMs priced {r['misaligned_slowdown']:.2f}x slower, as this GPU's "
-           f"tables measure such widths" if r["misaligned_slowdown"] != 1.0 else
-           "this profile prices no slowdown for it (its tables show none or measure none)")
-    return f"\n  expert width per GPU {width} is not a multiple of {K.moe.TRITON_ALIGNMENT}: {how}"
+    return "\n  " + K.moe.misaligned_note(r["inter"] // r["tp"], r["misaligned_slowdown"])
 
 
 def _mla(opts: dict) -> dict:

@@ -450,7 +450,8 @@ def test_cost_moe_says_when_the_expert_width_is_misaligned(capsys):
     slowdown = packaged("h100-sxm.vllm-0.24").kernels.moe.misaligned_slowdown
     assert json.loads(out)["misaligned_slowdown"] == pytest.approx(slowdown, abs=1e-4)
     rc, text, _ = cost(capsys, *nano, "--tp", 8)
-    assert rc == 0 and f"232 is not a multiple of 16: the grouped GEMMs priced {slowdown:.2f}x" in text
+    assert rc == 0 and f"232 is not a multiple of 16: the fused experts' GEMMs are priced " \
+                       f"{slowdown:.2f}x" in text
     rc, text, _ = cost(capsys, *nano, "--tp", 4)
     assert rc == 0 and "not a multiple" not in text
 
@@ -479,15 +480,15 @@ def test_cost_step_and_simulate_say_when_a_layout_misaligns_the_experts(capsys, 
     assert main([*step, "--tp", "32"]) == 0
     out, _ = capsys.readouterr()
     slowdown = packaged("h100-sxm.vllm-0.24").kernels.moe.misaligned_slowdown
-    assert f"note: qwen3-30b-a3b's experts are 24 wide per GPU at this layout, not a multiple of 16: " \
-           f"its fused experts' GEMMs are priced {slowdown:.2f}x slower" in out
+    assert f"note: qwen3-30b-a3b at this layout: expert width per GPU 24 is not a multiple of 16: " \
+           f"the fused experts' GEMMs are priced {slowdown:.2f}x slower" in out
     assert main([*step, "--tp", "4"]) == 0
     assert "note:" not in capsys.readouterr()[0]
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,64,4\n0.01,64,4\n")
     assert main(["simulate", "--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--tp", "32",
                  "--trace", str(trace), "--out", str(tmp_path / "run")]) == 0
-    assert "24 wide per GPU at this layout" in capsys.readouterr()[1]
+    assert "at this layout: expert width per GPU 24" in capsys.readouterr()[1]
 
 
 def test_cost_moe_on_a100_fp8_says_weight_only(capsys):

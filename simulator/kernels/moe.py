@@ -566,6 +566,15 @@ def misaligned_width(hidden, inter_gpu) -> np.ndarray:
         | (np.remainder(np.rint(np.asarray(inter_gpu, dtype=np.float64)), TRITON_ALIGNMENT) != 0)
 
 
+def misaligned_note(width: int, slowdown: float) -> str:
+    """What a reader of a price should know of an expert width per GPU that
+    `misaligned_width` flags, priced with `slowdown` (`MoEParams.misaligned_slowdown`)."""
+    how = (f"the fused experts' GEMMs are priced {slowdown:.2f}x slower, as this GPU's tables "
+           f"measure such widths" if slowdown != 1.0 else
+           "this profile prices no slowdown for it (its tables show none or measure none)")
+    return f"expert width per GPU {width} is not a multiple of {TRITON_ALIGNMENT}: {how}"
+
+
 def kernel_dtype(dtype: str, gpu: GPUSpec) -> str:
     """The maths a layer of `dtype` weights runs in: "fp8" (W8A8) where the GPU has FP8
     tensor cores, else "bf16" (BF16 weights, or FP8 weights run weight-only, which take
