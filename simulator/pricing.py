@@ -199,6 +199,7 @@ def _moe(opts: dict) -> dict:
     # all-gather of every token's hidden state before the experts, reduce-scatter after
     exchange = 2.0 * float(K.alltoall_time(t * h * ACT_BYTES, ep, gpu, profile.kernels.alltoall))
     tuned = bool(p.tuned_compute_eff and K.moe.vllm_tuned(gpu.name, kernel, e, ep, inter / tp))
+    misaligned = bool(K.moe.misaligned_width(h, inter / tp))
     return {"kind": "moe", "gpu": gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "tokens": t, "hidden": h, "inter": inter,
             "experts": e, "topk": k, "ep": ep, "tp": tp, "dtype": dtype,
@@ -213,9 +214,8 @@ def _moe(opts: dict) -> dict:
             "weight_bytes": weight_bytes, "flops": flops, "compute_ms": _ms(compute),
             "memory_ms": _ms(memory), "bound": "compute" if compute > memory else "memory",
             "vllm_tuned_config": tuned,
-            "misaligned_width": bool(K.moe.misaligned_width(h, inter / tp)),
-            "misaligned_slowdown": (round(p.misaligned_slowdown, 4)
-                                    if K.moe.misaligned_width(h, inter / tp) else 1.0),
+            "misaligned_width": misaligned,
+            "misaligned_slowdown": round(p.misaligned_slowdown, 4) if misaligned else 1.0,
             "compute_eff": round(float(K.moe.layer_compute_eff(p, gpu, dtype, e, ep, inter / tp)), 4)}
 
 

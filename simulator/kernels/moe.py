@@ -419,7 +419,7 @@ class MoEParams(_Params):
     pair of the step (Triton's intermediate cache has a row per pair, a remote pair's
     zeros included), BF16; the share falls off as for a streamed set (`l2_hit`,
     sharpness 2). L40S (96 MB of L2; vLLM 0.14, aiconfigurator's `moe_perf`, FP8,
-    Qwen3-30B-A3B's layer at EP 128, power-law routing, where the combine is most of the
+    Qwen3-30B-A3B's layer at EP 128, power-law:1.2 routing, where the combine is most of the
     time): 74, 124, 310, 878 and 1,970 µs at 512 to 8,192 tokens, 1.7x, 2.5x, 2.8x and 2.2x
     per doubling as the rows leave L2, then 2x (0.24 µs per token), where the combine
     traffic itself is linear in the tokens."""
