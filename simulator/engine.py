@@ -244,13 +244,12 @@ class Replica:
         num_seqs, context_sum = sched.decode_shape()
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_sum=context_sum)
         budget = self.feed.next_s - now
-        if budget == math.inf:
-            duration = cost.decode_run_duration(shape, k)[0] + (extra(k) if extra else 0.0)
-        elif budget <= 0:
+        if budget <= 0:
             return None
-        elif sched.policy.charges_service:
-            # the policy accounts service, which an arrival may read: the run ends by it
-            k = cost.decode_run_steps_within(shape, budget, k, extra)
+        if budget == math.inf or sched.policy.charges_service:
+            if budget != math.inf:
+                # the policy accounts service, which an arrival may read: the run ends by it
+                k = cost.decode_run_steps_within(shape, budget, k, extra)
             duration = cost.decode_run_duration(shape, k)[0] + (extra(k) if extra else 0.0)
         else:
             # Steps that start before the next arrival cannot see it: the run takes those
