@@ -282,30 +282,33 @@ class CostModel:
             total += self.scales[op_class] * calls * t
         return total
 
-    def _decode_coefficients(self, batch: np.ndarray) -> list[tuple[float, float, float]]:
+    def _decode_coefficients(self, batch: np.ndarray) -> list[tuple[float, float, float, float]]:
+        """Every layer's decode attention of each batch size as two lines in the context
+        sum C, (f0, f1, a, b): it costs max(f0 + f1·C, a + b·C). MHA/GQA: a floor (f1 = 0)
+        and the context line; MLA: its one-read line and its HBM line (`mla_decode_lines`)."""
         s, sc = self.shapes, self.scales["attn_decode"] * self.shapes.num_layers
-        if s.mla is not None:      # linear in the context: its intercept is its floor
-            intercept, slope = self._mla_decode_lines(batch)
-            return [(sc * a, sc * a, sc * b) for a, b in zip(intercept.tolist(), slope.tolist())]
+        if s.mla is not None:
+            lines = (v.tolist() for v in self._mla_decode_lines(batch))
+            return [(sc * a, sc * b, sc * c, sc * d) for a, b, c, d in zip(*lines)]
         floor, intercept, slope = K.decode_attention_lines(
             batch, s.heads, s.kv_heads, s.head_dim, self.gpu, self.kernels.attn_decode,
             s.kv_elem_bytes)
         floor = np.broadcast_to(floor, batch.shape)
         intercept = np.broadcast_to(intercept, batch.shape)
         slope = np.broadcast_to(slope, batch.shape)
-        return [(sc * f, sc * a, sc * b) for f, a, b in zip(floor.tolist(), intercept.tolist(),
-                                                            slope.tolist())]
+        return [(sc * f, 0.0, sc * a, sc * b) for f, a, b in zip(floor.tolist(), intercept.tolist(),
+                                                                 slope.tolist())]
 
     def _mla_dims(self) -> dict[str, int]:
         m = self.shapes.mla
         return {"kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
                 "qk_nope_head_dim": m.qk_nope_head_dim, "v_head_dim": m.v_head_dim}
 
-    def _mla_decode_lines(self, batch) -> tuple[np.ndarray, np.ndarray]:
+    def _mla_decode_lines(self, batch) -> tuple[np.ndarray, ...]:
         s = self.shapes
-        intercept, slope = K.mla_decode_lines(batch, s.heads, self.gpu, self.kernels.mla_decode,
-                                              s.kv_elem_bytes, **self._mla_dims())
-        return np.broadcast_to(intercept, np.shape(batch)), np.broadcast_to(slope, np.shape(batch))
+        lines = K.mla_decode_lines(batch, s.heads, self.gpu, self.kernels.mla_decode,
+                                   s.kv_elem_bytes, **self._mla_dims())
+        return tuple(np.broadcast_to(v, np.shape(batch)) for v in lines)
 
     def _prefill_coefficients(self, params=None) -> tuple[float, ...]:
         """One layer's prefill attention as (floor, per pair, per chunk, per key of the
@@ -328,7 +331,7 @@ class CostModel:
         """MoE layers and EP exchange over a lock-step group's tokens (filled on first use)."""
         self._tok: list[float] = []
         self._seq: list[float] = []
-        self._dec: list[tuple[float, float, float]] = []
+        self._dec: list[tuple[float, float, float, float]] = []
         self._grow("_tok", _TABLE_CHUNK)
         self._grow("_seq", _TABLE_CHUNK)
         self._grow("_dec", _TABLE_CHUNK)
@@ -380,9 +383,10 @@ class CostModel:
                 dec = self._dec
                 if nds >= len(dec):
                     dec = self._grow("_dec", nds)
-                floor, a, b = dec[nds]
-                x = a + b * shape.decode_context_sum
-                t += x if x > floor else floor
+                f0, f1, a, b = dec[nds]
+                ctx = shape.decode_context_sum
+                x, y = a + b * ctx, f0 + f1 * ctx
+                t += x if x > y else y
         if shape.num_swap_blocks:
             t += self._swap[0] + shape.num_swap_blocks * self._swap[1]
         if shape.num_offload_blocks:
@@ -449,19 +453,20 @@ class CostModel:
     # --- fast-forward over runs of decode steps --------------------------------------------
 
     def _run_lines(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
-        """Step j of a run costs fixed + max(a + b·j, c + d·j): decode attention's floor
-        (a, b = 0) against its context line (c, d grow with the context)."""
+        """Step j of a run costs fixed + max(a + b·j, c + d·j): decode attention's two lines
+        (`_decode_coefficients`; for MHA/GQA its floor, b = 0, against its context line),
+        every decoding sequence adding a token to the context each step."""
         n, ctx = shape.num_decode_seqs, shape.decode_context_sum
         if not n:   # nothing grows: every step is the same
             return self.step_time(shape), 0.0, 0.0, 0.0, 0.0
         if n >= len(self._dec):
             self._grow("_dec", n)
-        floor, a, b = self._dec[n]
-        c = a + b * ctx
+        f0, f1, a, b = self._dec[n]
+        y, c = f0 + f1 * ctx, a + b * ctx
         # Everything but decode attention is constant over the run: subtracting the decode
         # term step_time added recovers it to within a rounding or two.
-        fixed = self.step_time(shape) - max(floor, c)
-        return fixed, floor, 0.0, c, b * n
+        fixed = self.step_time(shape) - max(y, c)
+        return fixed, y, f1 * n, c, b * n
 
     def decode_run_lines(self, shape: BatchShape) -> tuple[float, float, float, float, float]:
         """(fixed, a, b, c, d): step j of a decode run from `shape` (see
@@ -699,16 +704,21 @@ class CostModel:
         """Every layer's MLA decode (`breakdown`)."""
         s, g, m, L = self.shapes, self.gpu, self.shapes.mla, self.shapes.num_layers
         nds, ctx = shape.num_decode_seqs, shape.decode_context_sum
-        intercept, slope = (float(v[0]) for v in self._mla_decode_lines(np.array([float(nds)])))
+        a, b, c, d = (float(v[0]) for v in self._mla_decode_lines(np.array([float(nds)])))
         latent = m.cached_values
         flops = 2.0 * s.heads * ctx * (latent + m.kv_lora_rank)
         nbytes = ctx * latent * s.kv_elem_bytes
         p = self.kernels.mla_decode
-        compute = flops / (g.peak_flops("bf16") * p.compute_eff)
-        memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
-        bound = "floor" if intercept >= slope * ctx else ("compute" if compute > memory else "memory")
+        hbm = g.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+        one_read, every_block = a + b * ctx, c + d * ctx
+        if every_block > one_read:   # blocks of heads re-reading latents L2 no longer holds
+            nbytes = (every_block - a) * hbm
+            bound = "memory"
+        else:
+            compute = flops / (g.peak_flops("bf16") * p.compute_eff)
+            bound = "floor" if a >= b * ctx else ("compute" if compute > nbytes / hbm else "memory")
         return OpCost("attn_decode", L, L * flops, L * nbytes,
-                      self.scales["attn_decode"] * L * (intercept + slope * ctx), bound, True)
+                      self.scales["attn_decode"] * L * max(one_read, every_block), bound, True)
 
     def class_times(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per op class at scale 1 (`OP_CLASSES`): step_time == overhead +

@@ -253,9 +253,16 @@ def _mla(opts: dict) -> dict:
         if c < 1:
             raise ValueError("cost mla --phase decode needs --context >= 1 (cached tokens each "
                              "sequence attends to)")
-        total = K.mla_decode_time(b, b * c, h, gpu, profile.kernels.mla_decode, kv_bytes=kvb)
+        p = profile.kernels.mla_decode
+        total = K.mla_decode_time(b, b * c, h, gpu, p, kv_bytes=kvb)
         flops = 2.0 * h * b * c * (latent + K.mla.KV_LORA_RANK)
         kv_bytes = float(b * c * latent * kvb)
+        a, _, reread, slope = (float(v) for v in K.mla_decode_lines(b, h, gpu, p, kv_bytes=kvb))
+        # the HBM line of blocks of heads re-reading latents (MLADecodeParams.head_block)
+        hbm_line = reread + slope * b * c
+        reads = (hbm_line - a) * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff / kv_bytes \
+            if p.head_block and hbm_line >= float(total) else 1.0
+        out.update(latent_reads=round(reads, 2), head_block=int(p.head_block))
     compute = flops / gpu.peak_flops("bf16")
     memory = kv_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
     out.update(flops=flops, kv_bytes=kv_bytes, compute_ms=_ms(compute), memory_ms=_ms(memory),
@@ -466,7 +473,11 @@ def describe(kind: str, r: dict) -> str:
                 f"per GPU, KV {r['kv_dtype']}, one layer, {where}\n"
                 f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
                 f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of latents)\n"
-                f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s")
+                f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s"
+                + (f"\n  the latents are read {r['latent_reads']:.2f} times: blocks of "
+                   f"{r['head_block']} heads re-read from HBM what L2 does not hold "
+                   "(vLLM's Triton MLA kernel; docs/moe-mla.md)"
+                   if r.get("latent_reads", 1.0) > 1.0 else ""))
     if kind == "allreduce":
         text = (f"{head}  all-reduce of {r['elements']} {r['dtype']} elements over {r['gpus']} "
                 f"GPUs ({r['algorithm']}) {where}")

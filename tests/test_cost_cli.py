@@ -430,6 +430,21 @@ def test_an_empty_cell_leaves_the_flag_as_given_so_one_table_mixes_phases(capsys
                           f"{gemm}: line 3: cost gemm needs --k")
 
 
+def test_cost_mla_says_when_blocks_of_heads_reread_the_latents(capsys):
+    """On the L40S (vLLM's Triton MLA kernel) 128 heads over many long sequences read the
+    latents once per block of 16 heads: the JSON counts the reads, the text says why."""
+    args = ("mla", "--gpu", "l40s", "--phase", "decode", "--batch", 256, "--context", 8191)
+    many = cost_json(capsys, *args, "--heads", 128)
+    one_block = cost_json(capsys, *args, "--heads", 16)
+    assert 7.0 < many["latent_reads"] <= 8.0 and one_block["latent_reads"] == 1.0
+    assert many["predicted_ms"] > 5 * one_block["predicted_ms"]
+    rc, out, _ = cost(capsys, *args, "--heads", 128)
+    assert rc == 0 and "blocks of 16 heads re-read from HBM" in out
+    rc, out, _ = cost(capsys, "mla", "--gpu", "h100-sxm", "--phase", "decode", "--batch", 256,
+                      "--context", 8191, "--heads", 128)
+    assert rc == 0 and "re-read" not in out          # FlashMLA: one read
+
+
 def test_bad_attention_point_names_its_line(capsys, tmp_path):
     src = write_csv(tmp_path / "attn.csv", ["batch", "context", "heads", "kv_heads"],
                     [(1, 10, 32, 8), (1, 10, 30, 8)])

@@ -352,6 +352,8 @@ SETUPS = {
     "b200-tp8-scaled": CostModel("llama-3.1-70b", "b200", tp=8, calibration=resolve("b200").with_fit(
         {"gemm": 1.2, "attn_decode": 0.7, "collective": 2.0}, 5e-4, {})),
     "bare-zero-overhead": CostModel("llama-3.1-8b", "a100-80gb", calibration="none"),
+    # MLA on the Triton kernel: 64 heads a GPU, four blocks re-reading what L2 does not hold
+    "deepseek-l40s-tp2": CostModel("deepseek-v3", "l40s", tp=2, weight_dtype="fp8"),
     # a large per-item decode cost: short-context decode sits on that flat line for many steps
     "floor-crossing": CostModel("llama-3.1-8b", "a100-80gb", step_overhead_s=0.0,
                                 calibration=dataclasses.replace(resolve("a100-80gb"), kernels=dataclasses.replace(
@@ -464,6 +466,21 @@ def test_decode_run_duration_equals_stepwise_sum(setup, shape, k):
         assert ends[-1] == pytest.approx(total, rel=1e-9)
         assert list(ends) == pytest.approx(list(_cumsum(steps)), rel=1e-9)
     assert cm.decode_run_duration(shape, k) == (total, None)
+
+
+def test_mla_run_onto_the_reread_line():
+    """MLA decode on the Triton kernel (L40S) reads the latents once while L2 holds their
+    re-reads and once per block of heads past it: a run whose context grows across that
+    point sums both lines in closed form."""
+    cm = SETUPS["deepseek-l40s-tp2"]
+    shape = decode(256, 64)
+    first = cm.breakdown(shape)
+    later = cm.breakdown(decode(256, 4000))
+    per_token = 61 * 576 * 2   # layers x latent x BF16 KV bytes
+    assert first["attn_decode"].bytes == pytest.approx(per_token * 256 * 64)
+    assert later["attn_decode"].bytes > 2 * per_token * 256 * 4000     # re-reads past L2
+    total, _ = cm.decode_run_duration(shape, 4000)
+    assert total == pytest.approx(math.fsum(stepwise(cm, shape, 4000)), rel=1e-9)
 
 
 def test_run_from_the_floor_onto_the_bandwidth_line():

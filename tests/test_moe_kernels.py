@@ -288,7 +288,8 @@ def test_mla_eager_timing_is_the_larger_of_launch_and_gpu_time():
     assert eager[0] == pytest.approx(3e-4) and eager[-1] == pytest.approx(gpu[-1])
     assert float(K.mla_decode_time(0, 0, 16, A100, p, eager=True)) == 0.0
     # the simulator's closed form stays a line in the context sum
-    intercept, slope = K.mla_decode_lines(np.array([4.0]), 16, A100, p)
+    intercept, slope, c, d = K.mla_decode_lines(np.array([4.0]), 16, A100, p)
+    assert (float(c[0]), float(d[0])) == (float(intercept[0]), float(slope[0]))   # no re-reads
     assert float(K.mla_decode_time(4, 1000, 16, A100, p)) == pytest.approx(
         float(intercept[0] + 1000 * slope[0]))
     pre = replace(K.MLAPrefillParams(), floor_s=2e-5, eager_floor_s=3e-4, overlap=4.0)
@@ -307,6 +308,29 @@ def test_mla_decode_with_one_head_takes_its_own_rate():
     p = replace(K.MLADecodeParams(), seq_stream_gbps=50.0, one_head_stream_gbps=10.0)
     one, two = (float(K.mla_decode_time(1, 65536, h, A100, p)) for h in (1, 2))
     assert one == pytest.approx(5 * two, rel=0.05)
+
+
+def test_mla_decode_blocks_of_heads_reread_the_latents_l2_does_not_hold():
+    """The Triton decode kernel reads the latents once per block of 16 heads: many sequences
+    whose latents L2 cannot hold pay a read per block; a context L2 holds, or a batch small
+    enough that the blocks' programs run alongside, reads them about once."""
+    p = replace(K.MLADecodeParams(), compute_eff=1.0, memory_eff=0.8, head_block=16.0,
+                kv_splits=4.0, reread_l2_fraction=0.5, reread_seqs=64.0)
+    once = replace(p, head_block=0.0)            # one read for every head (FlashMLA)
+    read = 1152 / (L40S.hbm_bandwidth_gbps * 1e9 * 0.8)   # seconds per cached token
+    held = 4 * 0.5 * L40S.l2_bytes / 1152        # tokens whose re-reads L2 serves
+
+    def extra(batch, context, heads):
+        """Seconds the re-reads add."""
+        return float(K.mla_decode_time(batch, batch * context, heads, L40S, p)
+                     - K.mla_decode_time(batch, batch * context, heads, L40S, once))
+    c = 1024 * 32768                             # 33.5M latents: far past L2
+    assert extra(1024, 32768, 128) == pytest.approx(7 * read * (c - held), rel=0.01)
+    assert extra(1024, 32768, 32) == pytest.approx(1 * read * (c - held), rel=0.01)
+    assert extra(1024, 32768, 16) == 0.0         # one block
+    assert extra(1024, int(0.5 * held / 1024), 128) == 0.0   # L2 holds them
+    assert 0 < extra(1024, 2 * int(held / 1024), 128) < 7 * read * held * 1.01
+    assert extra(4, 8 * 1024 * 1024, 128) < 0.01 * 7 * read * 4 * 8 * 1024 * 1024   # 4 sequences
 
 
 # --- all-to-all: the least of three protocol lines -------------------------------------------

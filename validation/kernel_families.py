@@ -167,6 +167,20 @@ def _decode_fixed(gpu: GPUSpec) -> dict:
     return {"batch_saturation": 1.0}
 
 
+TRITON_MLA_ARCHITECTURES = ("ampere", "ada")
+"""GPUs on which vLLM decodes MLA with its Triton kernel (FlashMLA, FlashAttention-3 MLA and
+the CUTLASS/FlashInfer MLA kernels need Hopper or Blackwell:
+`vllm/platforms/cuda.py::_get_backend_priorities`)."""
+
+
+def _mla_decode_fixed(gpu: GPUSpec) -> dict:
+    """The Triton MLA kernel's blocks of 16 heads and 4 KV splits (`MLADecodeParams.head_block`);
+    elsewhere one read for every head, and no L2 share to fit."""
+    if gpu.architecture in TRITON_MLA_ARCHITECTURES:
+        return {"head_block": 16.0, "kv_splits": 4.0}
+    return {"head_block": 0.0, "reread_l2_fraction": 0.0, "reread_seqs": 0.0}
+
+
 def _prefill_alternatives(gpu: GPUSpec) -> tuple[dict, ...]:
     """Newer engines run kernels that pack query heads on other GPUs too (vLLM 0.24 on
     B200: FlashInfer's TRT-LLM kernels)."""
@@ -467,9 +481,11 @@ FAMILIES: dict[str, Family] = {
          "memory_eff": (*FRACTION, 0.8), "seq_stream_gbps": (1.0, 1e4, 100.0),
          "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5),
          "seq_head_s": (1e-12, 1e-6, 1e-8), "one_head_stream_gbps": (1.0, 1e4, 20.0),
-         **_EAGER},
+         "reread_l2_fraction": (0.01, 4.0, 0.5), "reread_seqs": (1.0, 1e4, 64.0), **_EAGER},
         _mla_decode_predict, lambda t: _decode_band(t), DECODE_BANDS,
-        size_axes=("batch", "context"), starts=_EAGER_STARTS),
+        size_axes=("batch", "context"), fixed=_mla_decode_fixed,
+        starts=(*_EAGER_STARTS, {"compute_eff": 0.4, "reread_seqs": 100.0,
+                                 "reread_l2_fraction": 0.3})),
     "alltoall": Family(
         "alltoall", "nccl", lambda t: t["op"] == "alltoall",
         {"latency_s": (1e-7, 1e-3, 1e-5), "hop_s": (1e-10, 1e-4, 1e-6),

@@ -164,9 +164,39 @@ class MLADecodeParams(_Params):
     floor, see the module docstring); 0: measured times are GPU times."""
     overlap: float = INF
     """Soft-maximum exponent of that launch time against the GPU's (inf: the larger)."""
+    head_block: float = 0.0
+    """Query heads one program of the decode kernel serves; the latents are read once per
+    block of heads. vLLM's Triton MLA backend (what it runs on Ampere and Ada: FlashMLA,
+    FlashAttention-3 MLA and the CUTLASS/FlashInfer kernels need Hopper or Blackwell,
+    `vllm/platforms/cuda.py::_get_backend_priorities`) launches its grouped decode kernel
+    over (sequences, ceil(heads / 16), KV splits) programs, BLOCK_H = 16
+    (`triton_decode_attention.py::_decode_grouped_att_m_fwd`); 0: one read for every head
+    (FlashMLA). An engine setting."""
+    kv_splits: float = 4.0
+    """KV splits of every sequence (vLLM's Triton MLA: `num_kv_splits = 4`); an engine
+    setting."""
+    reread_l2_fraction: float = 0.0
+    """Share of L2 that one KV split of every sequence's latents may fill and still serve
+    the head blocks after the first from L2: programs run sequences fastest, so a block of
+    heads re-reads a split's latents after every sequence's were read for the block
+    before. Beyond it, each further block reads from HBM (`mla_decode_lines`' second
+    line). L40S (vLLM 0.14, aiconfigurator's `mla_generation_module_perf`, 128 heads, 1,024
+    sequences of 8k tokens): 110.8 ms, eight times the 13.3 ms of 8 heads (one block);
+    32 heads (two blocks) 27.5 ms; 128 heads at 64 sequences of 1k tokens read the latents
+    about once. Fitted 0.19 on the L40S; the A100's fit (40 MB of L2) finds no re-reads
+    within its tables (1.84 of L2 with `reread_seqs` 1,132, above its 1,024 sequences: its
+    per-head cost stays on the FLOPs line). Unused when `head_block` is 0."""
+
+    reread_seqs: float = 0.0
+    """Sequences below which a block of heads' programs run alongside the next block's (the
+    grid runs sequences fastest, so they are that many programs apart) and share their
+    reads whatever the size; the re-reads fall off as a smooth step in the batch around
+    it. L40S: 16-64 sequences of 16k-128k tokens with 32-128 heads read the latents about
+    once, 128 and more sequences up to eight times (fitted 65). 0: no such overlap."""
 
     _fractions = ("compute_eff", "memory_eff", "absorb_eff")
-    _added = ("seq_head_s", "one_head_stream_gbps", "eager_floor_s", "overlap")
+    _added = ("seq_head_s", "one_head_stream_gbps", "eager_floor_s", "overlap", "head_block",
+              "kv_splits", "reread_l2_fraction", "reread_seqs")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -175,10 +205,14 @@ class MLADecodeParams(_Params):
 def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
                      kv_lora_rank: int = KV_LORA_RANK, qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
                      qk_nope_head_dim: int = QK_NOPE_HEAD_DIM, v_head_dim: int = V_HEAD_DIM):
-    """One layer's MLA decode of `batch` sequences costs intercept + slope·C seconds for C
-    cached tokens in all: (intercept, slope). Streaming the latents and their FLOPs are
-    both proportional to C, so their maximum is the steeper line: for a fixed batch the
-    time is linear in C (a run of decode steps sums in closed form)."""
+    """One layer's MLA decode of `batch` sequences costs max(a + b·C, c + d·C) seconds for
+    C cached tokens in all: (a, b, c, d). Streaming the latents and their FLOPs are both
+    proportional to C, so their maximum is the steeper line (a, b); (c, d) is the HBM
+    traffic of every block of heads (`MLADecodeParams.head_block`): one read, and the
+    re-reads of the blocks after the first for the latents beyond what L2 holds
+    (`reread_l2_fraction`), below which the first line wins.
+    For a fixed batch the time is the larger of two lines in C (a run of decode steps sums
+    in closed form); without re-reads the two lines are one."""
     b = np.asarray(batch, dtype=np.float64)
     h = np.asarray(heads, dtype=np.float64)
     peak = gpu.peak_flops("bf16") * p.compute_eff
@@ -190,13 +224,25 @@ def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.
         if p.one_head_stream_gbps:
             per_seq = np.where(h == 1, p.one_head_stream_gbps, p.seq_stream_gbps)
         rate = np.minimum(rate, per_seq * 1e9 * np.maximum(b, 1.0))
-    slope = np.maximum(latent * kv_bytes / rate, 2.0 * h * (latent + kv_lora_rank) / peak)
+    stream = latent * kv_bytes / rate
+    slope = np.maximum(stream, 2.0 * h * (latent + kv_lora_rank) / peak)
     absorb_weights = 2.0 * h * qk_nope_head_dim * kv_lora_rank * 2.0   # W_UK and W_UV, BF16
     absorb = (absorb_weights / (hbm * p.absorb_eff)
               + 2.0 * b * h * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / peak)
     live = b > 0
-    intercept = p.floor_s + absorb + b * p.seq_s + b * h * p.seq_head_s
-    return np.where(live, intercept, 0.0), np.where(live, slope, 0.0)
+    intercept = np.where(live, p.floor_s + absorb + b * p.seq_s + b * h * p.seq_head_s, 0.0)
+    slope = np.where(live, slope, 0.0)
+    if not p.head_block:
+        return intercept, slope, intercept, slope
+    # every block's reads share HBM (a small batch's few programs are bound by their own
+    # rate instead, in the first line): the first read, and the re-reads L2 does not hold
+    again = np.ceil(h / p.head_block) - 1.0                  # blocks after the first
+    held = p.kv_splits * p.reread_l2_fraction * (gpu.l2_bytes if gpu.l2_mb else 0.0) \
+        / (latent * kv_bytes)                              # tokens whose re-reads hit L2
+    if p.reread_seqs:   # few sequences: the next block's programs run alongside, sharing reads
+        again = again / (1.0 + (p.reread_seqs / np.maximum(b, 1.0)) ** 4)
+    hbm_read = np.where(live, latent * kv_bytes / (hbm * p.memory_eff), 0.0)
+    return intercept, slope, intercept - again * hbm_read * held, (1.0 + again) * hbm_read
 
 
 def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
@@ -206,9 +252,10 @@ def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams,
     """Seconds of one layer's MLA decode of `batch` sequences with `context_sum` cached
     tokens in all, `heads` heads on this GPU (`mla_decode_lines`). `eager`: as an eager
     measuring loop times it (`eager_time`)."""
-    intercept, slope = mla_decode_lines(batch, heads, gpu, p, kv_bytes, kv_lora_rank,
-                                        qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
-    t = intercept + slope * np.asarray(context_sum, dtype=np.float64)
+    a, b, c, d = mla_decode_lines(batch, heads, gpu, p, kv_bytes, kv_lora_rank,
+                                  qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
+    ctx = np.asarray(context_sum, dtype=np.float64)
+    t = np.maximum(a + b * ctx, c + d * ctx)
     if eager:
         t = np.where(np.asarray(batch) > 0, eager_time(t, p), 0.0)
     return t
