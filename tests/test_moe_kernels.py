@@ -333,6 +333,22 @@ def test_mla_decode_blocks_of_heads_reread_the_latents_l2_does_not_hold():
     assert extra(4, 8 * 1024 * 1024, 128) < 0.01 * 7 * read * 4 * 8 * 1024 * 1024   # 4 sequences
 
 
+def test_mla_decode_split_results_pass_through_l2_when_they_fit():
+    """Stage 1 writes each (sequence, head, split)'s FP32 result, stage 2 reads it back: a
+    batch whose results L2 holds pays a fraction of the per-(sequence, head) cost."""
+    p = replace(K.MLADecodeParams(), seq_head_s=40e-9, kv_splits=4.0)
+    cached = replace(p, partials_l2_fraction=1.0, partials_l2_gain=10.0)
+    per_pair = 4 * 513 * 4                                   # bytes of one's results
+
+    def cost(params, batch, heads=128):                      # the context adds nothing here
+        return float(K.mla_decode_time(batch, batch, heads, L40S, params))
+    small = max(1, int(0.05 * L40S.l2_bytes / per_pair / 128))   # results: 5% of L2
+    assert cost(p, small) - cost(cached, small) == pytest.approx(
+        small * 128 * 40e-9 * 0.9, rel=0.05)                  # nearly all hit, 10x cheaper
+    large = int(100 * L40S.l2_bytes / per_pair / 128)            # 100x L2: from HBM
+    assert cost(cached, large) == pytest.approx(cost(p, large), rel=0.01)
+
+
 # --- all-to-all: the least of three protocol lines -------------------------------------------
 
 

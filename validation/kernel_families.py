@@ -174,11 +174,13 @@ the CUTLASS/FlashInfer MLA kernels need Hopper or Blackwell:
 
 
 def _mla_decode_fixed(gpu: GPUSpec) -> dict:
-    """The Triton MLA kernel's blocks of 16 heads and 4 KV splits (`MLADecodeParams.head_block`);
-    elsewhere one read for every head, and no L2 share to fit."""
+    """The Triton MLA kernel's blocks of 16 heads and 4 KV splits (`MLADecodeParams.head_block`),
+    its split results passed through L2 where they fit; elsewhere one read for every head,
+    and neither L2 share to fit."""
     if gpu.architecture in TRITON_MLA_ARCHITECTURES:
         return {"head_block": 16.0, "kv_splits": 4.0}
-    return {"head_block": 0.0, "reread_l2_fraction": 0.0, "reread_seqs": 0.0}
+    return {"head_block": 0.0, "reread_l2_fraction": 0.0, "reread_seqs": 0.0,
+            "partials_l2_fraction": 0.0, "partials_l2_gain": 1.0}
 
 
 def _prefill_alternatives(gpu: GPUSpec) -> tuple[dict, ...]:
@@ -481,7 +483,8 @@ FAMILIES: dict[str, Family] = {
          "memory_eff": (*FRACTION, 0.8), "seq_stream_gbps": (1.0, 1e4, 100.0),
          "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5),
          "seq_head_s": (1e-12, 1e-6, 1e-8), "one_head_stream_gbps": (1.0, 1e4, 20.0),
-         "reread_l2_fraction": (0.01, 4.0, 0.5), "reread_seqs": (1.0, 1e4, 64.0), **_EAGER},
+         "reread_l2_fraction": (0.01, 4.0, 0.5), "reread_seqs": (1.0, 1e4, 64.0),
+         "partials_l2_fraction": (0.01, 4.0, 0.5), "partials_l2_gain": (1.0, 20.0, 2.0), **_EAGER},
         _mla_decode_predict, lambda t: _decode_band(t), DECODE_BANDS,
         size_axes=("batch", "context"), fixed=_mla_decode_fixed,
         starts=(*_EAGER_STARTS, {"compute_eff": 0.4, "reread_seqs": 100.0,

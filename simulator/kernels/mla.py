@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.simulator.gpus import GPUSpec
-from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params
+from servelab.simulator.kernels.base import INF, _check_fields, _overlap, _Params, l2_hit
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -194,9 +194,23 @@ class MLADecodeParams(_Params):
     it. L40S: 16-64 sequences of 16k-128k tokens with 32-128 heads read the latents about
     once, 128 and more sequences up to eight times (fitted 65). 0: no such overlap."""
 
+    partials_l2_fraction: float = 0.0
+    """Share of L2 the split results may fill and still pass from the kernel's first stage
+    to its second through L2: stage 1 writes, for every (sequence, head, KV split), the
+    split's output and log-sum-exp in FP32 (`attn_logits`, sequences x heads x kv_splits x
+    (512 + 1) floats, vLLM's `triton_mla.py`), and stage 2 reads them back to merge them
+    (`_decode_softmax_reducev_fwd`). `seq_head_s` is their cost from HBM; a batch whose
+    results L2 holds pays less (a streamed set's soft step, sharpness 2). L40S (vLLM 0.14,
+    aiconfigurator's `mla_generation_module_perf`, 128 heads, 7-1k cached tokens): about
+    38 ns per (sequence, head) at 128 sequences (134 MB of results), 48-51 ns at 256-1,024.
+    0: always from HBM (the kernels on Hopper and Blackwell are not described)."""
+    partials_l2_gain: float = 1.0
+    """How much cheaper a (sequence, head)'s results are when L2 holds them."""
+
     _fractions = ("compute_eff", "memory_eff", "absorb_eff")
     _added = ("seq_head_s", "one_head_stream_gbps", "eager_floor_s", "overlap", "head_block",
-              "kv_splits", "reread_l2_fraction", "reread_seqs")
+              "kv_splits", "reread_l2_fraction", "reread_seqs", "partials_l2_fraction",
+              "partials_l2_gain")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -230,7 +244,12 @@ def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.
     absorb = (absorb_weights / (hbm * p.absorb_eff)
               + 2.0 * b * h * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / peak)
     live = b > 0
-    intercept = np.where(live, p.floor_s + absorb + b * p.seq_s + b * h * p.seq_head_s, 0.0)
+    per_pair = p.seq_head_s
+    if p.partials_l2_fraction:   # the split results handed from stage 1 to stage 2 via L2
+        partials = b * h * p.kv_splits * (kv_lora_rank + 1) * 4.0
+        hit = l2_hit(partials, gpu, p.partials_l2_fraction, sharpness=2.0)
+        per_pair = per_pair * ((1.0 - hit) + hit / p.partials_l2_gain)
+    intercept = np.where(live, p.floor_s + absorb + b * p.seq_s + b * h * per_pair, 0.0)
     slope = np.where(live, slope, 0.0)
     if not p.head_block:
         return intercept, slope, intercept, slope
