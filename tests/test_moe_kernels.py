@@ -17,7 +17,7 @@ from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged
 from servelab.simulator.gpus import get_gpu
 from servelab.simulator.kernels import moe as M
-from servelab.validation.kernel_families import _protocols_in_order
+from servelab.validation.kernel_families import _protocols_in_order, runs_triton_mla
 
 H100, A100, L40S = get_gpu("h100-sxm"), get_gpu("a100-80gb"), get_gpu("l40s")
 TOP_UPS = (M.LARGEST_FIRST, M.SMALLEST_FIRST, M.ROUND_ROBIN)
@@ -331,6 +331,17 @@ def test_mla_decode_blocks_of_heads_reread_the_latents_l2_does_not_hold():
     assert extra(1024, int(0.5 * held / 1024), 128) == 0.0   # L2 holds them
     assert 0 < extra(1024, 2 * int(held / 1024), 128) < 7 * read * held * 1.01
     assert extra(4, 8 * 1024 * 1024, 128) < 0.01 * 7 * read * 4 * 8 * 1024 * 1024   # 4 sequences
+
+
+def test_triton_mla_runs_where_no_flashmla_kernel_does():
+    """vLLM's MLA decode kernel by compute capability: FlashMLA / CUTLASS on 9.x and 10.x,
+    Triton on Ampere, Ada and sm_120; a GPU file without one is judged by architecture."""
+    triton = {g: runs_triton_mla(get_gpu(g)) for g in
+              ("a100-80gb", "l40s", "rtx-pro-6000", "h100-sxm", "h200", "b200", "b300")}
+    assert triton == {"a100-80gb": True, "l40s": True, "rtx-pro-6000": True, "h100-sxm": False,
+                      "h200": False, "b200": False, "b300": False}
+    assert runs_triton_mla(replace(A100, compute_capability=""))
+    assert not runs_triton_mla(replace(H100, compute_capability=""))
 
 
 def test_mla_decode_split_results_pass_through_l2_when_they_fit():

@@ -166,9 +166,9 @@ class MLADecodeParams(_Params):
     """Soft-maximum exponent of that launch time against the GPU's (inf: the larger)."""
     head_block: float = 0.0
     """Query heads one program of the decode kernel serves; the latents are read once per
-    block of heads. vLLM's Triton MLA backend (what it runs on Ampere and Ada: FlashMLA,
-    FlashAttention-3 MLA and the CUTLASS/FlashInfer kernels need Hopper or Blackwell,
-    `vllm/platforms/cuda.py::_get_backend_priorities`) launches its grouped decode kernel
+    block of heads. vLLM's Triton MLA backend (what it runs on Ampere, Ada and sm_120:
+    FlashMLA, FlashAttention-3 MLA and the CUTLASS/FlashInfer kernels need Hopper or
+    datacenter Blackwell, `vllm/platforms/cuda.py::_get_backend_priorities`) launches its grouped decode kernel
     over (sequences, ceil(heads / 16), KV splits) programs, BLOCK_H = 16
     (`triton_decode_attention.py::_decode_grouped_att_m_fwd`); 0: one read for every head
     (FlashMLA). An engine setting."""
