@@ -147,6 +147,7 @@ class CostModel:
         check_bounded("step_overhead_s", overhead, 0)
         self.tp, self.weight_dtype, self.kv_dtype = tp, weight_dtype, kv_dtype
         self._check_experts()
+        self._check_mla_kv()
         self.block_size = block_size
         self.kernels = self.profile.kernels
         self.step_overhead_s = float(overhead)
@@ -173,6 +174,12 @@ class CostModel:
                          self.kv_dtype, profile, self.block_size, ep=self.ep,
                          expert_load=self.expert_load, first_stage=self.first_stage,
                          last_stage=self.last_stage)
+
+    def _check_mla_kv(self) -> None:
+        """One line refusing an FP8 KV cache vLLM cannot run for this MLA model on this GPU."""
+        if self.shapes.mla is not None and self.kv_dtype == "fp8" \
+                and K.mla.runs_triton_mla(self.gpu):
+            raise ValueError(f"{self.model.name}: " + K.mla.triton_fp8_kv_refusal(self.gpu.name))
 
     def _check_experts(self) -> None:
         """One-line errors for an expert setup the fused-MoE kernel cannot price."""
@@ -707,16 +714,17 @@ class CostModel:
         a, b, c, d = (float(v[0]) for v in self._mla_decode_lines(np.array([float(nds)])))
         latent = m.cached_values
         flops = 2.0 * s.heads * ctx * (latent + m.kv_lora_rank)
-        nbytes = ctx * latent * s.kv_elem_bytes
         p = self.kernels.mla_decode
-        hbm = g.hbm_bandwidth_gbps * 1e9 * p.memory_eff
+        reads = float(K.mla.mla_latent_reads(nds, ctx, s.heads, g, p, s.kv_elem_bytes,
+                                             m.kv_lora_rank, m.qk_rope_head_dim))
+        nbytes = reads * ctx * latent * s.kv_elem_bytes
         one_read, every_block = a + b * ctx, c + d * ctx
         if every_block > one_read:   # blocks of heads re-reading latents L2 no longer holds
-            nbytes = (every_block - a) * hbm
             bound = "memory"
         else:
             compute = flops / (g.peak_flops("bf16") * p.compute_eff)
-            bound = "floor" if a >= b * ctx else ("compute" if compute > nbytes / hbm else "memory")
+            memory = nbytes / (g.hbm_bandwidth_gbps * 1e9 * p.memory_eff)
+            bound = "floor" if a >= b * ctx else ("compute" if compute > memory else "memory")
         return OpCost("attn_decode", L, L * flops, L * nbytes,
                       self.scales["attn_decode"] * L * max(one_read, every_block), bound, True)
 

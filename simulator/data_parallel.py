@@ -51,7 +51,7 @@ step, as vLLM did before that change, gave 26.9%.
 
 Fast-forward. After a group step, if every rank is either idle or certain to run plain
 decode steps (`Scheduler.decode_run_bound` >= 2), the group advances the run of steps
-at once: step j of rank r costs fixed_r + max(floor_r, c_r + d_r·j)
+at once: step j of rank r costs fixed_r + max(a_r + b_r·j, c_r + d_r·j)
 (`CostModel.decode_run_lines`, its MoE layers corrected to the group's tokens, which a
 run does not change), the group's step the largest of them, evaluated for every step of
 the run with numpy (O(run length), not closed form as for a lone replica). The run is

@@ -235,6 +235,8 @@ def _mla(opts: dict) -> dict:
         raise ValueError(f"--heads ({heads}) must be divisible by --tp ({tp})")
     h = heads // tp
     kvb = DTYPE_BYTES[kv_dtype]
+    if phase == "decode" and kv_dtype == "fp8" and K.mla.runs_triton_mla(gpu):
+        raise ValueError(K.mla.triton_fp8_kv_refusal(gpu.name))
     latent = K.mla.KV_LORA_RANK + K.mla.QK_ROPE_HEAD_DIM
     out = {"kind": "mla", "gpu": gpu.name, "calibration": label,
            "engine_version": profile.engine_version, "phase": phase, "batch": b, "context": c,
@@ -257,11 +259,7 @@ def _mla(opts: dict) -> dict:
         total = K.mla_decode_time(b, b * c, h, gpu, p, kv_bytes=kvb)
         flops = 2.0 * h * b * c * (latent + K.mla.KV_LORA_RANK)
         kv_bytes = float(b * c * latent * kvb)
-        a, _, reread, slope = (float(v) for v in K.mla_decode_lines(b, h, gpu, p, kv_bytes=kvb))
-        # the HBM line of blocks of heads re-reading latents (MLADecodeParams.head_block)
-        hbm_line = reread + slope * b * c
-        reads = (hbm_line - a) * gpu.hbm_bandwidth_gbps * 1e9 * p.memory_eff / kv_bytes \
-            if p.head_block and hbm_line >= float(total) else 1.0
+        reads = float(K.mla.mla_latent_reads(b, b * c, h, gpu, p, kv_bytes=kvb))
         out.update(latent_reads=round(reads, 2), head_block=int(p.head_block))
     compute = flops / gpu.peak_flops("bf16")
     memory = kv_bytes / (gpu.hbm_bandwidth_gbps * 1e9)
@@ -472,10 +470,10 @@ def describe(kind: str, r: dict) -> str:
         return (f"{head}  MLA {what}, {r['heads']} heads / TP {r['tp']} = {r['heads_per_gpu']} "
                 f"per GPU, KV {r['kv_dtype']}, one layer, {where}\n"
                 f"  roofline: compute {r['compute_ms']:.4f} ms, memory {r['memory_ms']:.4f} ms "
-                f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of latents)\n"
+                f"({r['bound']}-bound, reading {r['kv_bytes'] / 1e6:.2f} MB of latents once)\n"
                 f"  achieved {r['achieved_tflops']} TFLOP/s, {r['achieved_gbps']} GB/s"
-                + (f"\n  the latents are read {r['latent_reads']:.2f} times: blocks of "
-                   f"{r['head_block']} heads re-read from HBM what L2 does not hold "
+                + (f"\n  the latents are read {r['latent_reads']:.2f} times from HBM: blocks of "
+                   f"{r['head_block']} heads re-read what L2 does not hold "
                    "(vLLM's Triton MLA kernel; docs/moe-mla.md)"
                    if r.get("latent_reads", 1.0) > 1.0 else ""))
     if kind == "allreduce":

@@ -439,10 +439,12 @@ def test_cost_mla_says_when_blocks_of_heads_reread_the_latents(capsys):
     assert 7.0 < many["latent_reads"] <= 8.0 and one_block["latent_reads"] == 1.0
     assert many["predicted_ms"] > 5 * one_block["predicted_ms"]
     rc, out, _ = cost(capsys, *args, "--heads", 128)
-    assert rc == 0 and "blocks of 16 heads re-read from HBM" in out
+    assert rc == 0 and f"read {many['latent_reads']:.2f} times from HBM: blocks of 16 heads" in out
     rc, out, _ = cost(capsys, "mla", "--gpu", "h100-sxm", "--phase", "decode", "--batch", 256,
                       "--context", 8191, "--heads", 128)
     assert rc == 0 and "re-read" not in out          # FlashMLA: one read
+    rc, out, err = cost(capsys, *args, "--heads", 128, "--kv-dtype", "fp8")
+    assert rc != 0 and not out and "Triton kernel, which has none" in err
 
 
 def test_bad_attention_point_names_its_line(capsys, tmp_path):

@@ -17,7 +17,8 @@ from servelab.simulator import kernels as K
 from servelab.simulator.calibration import packaged
 from servelab.simulator.gpus import get_gpu
 from servelab.simulator.kernels import moe as M
-from servelab.validation.kernel_families import _protocols_in_order, runs_triton_mla
+from servelab.simulator.kernels.mla import runs_triton_mla
+from servelab.validation.kernel_families import _protocols_in_order
 
 H100, A100, L40S = get_gpu("h100-sxm"), get_gpu("a100-80gb"), get_gpu("l40s")
 TOP_UPS = (M.LARGEST_FIRST, M.SMALLEST_FIRST, M.ROUND_ROBIN)
@@ -331,6 +332,19 @@ def test_mla_decode_blocks_of_heads_reread_the_latents_l2_does_not_hold():
     assert extra(1024, int(0.5 * held / 1024), 128) == 0.0   # L2 holds them
     assert 0 < extra(1024, 2 * int(held / 1024), 128) < 7 * read * held * 1.01
     assert extra(4, 8 * 1024 * 1024, 128) < 0.01 * 7 * read * 4 * 8 * 1024 * 1024   # 4 sequences
+    assert extra(1024, 32768, 24) == pytest.approx(1 * read * (c - held), rel=0.01)   # 2 blocks
+    # the reads the second line carries, whichever line sets the time
+    again = 7 / (1 + (64 / 1024) ** 4)          # 1,024 sequences: the blocks barely overlap
+    assert float(K.mla.mla_latent_reads(1024, c, 128, L40S, p)) == pytest.approx(
+        1 + again * (1 - held / c), rel=1e-12)
+    assert float(K.mla.mla_latent_reads(1024, c, 128, L40S, once)) == 1.0
+    # FP8 latents: half the bytes, twice the tokens L2 holds
+    fp8 = float(K.mla_decode_time(1024, c, 128, L40S, p, kv_bytes=1.0)
+                - K.mla_decode_time(1024, c, 128, L40S, once, kv_bytes=1.0))
+    assert fp8 == pytest.approx(7 * read / 2 * (c - 2 * held), rel=0.01)
+    # a GPU file without an L2 size: every re-read from HBM
+    no_l2 = replace(L40S, l2_mb=None)
+    assert float(K.mla.mla_latent_reads(1024, 1024, 128, no_l2, p)) == pytest.approx(8.0, rel=0.01)
 
 
 def test_triton_mla_runs_where_no_flashmla_kernel_does():

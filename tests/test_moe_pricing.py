@@ -124,6 +124,17 @@ def test_mla_decode_reads_one_latent_per_token_far_less_than_mha(deepseek):
     assert mha.breakdown(shape)["attn_decode"].time_s > 2 * mla.time_s
 
 
+def test_an_fp8_kv_cache_for_mla_is_refused_where_vllm_runs_its_triton_kernel():
+    """vLLM's Triton MLA decode (Ampere, Ada, sm_120) has no FP8 KV cache: one line."""
+    for gpu in ("a100-80gb", "l40s", "rtx-pro-6000"):
+        with pytest.raises(ValueError, match=f"FP8 KV cache for MLA on {gpu}: vLLM decodes MLA "
+                                             "there with its Triton kernel"):
+            CostModel("deepseek-v3", gpu, tp=8, weight_dtype="fp8", kv_dtype="fp8")
+    CostModel("deepseek-v3", "l40s", tp=8, weight_dtype="fp8")            # bf16 KV runs
+    CostModel("deepseek-v3", "h200", tp=8, weight_dtype="fp8", kv_dtype="fp8")   # FlashMLA
+    CostModel("llama-3.1-8b", "a100-80gb", kv_dtype="fp8")                 # no MLA
+
+
 def test_fp8_kv_prices_mla_with_one_byte_latents(deepseek):
     fp8 = CostModel("deepseek-v3", "h200", tp=8, weight_dtype="fp8", kv_dtype="fp8")
     long = decode(64, 32768)

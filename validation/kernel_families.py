@@ -167,26 +167,11 @@ def _decode_fixed(gpu: GPUSpec) -> dict:
     return {"batch_saturation": 1.0}
 
 
-FLASH_MLA_MAJORS = (9, 10)
-"""Compute capabilities (major) on which vLLM decodes MLA with FlashMLA, FlashAttention-3
-MLA or the CUTLASS/FlashInfer MLA kernels (Hopper, datacenter Blackwell); elsewhere (Ampere,
-Ada, the RTX PRO 6000's sm_120) its Triton MLA kernel
-(`vllm/platforms/cuda.py::_get_backend_priorities`)."""
-
-
-def runs_triton_mla(gpu: GPUSpec) -> bool:
-    """Whether vLLM decodes MLA with its Triton kernel on this GPU (`FLASH_MLA_MAJORS`; a GPU
-    file without a compute capability: by architecture)."""
-    if gpu.compute_capability:
-        return int(gpu.compute_capability.split(".")[0]) not in FLASH_MLA_MAJORS
-    return gpu.architecture in ("ampere", "ada")
-
-
 def _mla_decode_fixed(gpu: GPUSpec) -> dict:
     """The Triton MLA kernel's blocks of 16 heads and 4 KV splits (`MLADecodeParams.head_block`),
     its split results passed through L2 where they fit; elsewhere one read for every head,
     and neither L2 share to fit."""
-    if runs_triton_mla(gpu):
+    if K.mla.runs_triton_mla(gpu):
         return {"head_block": 16.0, "kv_splits": 4.0}
     return {"head_block": 0.0, "reread_l2_fraction": 0.0, "reread_seqs": 0.0,
             "partials_l2_fraction": 0.0, "partials_l2_gain": 1.0}
@@ -492,7 +477,7 @@ FAMILIES: dict[str, Family] = {
          "memory_eff": (*FRACTION, 0.8), "seq_stream_gbps": (1.0, 1e4, 100.0),
          "seq_s": (1e-11, 1e-5, 1e-7), "absorb_eff": (0.01, 1.0, 0.5),
          "seq_head_s": (1e-12, 1e-6, 1e-8), "one_head_stream_gbps": (1.0, 1e4, 20.0),
-         "reread_l2_fraction": (0.01, 4.0, 0.5), "reread_seqs": (1.0, 1e4, 64.0),
+         "reread_l2_fraction": (0.01, 1.0, 0.5), "reread_seqs": (1.0, 1e4, 64.0),
          "partials_l2_fraction": (0.01, 4.0, 0.5), "partials_l2_gain": (1.0, 20.0, 2.0), **_EAGER},
         _mla_decode_predict, lambda t: _decode_band(t), DECODE_BANDS,
         size_axes=("batch", "context"), fixed=_mla_decode_fixed,

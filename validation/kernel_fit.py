@@ -206,7 +206,7 @@ def _parameters(base, names: list[str]):
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
             if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation",
-                     "misaligned_slowdown", "combine_l2_gain"):
+                     "misaligned_slowdown", "combine_l2_gain", "partials_l2_gain"):
                 values[n] = max(1.0, values[n])
             if n == "wave_quantization":
                 values[n] = min(1.0, values[n])

@@ -166,10 +166,8 @@ class MLADecodeParams(_Params):
     """Soft-maximum exponent of that launch time against the GPU's (inf: the larger)."""
     head_block: float = 0.0
     """Query heads one program of the decode kernel serves; the latents are read once per
-    block of heads. vLLM's Triton MLA backend (what it runs on Ampere, Ada and sm_120:
-    FlashMLA, FlashAttention-3 MLA and the CUTLASS/FlashInfer kernels need Hopper or
-    datacenter Blackwell, `vllm/platforms/cuda.py::_get_backend_priorities`) launches its grouped decode kernel
-    over (sequences, ceil(heads / 16), KV splits) programs, BLOCK_H = 16
+    block of heads. vLLM's Triton MLA backend (`runs_triton_mla`) launches its grouped
+    decode kernel over (sequences, ceil(heads / 16), KV splits) programs, BLOCK_H = 16
     (`triton_decode_attention.py::_decode_grouped_att_m_fwd`); 0: one read for every head
     (FlashMLA). An engine setting."""
     kv_splits: float = 4.0
@@ -183,16 +181,16 @@ class MLADecodeParams(_Params):
     line). L40S (vLLM 0.14, aiconfigurator's `mla_generation_module_perf`, 128 heads, 1,024
     sequences of 8k tokens): 110.8 ms, eight times the 13.3 ms of 8 heads (one block);
     32 heads (two blocks) 27.5 ms; 128 heads at 64 sequences of 1k tokens read the latents
-    about once. Fitted 0.19 on the L40S; the A100's fit (40 MB of L2) finds no re-reads
-    within its tables (1.84 of L2 with `reread_seqs` 1,132, above its 1,024 sequences: its
-    per-head cost stays on the FLOPs line). Unused when `head_block` is 0."""
+    about once. A GPU file without an L2 size: every re-read from HBM. Fitted values:
+    docs/moe-mla.md. Unused when `head_block` is 0."""
 
     reread_seqs: float = 0.0
     """Sequences below which a block of heads' programs run alongside the next block's (the
     grid runs sequences fastest, so they are that many programs apart) and share their
     reads whatever the size; the re-reads fall off as a smooth step in the batch around
-    it. L40S: 16-64 sequences of 16k-128k tokens with 32-128 heads read the latents about
-    once, 128 and more sequences up to eight times (fitted 65). 0: no such overlap."""
+    it. L40S: 16-32 sequences of 16k-128k tokens with 32-128 heads read the latents about
+    once, 64 sequences about four times at 128 heads, 128 and more up to eight times.
+    0: no such overlap."""
 
     partials_l2_fraction: float = 0.0
     """Share of L2 the split results may fill and still pass from the kernel's first stage
@@ -255,13 +253,57 @@ def mla_decode_lines(batch, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.
         return intercept, slope, intercept, slope
     # every block's reads share HBM (a small batch's few programs are bound by their own
     # rate instead, in the first line): the first read, and the re-reads L2 does not hold
-    again = np.ceil(h / p.head_block) - 1.0                  # blocks after the first
-    held = p.kv_splits * p.reread_l2_fraction * (gpu.l2_bytes if gpu.l2_mb else 0.0) \
-        / (latent * kv_bytes)                              # tokens whose re-reads hit L2
-    if p.reread_seqs:   # few sequences: the next block's programs run alongside, sharing reads
-        again = again / (1.0 + (p.reread_seqs / np.maximum(b, 1.0)) ** 4)
+    again, held = _rereads(b, h, gpu, p, latent * kv_bytes)
     hbm_read = np.where(live, latent * kv_bytes / (hbm * p.memory_eff), 0.0)
     return intercept, slope, intercept - again * hbm_read * held, (1.0 + again) * hbm_read
+
+
+def _rereads(batch, heads, gpu: GPUSpec, p: MLADecodeParams, token_bytes: float):
+    """(reads of every cached token past `held` beyond the first, held): the blocks of heads
+    after the first (`head_block`), fewer while few sequences let them run alongside
+    (`reread_seqs`), and the cached tokens whose re-reads L2 holds (`reread_l2_fraction`)."""
+    again = np.ceil(np.asarray(heads, dtype=np.float64) / p.head_block) - 1.0
+    if p.reread_seqs:
+        again = again / (1.0 + (p.reread_seqs / np.maximum(batch, 1.0)) ** 4)
+    held = p.kv_splits * p.reread_l2_fraction * gpu.l2_bytes / token_bytes
+    return again, held
+
+
+def mla_latent_reads(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams,
+                     kv_bytes=2.0, kv_lora_rank: int = KV_LORA_RANK,
+                     qk_rope_head_dim: int = QK_ROPE_HEAD_DIM):
+    """How many times one layer's MLA decode reads the cached latents from HBM: 1, plus
+    the re-reads of the blocks of heads after the first beyond what L2 holds (the traffic
+    of `mla_decode_lines`' second line, whether or not that line sets the time)."""
+    c = np.asarray(context_sum, dtype=np.float64)
+    if not p.head_block:
+        return np.ones_like(c)
+    again, held = _rereads(np.asarray(batch, dtype=np.float64), heads, gpu, p,
+                           (kv_lora_rank + qk_rope_head_dim) * kv_bytes)
+    return 1.0 + again * np.maximum(0.0, 1.0 - held / np.maximum(c, 1.0))
+
+
+FLASH_MLA_MAJORS = (9, 10)
+"""Compute capabilities (major) on which vLLM decodes MLA with FlashMLA, FlashAttention-3
+MLA or the CUTLASS/FlashInfer MLA kernels (Hopper, datacenter Blackwell); elsewhere
+(Ampere, Ada, the RTX PRO 6000's sm_120) with its Triton MLA kernel
+(`vllm/platforms/cuda.py::_get_backend_priorities`)."""
+
+
+def runs_triton_mla(gpu: GPUSpec) -> bool:
+    """Whether vLLM decodes MLA with its Triton kernel on this GPU (`FLASH_MLA_MAJORS`; a GPU
+    file without a compute capability: by architecture). That kernel has no FP8 KV cache
+    (`TritonMLAImpl._forward_decode` raises "FP8 Triton MLA not yet supported")."""
+    if gpu.compute_capability:
+        return int(gpu.compute_capability.split(".")[0]) not in FLASH_MLA_MAJORS
+    return gpu.architecture in ("ampere", "ada")
+
+
+def triton_fp8_kv_refusal(gpu_name: str) -> str:
+    """The one line refusing an FP8 KV cache for MLA where vLLM runs its Triton kernel."""
+    return (f"an FP8 KV cache for MLA on {gpu_name}: vLLM decodes MLA there with its Triton "
+            "kernel, which has none (TritonMLAImpl raises 'FP8 Triton MLA not yet "
+            "supported'); use a bf16 KV cache, or a Hopper or Blackwell GPU")
 
 
 def mla_decode_time(batch, context_sum, heads, gpu: GPUSpec, p: MLADecodeParams, kv_bytes=2.0,
