@@ -235,7 +235,7 @@ def _mla(opts: dict) -> dict:
         raise ValueError(f"--heads ({heads}) must be divisible by --tp ({tp})")
     h = heads // tp
     kvb = DTYPE_BYTES[kv_dtype]
-    if phase == "decode" and kv_dtype == "fp8" and K.mla.runs_triton_mla(gpu):
+    if kv_dtype == "fp8" and K.mla.runs_triton_mla(gpu):   # the engine cannot serve it
         raise ValueError(K.mla.triton_fp8_kv_refusal(gpu.name))
     latent = K.mla.KV_LORA_RANK + K.mla.QK_ROPE_HEAD_DIM
     out = {"kind": "mla", "gpu": gpu.name, "calibration": label,
