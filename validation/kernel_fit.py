@@ -205,8 +205,8 @@ def _parameters(base, names: list[str]):
         for n in names:
             if n.endswith("_eff"):
                 values[n] = min(1.0, values[n])
-            if n in ("overlap", "epilogue_overlap", "cta_overlap", "l2_gain", "batch_saturation",
-                     "misaligned_slowdown", "combine_l2_gain", "partials_l2_gain"):
+            if n in ("overlap", "epilogue_overlap", "cta_overlap", "batch_saturation",
+                     "misaligned_slowdown") or n.endswith("l2_gain"):   # as _check_fields
                 values[n] = max(1.0, values[n])
             if n == "wave_quantization":
                 values[n] = min(1.0, values[n])
