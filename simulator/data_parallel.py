@@ -49,6 +49,19 @@ Tried on the recorded Qwen3-30B-A3B DP2 run (docs/real-runs.md): padding below a
 size of 256 moved its TTFT MAPE from 15.2% to 15.5% and left TPOT at 5.1%; padding every
 step, as vLLM did before that change, gave 26.9%.
 
+Also not modelled: ranks carrying unequal token counts exchange them unevenly. vLLM's
+`all_gatherv` / `reduce_scatterv` of unequal sizes are one NCCL broadcast from (reduce
+to) each rank, grouped (`vllm/distributed/device_communicators/pynccl.py`), so the link
+into (out of) the least loaded rank carries every other rank's tokens: at dp = 2 the
+larger rank's tokens, where the exchange here is priced as an even one of the group's
+total (half of it each way). Tried on the same run, pricing the exchange by that busiest
+link: TPOT MAPE 5.5% -> 2.3%, E2E 5.8% -> 2.1%, the TTFT mean error -22.9% -> +2.7%, but
+the TTFT MAPE 15.7% -> 19.2%, and requests that arrive to a lightly loaded group, whose
+TTFT is one lone prefill step while the peer decodes a few sequences, went from close to
+too slow (1,354 tokens: real 74 ms, priced 79 ms, with it 96 ms; 1,423: 80, 88, 106):
+those steps are already priced slower than the engine runs them, so a dearer exchange is
+not what the loaded steps lack.
+
 Fast-forward. After a group step, if every rank is either idle or certain to run plain
 decode steps (`Scheduler.decode_run_bound` >= 2), the group advances the run of steps
 at once: step j of rank r costs fixed_r + max(a_r + b_r·j, c_r + d_r·j)
