@@ -136,7 +136,7 @@ def _attention(opts: dict) -> dict:
             raise ValueError("cost attention --phase decode needs --context >= 1 (cached tokens "
                              "each sequence attends to)")
         total = K.decode_attention_time(b, b * c, heads, kv_heads, d, gpu,
-                                        profile.kernels.attn_decode, kvb)
+                                        profile.kernels.attn_decode, kvb, seq_context=c)
         flops = 4.0 * d * heads * b * c
         kv_bytes = float(b * c * 2 * kv_heads * d * kvb)
     compute = flops / gpu.peak_flops("bf16")   # attention maths runs in bf16 whatever the cache holds

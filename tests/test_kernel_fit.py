@@ -199,6 +199,29 @@ def test_decode_attention_fit_recovers_known_predictions():
     assert (fit.params.split_floor_s, fit.params.mha_block_gbps) == (0.0, 0.0)
 
 
+def test_decode_fit_tells_flash_attention_2s_copies_from_its_merge():
+    """On a FlashAttention 2 GPU the short-context floor has three parts: the launch, the
+    split-KV merge (past one KV block while the items leave SMs idle) and the grouped-query
+    copies (two sequences and two KV heads on). Rows that separate them (one sequence or
+    one KV head, one block or several) give each back."""
+    fam = FAMILIES["attn_decode"]
+    a100 = get_gpu("a100-80gb")
+    truth = replace(K.DecodeAttentionParams(
+        floor_s=1.2e-5, split_floor_s=5e-6, gqa_copy_s=6e-6, seq_head_s=6e-9,
+        work_item_s=2.8e-8, q_head_s=4e-10, memory_eff=0.74, head_stream_gbps=330.0,
+        mha_block_gbps=22.0), **fam.fixed(a100))
+    rows = itertools.product((1, 2, 4, 8, 16, 64, 128, 256), (1, 63, 255, 2048, 8192),
+                             ((8, 1), (8, 2), (32, 8), (32, 32)))
+    table = decode_table([(b, c, h, kv) for b, c, (h, kv) in rows])
+    table.columns["latency_s"] = fam.predict(table, a100, truth)
+    mask = holdout_mask(table, 0.3, seed=0)
+    fit = fit_family(replace(fam, alternatives=lambda gpu: ()), table, a100, mask,
+                     K.DecodeAttentionParams())
+    assert fit.stats["heldout"]["mape_pct"] < 0.05
+    for name in ("floor_s", "split_floor_s", "gqa_copy_s"):
+        assert getattr(fit.params, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+
+
 def test_decode_fit_picks_the_kernel_path_the_measurements_show():
     """A Blackwell GPU may run FlashAttention 2's two decode paths (vLLM 0.14 on older
     GPUs) or one split-KV path for every head layout (TRT-LLM's decode in vLLM 0.24 on

@@ -120,7 +120,7 @@ def _prefill_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
 def _decode_predict(t: Table, gpu: GPUSpec, p) -> np.ndarray:
     b = t["batch"].astype(float)
     return K.decode_attention_time(b, b * t["context"], t["heads"], t["kv_heads"], t["head_dim"],
-                                   gpu, p, _kv_bytes(t), warm_l2=True)
+                                   gpu, p, _kv_bytes(t), warm_l2=True, seq_context=t["context"])
 
 
 FA3_ARCHITECTURES = ("hopper",)
@@ -157,8 +157,9 @@ def _prefill_fixed(gpu: GPUSpec) -> dict:
     return {"packs_gqa": 1.0 if gpu.architecture in FA3_ARCHITECTURES else 0.0}
 
 
-_ONE_SPLIT_KV_PATH = {"split_floor_s": 0.0, "mha_block_gbps": 0.0}
-"""FlashAttention 3's decode: one split-KV kernel path for every head layout."""
+_ONE_SPLIT_KV_PATH = {"split_floor_s": 0.0, "mha_block_gbps": 0.0, "gqa_copy_s": 0.0}
+"""FlashAttention 3's decode: one split-KV kernel path for every head layout, the query
+groups packed by the kernel."""
 
 
 def _decode_fixed(gpu: GPUSpec) -> dict:
@@ -430,6 +431,7 @@ FAMILIES: dict[str, Family] = {
     "attn_decode": Family(
         "attn_decode", "attn_decode", _attention_rows,
         {"floor_s": (1e-7, 1e-3, 1e-5), "split_floor_s": (1e-8, 1e-4, 4e-6),
+         "gqa_copy_s": (1e-8, 1e-4, 4e-6),
          "seq_head_s": (1e-12, 1e-6, 3e-9), "work_item_s": (1e-11, 1e-6, 2e-8),
          "q_head_s": (1e-13, 1e-7, 5e-10), "memory_eff": (*FRACTION, 0.8),
          "head_stream_gbps": (1.0, 1e4, 300.0), "batch_saturation": (1.0, 256.0, 8.0),

@@ -133,7 +133,20 @@ class DecodeAttentionParams(_Params):
     """Seconds no decode launch beats (the cache write and the attention kernel)."""
     split_floor_s: float = 0.0
     """Extra floor of the split-KV path's merge kernel, where it is a second launch
-    (FlashAttention 2 with grouped-query attention); 0 where it is not."""
+    (FlashAttention 2 with grouped-query attention); 0 where it is not. FlashAttention 2
+    splits only where it pays (`num_splits_heuristic` in flash_api.cpp): not over a
+    single KV block of context (`FA2_SPLIT_BLOCK`), nor once the sequences' KV heads
+    fill `FA2_FULL_GPU` of the SMs; the merge is charged where it splits."""
+    gqa_copy_s: float = 0.0
+    """Extra floor of FlashAttention 2's grouped-query decode where it copies the query
+    in and the output out. It folds each KV head's query group into the query length
+    (`seqlenq_ngroups_swapped` in flash_api.cpp): a transpose, then a reshape that merges
+    the batch with the group, which PyTorch can take as a view only when the batch is one
+    sequence or there is one KV head, and otherwise materialises. Measured inside vLLM
+    0.14 on A100 (and L40S; vLLM 0.19 on the RTX PRO 6000) at contexts of 1-127 tokens:
+    12.3-12.8 µs for one sequence or one KV head, 18.3-19.5 µs from two sequences and two
+    KV heads on, whatever the query heads; no such step under FlashAttention 3 (H100).
+    0 where the kernel packs the groups itself."""
     seq_head_s: float = 0.0
     """Serial seconds per (sequence, KV head): page-table walk and kernel prologue."""
     work_item_s: float = 0.0
@@ -166,7 +179,7 @@ class DecodeAttentionParams(_Params):
     tell (the vLLM 0.14 tables: 128)."""
 
     _fractions = ("memory_eff",)
-    _added = ("item_dim_share",)
+    _added = ("item_dim_share", "gqa_copy_s")
 
     def __post_init__(self) -> None:
         self._check()
@@ -175,16 +188,31 @@ class DecodeAttentionParams(_Params):
                              f"got {self.batch_saturation!r}")
 
 
+FA2_SPLIT_BLOCK = 128
+"""Tokens per KV block of FlashAttention 2's split-KV decode at head_dim <= 128
+(`set_params_splitkv`: 256 up to head_dim 64, 128 up to 128, 64 above); the decoded
+token is in the cache, so a context of C tokens spans ceil((C + 1) / block) blocks, and
+one block is never split."""
+FA2_FULL_GPU = 0.8
+"""FlashAttention 2 does not split KV once batch × KV heads reaches this share of the
+SMs (`num_splits_heuristic`). Measured inside vLLM 0.14 on A100 (108 SMs) at 255 tokens
+of context, one KV head: 23.5 µs at 64 sequences, 21.7 µs at 128 (the merge gone)."""
+
+
 def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
                            p: DecodeAttentionParams, kv_bytes=2.0, context_sum=None,
-                           warm_l2: bool = False):
+                           warm_l2: bool = False, seq_context=None):
     """Decode attention of `batch` sequences with C context tokens in all costs
     max(floor, intercept + slope·C) seconds per layer: (floor, intercept, slope).
 
     For a fixed batch the time is convex and piecewise linear in C — what lets a run of
     decode steps be summed in closed form. (`context_sum` is only needed for `warm_l2`,
     whose L2 residency depends on C.) Decode is bandwidth-bound for any grouped-query
-    ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds)."""
+    ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds).
+    `seq_context`, each sequence's context where the caller knows it (a kernel table),
+    says whether FlashAttention 2 splits at all; without it (the simulator's per-batch
+    tables) every sequence is taken to span more than one KV block (128 tokens), as a
+    served prompt does."""
     batch = np.asarray(batch, dtype=np.float64)
     heads, kv_heads = np.asarray(heads, np.float64), np.asarray(kv_heads, np.float64)
     kv_row = 2.0 * kv_heads * head_dim * kv_bytes
@@ -195,7 +223,13 @@ def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
     split = hbm if not p.head_stream_gbps else np.minimum(
         hbm, p.head_stream_gbps * 1e9 * kv_heads * np.maximum(1.0, batch / p.batch_saturation))
     rate = np.where(mha, np.minimum(hbm, p.mha_block_gbps * 1e9 * batch * kv_heads), split)
-    floor = p.floor_s + np.where(mha, 0.0, p.split_floor_s)
+    splits = ~mha & (batch * kv_heads < FA2_FULL_GPU * gpu.sm_count)
+    if seq_context is not None:
+        splits = splits & (np.asarray(seq_context) + 1 > FA2_SPLIT_BLOCK)
+    floor = p.floor_s + np.where(splits, p.split_floor_s, 0.0)
+    if p.gqa_copy_s:
+        floor = floor + np.where(~mha & (heads > kv_heads) & (batch >= 2) & (kv_heads >= 2),
+                                 p.gqa_copy_s, 0.0)
     base = floor + batch * kv_heads * p.seq_head_s
     items = batch * (kv_heads * p.work_item_s + heads * p.q_head_s) \
         * (1.0 + p.item_dim_share * (head_dim / 128.0 - 1.0))
@@ -205,7 +239,9 @@ def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
 
 
 def decode_attention_time(batch, context_sum, heads, kv_heads, head_dim, gpu: GPUSpec,
-                          p: DecodeAttentionParams, kv_bytes=2.0, warm_l2: bool = False):
+                          p: DecodeAttentionParams, kv_bytes=2.0, warm_l2: bool = False,
+                          seq_context=None):
     floor, intercept, slope = decode_attention_lines(batch, heads, kv_heads, head_dim, gpu, p,
-                                                     kv_bytes, context_sum, warm_l2)
+                                                     kv_bytes, context_sum, warm_l2,
+                                                     seq_context)
     return np.maximum(floor, intercept + slope * context_sum)
