@@ -33,14 +33,16 @@ def check_host_memory(gpu, tp: int, kv_offload_gb: float, swap_bytes: int) -> No
     swap pool of one replica need more host memory than its GPUs' share of the reference
     server (`gpu.host_memory_gb` per GPU; no check when the catalog gives none)."""
     per_gpu = getattr(gpu, "host_memory_gb", None)
-    if per_gpu is None or not kv_offload_gb:
+    if per_gpu is None or not (kv_offload_gb or swap_bytes):
         return
     limit = per_gpu * tp
     need = kv_offload_gb + swap_bytes / GIB
     if need > limit:
-        swap = f" + {swap_bytes / GIB:.1f} GiB swap pool" if swap_bytes else ""
+        parts = [f"--kv-offload-gb {kv_offload_gb:g}"] if kv_offload_gb else []
+        if swap_bytes:
+            parts.append(f"{swap_bytes / GIB:.1f} GiB swap pool (--cpu-kv-blocks)")
         raise ValueError(
-            f"--kv-offload-gb {kv_offload_gb:g}{swap} needs {need:.1f} GiB of host memory per "
+            f"{' + '.join(parts)} needs {need:.1f} GiB of host memory per "
             f"replica, more than its {tp} x {gpu.name} can have: {limit:g} GiB ({per_gpu:g} GiB "
             f"host memory per GPU on the reference server, host_memory_gb in the GPU catalog)")
 

@@ -218,8 +218,9 @@ def expert_layout(args: argparse.Namespace, model) -> tuple[int, int, int]:
     ep, dp = getattr(args, "ep", None), getattr(args, "dp", None)
     if dp is not None and model.moe is not None:
         if ep is not None and ep != dp * tp:
-            raise CLIError(f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's "
-                           "expert-parallel group is the TP x DP GPUs of a deployment")
+            from servelab.simulator.pricing import ep_disagrees_with_dp
+
+            raise CLIError(ep_disagrees_with_dp(ep, dp, tp))
         ep = dp * tp
     ep = ep or 1
     ranks = dp if dp is not None else (ep // tp if ep > tp and ep % tp == 0 else 1)
@@ -299,6 +300,19 @@ def user_errors() -> Iterator[None]:
         raise CLIError(message) from exc
 
 
+def _without_a_prefix_cache(config) -> list[str]:
+    """A note for a router that routes for prefix-cache hits in a run that keeps no prefix
+    cache. (A policy that orders by them says so after the run, as every policy that found
+    nothing to act on does.)"""
+    from servelab.simulator.router import ROUTERS
+
+    if config.prefix_caching or config.replicas == 1 \
+            or not ROUTERS.get(config.router).serves_prefix_cache:
+        return []
+    return [f"--router {config.router} routes for prefix-cache hits, and this run keeps no "
+            "prefix cache: nothing is reused (give --prefix-caching)"]
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from servelab.progress import RequestProgress
     from servelab.simulator.run import RunCheckError, build_simulation, describe_check_failure, write_run_dir
@@ -328,6 +342,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if cost is not None:
         fitted = cost.profile.setup_note(cost.model.name, cost.tp, cost.weight_dtype, cost.kv_dtype)
         notes = [*notes, *(n for n in (fitted, cost.expert_width_note()) if n)]
+    notes += _without_a_prefix_cache(config)
     for note in notes:
         print(f"servelab simulate: note: {note}", file=sys.stderr)
     bar = RequestProgress(sim.num_requests, command="simulate", clock="simulated")
@@ -390,6 +405,10 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     sign = overload(result.requests)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
+    dropped = (result.derived.get("trace") or {}).get("dropped_rows", 0)
+    if dropped:
+        lines.append(f"note: --on-bad-row drop left out {dropped:,} of the trace's rows "
+                     "(config.json's derived.trace counts them)")
     served = s["completed"] + s["rejected"]
     if config.num_requests is not None and served < config.num_requests:
         lines.append(f"note: the trace holds {served:,} requests, fewer than --num-requests "

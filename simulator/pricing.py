@@ -35,6 +35,12 @@ _REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "
              "mla": ("phase", "batch", "heads")}
 
 
+
+def ep_disagrees_with_dp(ep: int, dp: int, tp: int) -> str:
+    """The one line for --ep given beside a --dp it does not match (`simulate`, `cost`)."""
+    return (f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's expert-parallel group "
+            f"is the TP x DP GPUs of a deployment (leave --ep out: --dp {dp} sets it to {dp * tp})")
+
 def _setup(opts: dict):
     gpu = get_gpu(opts["gpu"])
     profile, label = _profile(gpu, opts)
@@ -305,8 +311,7 @@ def _step(opts: dict) -> dict:
         dp = None   # a dense model's data-parallel ranks are independent replicas: one's step
     if dp is not None:   # vLLM's expert-parallel group is the TP x DP GPUs (`simulator/cli.expert_layout`)
         if ep is not None and ep != dp * tp:
-            raise ValueError(f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's "
-                             "expert-parallel group is the TP x DP GPUs of a deployment")
+            raise ValueError(ep_disagrees_with_dp(ep, dp, tp))
         ep = dp * tp
     load = opts.get("expert_load") or "balanced"
     K.parse_expert_load(load)
@@ -336,6 +341,7 @@ def _step(opts: dict) -> dict:
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "model": cm.model.name,
             "tp": cm.tp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
+            "weight_dtype": cm.weight_dtype, "kv_dtype": cm.kv_dtype,
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
             "per_layer_ms": _ms(_layer_time(breakdown.items()) / layers),
@@ -413,6 +419,7 @@ def _pipelined_step(cm, pp: int, label: str, profile, prefill, decode, shape) ->
     return {"kind": "step", "gpu": cm.gpu.name, "calibration": label,
             "engine_version": profile.engine_version, "model": cm.model.name, "tp": cm.tp,
             "pp": pp, **({"ep": cm.ep, "expert_load": cm.expert_load} if cm.model.moe else {}),
+            "weight_dtype": cm.weight_dtype, "kv_dtype": cm.kv_dtype,
             "layers": layers, "prefill": prefill, "decode": decode,
             "tokens": shape.num_tokens, "predicted_ms": _ms(total),
             "per_layer_ms": _ms(per_layer / layers),
@@ -486,8 +493,10 @@ def describe(kind: str, r: dict) -> str:
                 f"{r['bus_gbps']} GB/s")
     experts = f", ep={r['ep']}, {r['expert_load']} expert load" if "ep" in r else ""
     pp = f", pp={r['pp']}" if "pp" in r else ""
-    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{pp}{experts}, {r['layers']} layers, "
-             f"{r['tokens']} tokens) {where}; mean layer {r['per_layer_ms']:.4f} ms"]
+    dtypes = f", {r['weight_dtype']} weights, {r['kv_dtype']} KV" if "weight_dtype" in r else ""
+    lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{pp}{experts}{dtypes}, "
+             f"{r['layers']} layers, {r['tokens']} tokens) {where}; mean layer "
+             f"{r['per_layer_ms']:.4f} ms"]
     if pp:
         lines += [f"  stage {st['stage']} (layers {st['layers'][0]}-{st['layers'][1] - 1}): "
                   f"{st['ms']:.4f} ms" + ("  <- slowest" if st["stage"] == r["slowest_stage"] else "")

@@ -52,6 +52,8 @@ class Router(abc.ABC):
     with `@register_router`, which sets its `name`. Built as `cls(num_replicas)`."""
 
     name: ClassVar[str] = "abstract"
+    serves_prefix_cache: ClassVar[bool] = False
+    """It routes for prefix-cache hits: without a prefix cache it spreads load and no more."""
 
     def __init__(self, num_replicas: int) -> None:
         check_bounded("num_replicas", num_replicas, 1, integer=True, noun="an integer")
@@ -106,6 +108,7 @@ class PrefixAffinityRouter(Router):
     request."""
 
     name = "prefix-affinity"
+    serves_prefix_cache = True
 
     def __init__(self, num_replicas: int, affinity_tokens: int = 256, max_imbalance: int = 8) -> None:
         super().__init__(num_replicas)

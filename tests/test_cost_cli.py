@@ -163,9 +163,21 @@ def test_step_prices_a_mixture_of_experts_layout(capsys):
         assert (r["ep"], r["expert_load"]) == (ep, load)
     assert cost_json(capsys, *base, "--dp", 2)["predicted_ms"] != cost_json(capsys, *base)["predicted_ms"]
     rc, _, err = cost(capsys, *base, "--dp", 2, "--ep", 4)
-    assert rc == 2 and "--ep 4 disagrees with --dp 2" in err
+    assert rc == 2 and "--ep 4 disagrees with --dp 2" in err and "leave --ep out: --dp 2 sets it to 2" in err
     rc, _, err = cost(capsys, *base, "--expert-load", "zipf")
     assert rc == 2 and err.count("\n") == 1
+
+
+def test_step_names_the_dtypes_it_priced(capsys):
+    """FP8 weights and KV price a step differently (and DeepSeek-V3 defaults to FP8
+    weights): the header and the JSON say which were priced."""
+    base = ("step", "--gpu", GPU, "--model", "qwen3-30b-a3b", "--decode", "64:2000")
+    r = cost_json(capsys, *base, "--weight-dtype", "fp8", "--kv-dtype", "fp8")
+    assert (r["weight_dtype"], r["kv_dtype"]) == ("fp8", "fp8")
+    assert (cost_json(capsys, *base)["weight_dtype"], cost_json(capsys, *base)["kv_dtype"]) == \
+        ("bf16", "bf16")
+    rc, out, _ = cost(capsys, *base, "--weight-dtype", "fp8", "--kv-dtype", "fp8")
+    assert rc == 0 and "balanced expert load, fp8 weights, fp8 KV, 48 layers" in out.splitlines()[0]
 
 
 def test_json_keys_per_kind(capsys):

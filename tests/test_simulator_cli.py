@@ -107,7 +107,10 @@ def test_no_fast_forward_gives_the_same_requests(tmp_path, trace_file):
      "--prefix-caching: --block-manager contiguous-max keeps no prefix cache"),
     (["--prefix-caching", "--kv-offload-gb", "300"], "more than its 1 x h100-sxm can have: 256 GiB"),
     (["--prefix-caching", "--kv-offload-gb", "200", "--cpu-kv-blocks", "40000"],
-     "+ 78.1 GiB swap pool needs 278.1 GiB"),
+     "+ 78.1 GiB swap pool (--cpu-kv-blocks) needs 278.1 GiB"),
+    (["--preemption", "swap", "--cpu-kv-blocks", "1000000"],   # no CPU tier: the same bound
+     "1953.1 GiB swap pool (--cpu-kv-blocks) needs 1953.1 GiB of host memory per replica, "
+     "more than its 1 x h100-sxm can have: 256 GiB"),
     (["--prefix-caching", "--kv-offload-gb", "0.0001"], "--kv-offload-gb 0.0001 holds no KV block"),
     (["--prefix-caching", "--block-size", "48"], "prefix hashes name 128-token blocks, which the "
      "KV block size 48 does not divide"),
@@ -402,6 +405,23 @@ def test_a_short_trace_and_an_unknown_tenant_are_noted(tmp_path, trace_file, cap
     assert ("note: the trace holds 60 requests, fewer than --num-requests 100: all of them were "
             "replayed") in out
     assert "note: --tenant-weights names zz, which no request of the trace has (its tenants: a, b)" in out
+
+
+def test_rows_dropped_from_the_trace_are_noted_on_the_console(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,10,5\n0.1,abc,5\n0.2,12,4\n")
+    assert simulate("--trace", str(trace), "--on-bad-row", "drop", "--out", str(tmp_path / "run")) == 0
+    assert ("note: --on-bad-row drop left out 1 of the trace's rows (config.json's derived.trace "
+            "counts them)") in capsys.readouterr().out
+
+
+def test_a_prefix_router_without_a_prefix_cache_is_noted(tmp_path, trace_file, capsys):
+    note = ("servelab simulate: note: --router prefix-affinity routes for prefix-cache hits, "
+            "and this run keeps no prefix cache: nothing is reused (give --prefix-caching)")
+    for flag, noted in (("--no-prefix-caching", True), ("--prefix-caching", False)):
+        assert simulate("--trace", str(trace_file), "--num-requests", "20", flag, "--replicas", "2",
+                        "--router", "prefix-affinity", "--out", str(tmp_path / flag)) == 0
+        assert (note in capsys.readouterr().err) is noted
 
 
 def test_vllms_kv_cache_dtype_flag_is_an_alias(tmp_path, trace_file):
