@@ -56,6 +56,7 @@ def register(subparsers) -> None:
     add_scheduler_options(p, policies=policy_names())
     add_workload_options(p)
     add_disaggregation_arguments(p)   # one prefill and one decode engine: docs/disaggregation-real.md
+    _as_the_real_backend_takes_them(p)
 
     b = p.add_argument_group("real backend")
     b.add_argument("--pp", type=int, default=1, metavar="N", help=argparse.SUPPRESS)   # refused below
@@ -131,6 +132,22 @@ def check_backend_installed() -> None:
                        "missing): pip install 'servelab[backend]' (on a machine without a GPU "
                        "add PIP_CONSTRAINT=constraints/cpu.txt for the CPU build of torch), or "
                        "run bash scripts/test.sh, which installs them")
+
+
+def _as_the_real_backend_takes_them(parser: argparse.ArgumentParser) -> None:
+    """The help of flags shared with `simulate` that `run` takes narrower: the proposers it
+    runs (`backends.speculative.REAL_METHODS`), one engine per pool, and no acceptance
+    rate to draw from (it measures one); each is refused in one line beyond that."""
+    for action in parser._actions:
+        if action.dest == "speculative":
+            action.metavar = "draft:MODEL|ngram|off"
+            action.help = ("the proposer: a draft model of the target's vocabulary "
+                           "(draft:tiny-llama) or an n-gram lookup (default: off); EAGLE and "
+                           "MTP heads are simulation-only")
+        elif action.dest == "acceptance_rate":
+            action.help = argparse.SUPPRESS   # refused: the run measures its acceptance
+        elif action.dest in ("prefill_replicas", "decode_replicas"):
+            action.help = f"{action.dest.split('_')[0]} replicas: 1 (one engine each)"
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -440,3 +440,6 @@ def test_run_help_offers_no_simulated_pool_flags(capsys):
     text = capsys.readouterr().out
     assert "--prefill-replicas" in text
     assert not any(f in text for f in ("--prefill-tp", "--decode-gpu", "--kv-link", "(default --tp)"))
+    # nor the proposers, the acceptance rate or pool sizes it refuses
+    assert "--speculative draft:MODEL|ngram|off" in text and "eagle|mtp" not in text
+    assert "--acceptance-rate" not in text and "prefill replicas: 1 (one engine each)" in text

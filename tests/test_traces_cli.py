@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,37 @@ def test_convert_writes_canonical_csv_that_loads_back_identically(traces_dir, tm
     (tmp_path / "file").write_text("x")
     assert main(["trace", "convert", "default", str(tmp_path / "file" / "t.csv")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_stats_lru_hit_ratio_needs_prefix_hashes_and_its_own_block_size_flag(traces_dir, capsys):
+    """The LRU line reads as a figure where the trace has hashes, as a plain sentence where
+    it has none, and --lru-block-size without a cache to size is refused, not ignored."""
+    assert main(["trace", "stats", "mooncake-conversation", "--trace-dir", str(traces_dir),
+                 "--lru-cache-tokens", "1000000"]) == 0
+    assert re.search(r"an LRU prefix cache of 1000000 tokens \(the trace's hashed blocks\) "
+                     r"would hit \d+\.\d% of their prompt tokens", capsys.readouterr().out)
+    assert main(["trace", "stats", "azure-conv-2023", "--trace-dir", str(traces_dir),
+                 "--lru-cache-tokens", "1000"]) == 0
+    assert ("an LRU prefix cache of 1000 tokens: no hit ratio, the trace's requests carry no "
+            "prefix hashes") in capsys.readouterr().out
+    assert main(["trace", "stats", "mooncake-conversation", "--trace-dir", str(traces_dir),
+                 "--lru-block-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give --lru-cache-tokens N too" in err
+
+
+def test_convert_keeps_an_existing_file_unless_forced(tmp_path, capsys):
+    """A run's requests.csv (or yesterday's conversion) is not overwritten by a typo."""
+    out = tmp_path / "requests.csv"
+    out.write_text("request_id,arrival_s\n0,0.0\n")
+    assert main(["trace", "convert", "default", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} exists: use another name, or --force" in err
+    assert out.read_text() == "request_id,arrival_s\n0,0.0\n"
+    assert main(["trace", "convert", "default", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["trace", "convert", "default", str(out), "--force"]) == 0
+    assert load_trace(out).records
 
 
 def test_datasets_lists_names_and_presence(traces_dir, tmp_path, capsys):

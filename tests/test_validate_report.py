@@ -191,6 +191,9 @@ def test_bad_run_directories_are_named(tmp_path, runs):
         load_real_run(tmp_path / "half")
     with pytest.raises(ValueError, match="a simulated run: validate compares a real run"):
         load_real_run(root / "sim-fcfs")
+    (tmp_path / "half" / "vllm_meta.json").write_text("{}")   # a recorded vLLM run's folder
+    with pytest.raises(ValueError, match="is a recorded vLLM run .* replay it with --real-requests"):
+        load_real_run(tmp_path / "half")
     broken = tmp_path / "broken"
     shutil.copytree(dirs[0], broken)
     doc = json.loads((broken / "config.json").read_text())

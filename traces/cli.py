@@ -104,7 +104,9 @@ def register(subparsers) -> None:
                        description="Convert any supported trace to servelab's canonical CSV "
                                    "(arrival_s,prompt_tokens,output_tokens[,...]).")
     c.add_argument("trace", metavar="IN", help="file path, dataset name or 'default'")
-    c.add_argument("output", metavar="OUT", help="CSV file to write")
+    c.add_argument("output", metavar="OUT", help="CSV file to write (an existing file is "
+                                                  "refused unless --force)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     _add_stats_and_convert_options(c)
     c.set_defaults(func=_cmd_convert)
 
@@ -125,6 +127,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from servelab.traces.stats import format_lru_hit_ratios, format_stats, trace_stats
     if args.bins < 1:
         raise CLIError(f"--bins must be >= 1, got {args.bins}")
+    if args.lru_block_size is not None and not args.lru_cache_tokens:
+        raise CLIError("--lru-block-size sizes the blocks of --lru-cache-tokens's cache: "
+                       "give --lru-cache-tokens N too")
     try:
         trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
         lengths_only = False
@@ -157,6 +162,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if suffix not in ("", ".csv", ".txt"):
         raise CLIError(f"trace convert writes servelab's canonical CSV, not {suffix[1:]}: name "
                        "the output .csv")
+    out = Path(args.output)
+    if out.is_dir():
+        raise CLIError(f"{out} is a folder: name the CSV file to write")
+    if out.exists() and not args.force:   # before loading: a run's requests.csv is not a trace
+        raise CLIError(f"{out} exists: use another name, or --force to replace it")
     trace = trace_from_args(args, seed=args.seed, max_model_len=args.max_model_len)
     try:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)   # as simulate --out does

@@ -126,9 +126,12 @@ def format_lru_hit_ratios(trace: Trace, capacities: list[int], block_size: int |
     lines = []
     for tokens in capacities:
         ratio = lru_prefix_hit_ratio(trace, tokens, block_size)
-        hit = f"{ratio:.1%}" if ratio is not None else "- (no prefix hashes)"
-        lines.append(f"an LRU prefix cache of {tokens} tokens ({unit}) would hit {hit} of their "
-                     "prompt tokens")
+        if ratio is None:
+            lines.append(f"an LRU prefix cache of {tokens} tokens: no hit ratio, the trace's "
+                         "requests carry no prefix hashes")
+        else:
+            lines.append(f"an LRU prefix cache of {tokens} tokens ({unit}) would hit {ratio:.1%} "
+                         "of their prompt tokens")
     return "\n".join(lines)
 
 

@@ -92,6 +92,10 @@ def load_real_run(path: str | Path) -> RealRun:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"run directory {path} does not exist")
+    if (path / "vllm_meta.json").is_file() and not any(
+            (path / f).is_file() for f in ("steps.csv", "steps.parquet")):
+        raise ValueError(f"{path} is a recorded vLLM run (vllm_meta.json), not a `servelab run` "
+                         f"directory: replay it with --real-requests {path}")
     for name in ("config.json", "steps.csv", "requests.csv", "summary.json"):
         files = [name] if name.endswith(".json") else [name, name.replace(".csv", ".parquet")]
         if not any((path / f).is_file() for f in files):
