@@ -70,11 +70,14 @@ class _Row:
 def layout_name(labels: Mapping[str, Any], replicas: int) -> str:
     """"5 x h100-sxm (TP1), fcfs, round-robin": count and GPU first, then the other knobs;
     a disaggregated layout reads "3 x [1P+3D] h100-sxm (TP1), ...": 3 units of one prefill
-    and three decode replicas."""
+    and three decode replicas; a mixture-of-experts deployment of data-parallel ranks
+    "2 x h100-sxm (TP1, DP2, EP2), ...": two deployments of two single-GPU ranks."""
     named = [labels[k] for k in ("policy", "router") if k in labels]
-    rest = [*named, *(f"{k}={v}" for k, v in labels.items() if k not in ("gpu", "tp", "pools", "policy", "router"))]
+    rest = [*named, *(f"{k}={v}" for k, v in labels.items()
+                      if k not in ("gpu", "tp", "pools", "ranks", "policy", "router"))]
     pools = f"[{labels['pools']}] " if is_disaggregated(labels) else ""
-    return ", ".join([f"{replicas} x {pools}{labels['gpu']} (TP{labels['tp']})", *rest])
+    ranks = f", {labels['ranks']}" if "ranks" in labels else ""
+    return ", ".join([f"{replicas} x {pools}{labels['gpu']} (TP{labels['tp']}{ranks})", *rest])
 
 
 def _ranked(data: Mapping[str, Any], out_dir: Path) -> list[_Row]:
@@ -117,10 +120,14 @@ def _ms(value: float) -> str:
 
 
 def _dollars_per_m_tokens(data: Mapping[str, Any], row: _Row, price_per_gpu: float | None) -> str:
-    """The layout's dollars an hour over its output tokens an hour. Its cost is the plan's
-    own where the plan priced it (every pool at its own GPU's price: a disaggregated
-    layout's decode pool may run other GPUs), else its GPU's price times its GPUs."""
-    tokens_per_s = row.summary["output_throughput"]
+    """The layout's dollars an hour over the output tokens an hour of the traffic it was
+    sized for: the offered rate times the mean output of the requests it served (the
+    run's own output throughput also counts the drain after the last arrival, which a
+    short trace makes a large share). Its cost is the plan's own where the plan priced it
+    (every pool at its own GPU's price: a disaggregated layout's decode pool may run
+    other GPUs), else its GPU's price times its GPUs."""
+    done = row.summary["completed"]
+    tokens_per_s = row.offered * row.summary["total_output_tokens"] / done if done else 0.0
     per_hour = row.layout["cost"] if data["objective"] == "cost" else \
         None if price_per_gpu is None else price_per_gpu * row.gpus
     if per_hour is None or not tokens_per_s:

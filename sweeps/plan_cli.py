@@ -146,7 +146,7 @@ def _layouts(args, parser):
         raise CLIError("plan searches the replica count itself: drop --replicas (bound it with --max-gpus)")
     for axis in POOL_AXES:
         axes.pop(axis, None)
-    layouts, skipped, checked = [], [], {}
+    layouts, skipped, checked, refused = [], [], {}, []
     shapes = _pool_shapes(args)
     for combo in itertools.product(*axes.values()):
         for shape in shapes:
@@ -156,13 +156,21 @@ def _layouts(args, parser):
                 at = list(values).index("tp") + 1
                 values = dict([*list(values.items())[:at], ("pools", unit.name), *list(values.items())[at:]])
             build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]}, shape)
-            config = build(1)
+            try:
+                config = build(1)
+            except CLIError as exc:   # e.g. a fixed --ep that this TP does not divide
+                refused.append(str(exc))
+                skipped.append((values, str(exc)))
+                continue
             ranks = config.replicas if shape is None else 1
             if ranks > 1:   # --ep/--dp: a replica is a deployment of that many engines
                 unit = _Unit(unit.name, unit.gpus * ranks, unit.cost * ranks,
                              f"{unit.describe} x {ranks} data-parallel ranks")
                 build = functools.partial(_config_at, args, parser, {**values, "rate": rates[0]},
                                           shape, ranks=ranks)
+                at = list(values).index("tp") + 1   # named after the TP: "(TP1, DP2, EP2)"
+                values = dict([*list(values.items())[:at], ("ranks", f"DP{ranks}, EP{config.ep}"),
+                               *list(values.items())[at:]])
             most = args.max_gpus // unit.gpus
             if most < 1:
                 skipped.append((values, f"{unit.describe} needs more than --max-gpus {args.max_gpus}"))
@@ -180,6 +188,8 @@ def _layouts(args, parser):
                 skipped.append((values, checked[machine]))
                 continue
             layouts.append(Layout(tuple(values.items()), unit.gpus, unit.cost, build, most))
+    if not layouts and len(refused) == len(skipped) and len(set(refused)) == 1:
+        raise CLIError(refused[0])   # the flags themselves, not a layout: one line
     return layouts, skipped, rates[0]
 
 

@@ -255,16 +255,20 @@ def test_capacity_holds_a_percentile_target(tmp_path, capsys):
 
 def test_dollars_per_million_tokens_price_each_pool_at_its_own_gpu():
     """A disaggregated layout of one H100 prefill replica and two TP2 L40S decode replicas:
-    its cost an hour is the plan's ($10.36, each pool at its GPU's price), not five H100s."""
+    its cost an hour is the plan's ($10.36, each pool at its GPU's price), not five H100s.
+    Its tokens an hour are the offered traffic's (30 req/s x 90 output tokens a request),
+    not the run's throughput, whose drain after the last arrival a short trace inflates."""
     from servelab.reports.plan_report import _Row, _dollars_per_m_tokens
 
-    row = _Row({"cost": 10.36, "replicas": 1, "gpus_per_replica": 5}, {"output_throughput": 2700.0},
-               {}, 30.0)
+    summary = {"output_throughput": 1500.0, "completed": 400, "total_output_tokens": 36_000}
+    row = _Row({"cost": 10.36, "replicas": 1, "gpus_per_replica": 5}, summary, {}, 30.0)
     cost_plan = {"objective": "cost"}
     assert _dollars_per_m_tokens(cost_plan, row, 4.76) == f"${10.36 / (2700 * 3600) * 1e6:,.2f}"
     assert _dollars_per_m_tokens({"objective": "gpus"}, row, 4.76) == \
         f"${4.76 * 5 / (2700 * 3600) * 1e6:,.2f}"
     assert _dollars_per_m_tokens({"objective": "gpus"}, row, None) == "n/a"
+    nothing = _Row(row.layout, {**summary, "completed": 0}, {}, 30.0)
+    assert _dollars_per_m_tokens(cost_plan, nothing, 4.76) == "n/a"
 
 
 def test_a_row_that_had_not_settled_says_what_it_served():
@@ -329,11 +333,17 @@ def test_a_layout_with_data_parallel_ranks_counts_and_prices_every_rank(tmp_path
     out = tmp_path / "plan"
     assert main(["plan", "--trace", "default", "--model", "qwen3-30b-a3b", "--ep", "2",
                  "--rate", "30", "--num-requests", "100", "--p99-ttft-ms", "2000",
-                 "--gpus", "h100-sxm", "--tps", "1", "--out", str(out)]) == 0
-    answer = capsys.readouterr().out
+                 "--gpus", "h100-sxm", "--tps", "1,4", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    answer = captured.out
     plan = json.loads((out / "plan.json").read_text())
     price = plan["prices"]["h100-sxm"]
+    assert "h100-sxm (TP1, DP2, EP2)" in answer
     assert "(2 GPUs)" in answer and f"${2 * price:.2f}/h" in answer
+    # a TP the fixed --ep does not divide is skipped, as a layout that does not fit is,
+    # and the others are searched
+    assert "skipped gpu=h100-sxm, tp=4" in captured.err and "--ep 2 must be a multiple" in captured.err
+    assert [s["labels"]["tp"] for s in plan["skipped"]] == [4]
     runs = {p.parent.name: json.loads(p.read_text())["config"]
             for p in (out / "runs").glob("*/config.json")}
     counts = {name: int(name.split("_x")[1].split("_")[0]) for name in runs}
