@@ -74,7 +74,7 @@ SWEEP_FLAGS: tuple[tuple[str, str, str, Callable[[str], Any] | None, str], ...] 
 LIST_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--replicas", "replicas", positive_int, "N[,N,...]"),
     ("--pp", "pp", positive_int, "N[,N,...]"),
-    ("--speculative", "speculative", _name, "off|ngram|draft:M,..."),
+    ("--speculative", "speculative", _name, "off|ngram|eagle|mtp|draft:M,..."),
     ("--num-speculative-tokens", "num_speculative_tokens", positive_int, "K[,K,...]"),
     ("--prefill-replicas", "prefill_replicas", positive_int, "N[,N,...]"),
     ("--decode-replicas", "decode_replicas", positive_int, "M[,M,...]"),
