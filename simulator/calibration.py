@@ -154,8 +154,12 @@ class CalibrationProfile:
         return cls.from_dict(data, source=str(path))
 
     def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON, atomically: an existing file is replaced whole or
+        left as it was."""
+        from servelab.atomic import write_atomic
+
         path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
 
@@ -215,7 +219,7 @@ def resolve(gpu: GPUSpec | str, calibration: "CalibrationProfile | str | Path | 
         return bare_roofline(spec.name)
     else:
         profile, label = load_profile(calibration), f"calibration profile {calibration}"
-    lender = _borrowed_device(spec)
+    lender = spec.name if profile.device == spec.name else _borrowed_device(spec)
     if profile.device not in (spec.name, lender):
         advice = (f"(whose catalog entry borrows {spec.calibration or 'no profile'}): fit one "
                   f"for {spec.name}" if lender != spec.name else
@@ -291,7 +295,10 @@ def _borrowed_device(spec: GPUSpec) -> str | None:
     if not spec.calibration:
         return None
     if spec.calibration in packaged_names() or spec.calibration.endswith(".json"):
-        return load_profile(spec.calibration).device
+        try:
+            return load_profile(spec.calibration).device
+        except ValueError:   # a GPU file's own profile not written yet: it lends nothing
+            return None
     return spec.calibration
 
 

@@ -172,6 +172,9 @@ def _cmd_cost(args: argparse.Namespace) -> int:
         if args.out:
             raise ValueError("--out needs --points")
         result = pricing.price(args.kind, vars(args))
+        note = pricing.carried_over_note(vars(args))
+        if note:
+            print(f"cost: note: {note}", file=sys.stderr)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

@@ -192,12 +192,17 @@ class GPUSpec:
 
 
 _UNIT_BOUNDS = {"bf16_tflops": (1.0, 1e5, "TFLOP/s", "a datasheet's 989 TFLOPS is 989"),
+                "fp8_tflops": (1.0, 1e5, "TFLOP/s", "a datasheet's 1,979 TFLOPS is 1979"),
                 "hbm_bandwidth_gbps": (20.0, 1e6, "GB/s", "a datasheet's 3.35 TB/s is 3350"),
                 "memory_gb": (1.0, 1e5, "GB", "an 80 GB GPU is 80"),
-                "pcie_gbps": (1.0, 1e4, "GB/s", "PCIe Gen5 x16 is 64")}
+                "pcie_gbps": (1.0, 1e4, "GB/s", "PCIe Gen5 x16 is 64"),
+                "nvlink_gbps": (1.0, 1e5, "GB/s", "H100's NVLink 4 is 450 per direction"),
+                "l2_mb": (0.1, 1e5, "MB", "H100's 50 MB L2 is 50"),
+                "host_memory_gb": (1.0, 1e6, "GB", "a DGX H100's 2 TB over 8 GPUs is 256")}
 """Plausible ranges of a GPU file's figures in their units, so that a figure in another
 unit (TB/s for GB/s, bytes for GB) is refused rather than priced: far wider than any GPU
-(the catalog's span 24-288 GB, 165-2,500 TFLOP/s, 864-8,000 GB/s), only not by 1,000x."""
+(the catalog's span 24-288 GB, 165-5,000 TFLOP/s, 864-8,000 GB/s, 40-128 MB of L2, 300-900
+GB/s of NVLink, 64-512 GB of host memory per GPU), only not by 1,000x."""
 
 
 def _check_units(data: dict, source: str) -> None:

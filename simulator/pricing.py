@@ -13,7 +13,7 @@ from pathlib import Path
 from servelab._validate import check_bounded
 from servelab.models import load_model_spec
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import packaged_choice, resolve
+from servelab.simulator.calibration import packaged_choice, resolve, version_key
 from servelab.simulator.footprint import ACT_BYTES
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 from servelab.simulator.kernels.movement import ONE_STAGE, RING, SYMM_MEM, TWO_STAGE
@@ -62,6 +62,25 @@ def _profile(gpu, opts: dict):
     name = opts.get("calibration") or (packaged_choice(gpu, engine_version)[0] if engine_version
                                        else gpu.calibration or "none")
     return profile, name
+
+
+def carried_over_note(opts: dict) -> str | None:
+    """A line for kernels priced inside another engine version than --engine-version asks
+    for (the GPU has no profile measured inside it), as `simulate` says; None otherwise."""
+    version = opts.get("engine_version")
+    if version is None or opts.get("gpu") is None:
+        return None
+    gpu = get_gpu(opts["gpu"])
+    if opts.get("calibration") is None:
+        line = packaged_choice(gpu, version)[1]
+        return line if "carried over" in line else None
+    if str(opts["calibration"]) == "none":
+        return None
+    profile = resolve(gpu, opts["calibration"], version, engine_flag="--engine-version {version}")
+    if profile.engine_version and version_key(profile.engine_version) != version_key(version):
+        return (f"{opts['calibration']} was fitted to kernels measured inside vLLM "
+                f"{profile.engine_version}: carried over to vLLM {version}")
+    return None
 
 
 def _check(kind: str, opts: dict) -> None:

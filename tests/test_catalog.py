@@ -197,6 +197,10 @@ def test_gpu_spec_validation_and_overrides():
     (lambda d: d.update(hbm_bandwidth_gbps=3.35), "hbm_bandwidth_gbps is in GB/s.*3.35 is outside"),
     (lambda d: d.update(memory_gb=80e9), "memory_gb is in GB.*outside"),
     (lambda d: d.update(bf16_tflops=989e12), "bf16_tflops is in TFLOP/s"),
+    (lambda d: d.update(fp8_tflops=1.979e15), "fp8_tflops is in TFLOP/s"),   # FP8 steps 30% faster
+    (lambda d: d.update(nvlink_gbps=450e9), "nvlink_gbps is in GB/s"),
+    (lambda d: d.update(l2_mb=50e6), "l2_mb is in MB"),
+    (lambda d: d.update(host_memory_gb=256e9), "host_memory_gb is in GB"),
 ])
 def test_a_gpu_file_without_its_sm_count_or_in_other_units_is_refused(change, message):
     data = json.loads((Path(__file__).parents[1] / "simulator" / "data" / "gpus" / "h100-sxm.json").read_text())

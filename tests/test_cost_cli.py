@@ -522,3 +522,16 @@ def test_points_say_which_flags_and_columns_they_replace(tmp_path, capsys):
     assert main(again) == 0
     err = capsys.readouterr().err
     assert "column predicted_ms is replaced by this pricing's" in err and "unread" not in err
+
+
+def test_an_engine_version_without_its_own_profile_is_noted(capsys):
+    """`cost --engine-version` for a version the GPU was not measured inside prices the
+    nearest one, and says so as `simulate` does (it said nothing)."""
+    base = ("step", "--gpu", "rtx-pro-6000", "--model", "llama-3.1-8b", "--decode", "32:2048")
+    rc, out, err = cost(capsys, *base, "--engine-version", "9.9.9")
+    assert rc == 0 and "vLLM 0.19.0" in out.splitlines()[0]
+    assert err == ("cost: note: carried over: no rtx-pro-6000 tables for vLLM 9.9.9; "
+                   "rtx-pro-6000's vLLM 0.19.0 profile (nearest engine version measured on this "
+                   "GPU)\n")
+    rc, _, err = cost(capsys, *base, "--engine-version", "0.19.0")
+    assert rc == 0 and err == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,8 +199,6 @@ def test_calibrate_refuses_a_holdout_outside_0_1(synthetic_gemms, tmp_path, caps
 def test_engine_ratios_compare_the_shapes_both_versions_measured(tmp_path):
     """newer / older latency percentiles per family, on matching shapes only; and the
     report's section that shows them."""
-    from pathlib import Path
-
     from servelab.validation.fidelity import engine_ratios, render
     from servelab.validation.measurements import load_measurements
 
@@ -235,6 +234,38 @@ def test_calibrate_checks_its_out_path_before_fitting(synthetic_gemms, tmp_path,
     assert main(["calibrate", "--from-measurements", str(synthetic_gemms), "--gpu", "h100-sxm",
                  "--out", str(out)]) == 0
     assert out.exists()
+
+
+def test_calibrate_refuses_a_family_left_fewer_points_than_parameters(synthetic_gemms, tmp_path,
+                                                                      capsys):
+    """--holdout 0.99 left the GEMM fit a handful of points (and another family none) and
+    wrote its guesses as a fitted profile, exit 0: one line now, and nothing written."""
+    out = tmp_path / "p.json"
+    rc = main(["calibrate", "--from-measurements", str(synthetic_gemms), "--gpu", "h100-sxm",
+               "--holdout", "0.99", "--out", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and re.fullmatch(r"servelab calibrate: error: gemm: \d+ training points for "
+                                    r"\d+ parameters .*: hold fewer out \(--holdout\) or measure "
+                                    r"more shapes", err[-1]), err
+    assert not out.exists()
+
+
+def test_calibrate_does_not_write_over_what_it_reads(synthetic_gemms, tmp_path, capsys):
+    """--out naming the GPU file, or a table of the measurements, replaced it with the
+    profile (exit 0): both are refused in one line, and left as they were."""
+    table = synthetic_gemms / "h100_sxm" / "gemm_perf.parquet"
+    gpu_file = tmp_path / "my-gpu.json"
+    spec = json.loads((Path(__file__).parents[1] / "simulator" / "data" / "gpus" /
+                       "h100-sxm.json").read_text())
+    gpu_file.write_text(json.dumps({**spec, "calibration": None}))
+    before = {p: p.read_bytes() for p in (table, gpu_file)}
+    for gpu, out, message in ((str(gpu_file), gpu_file, "is the GPU file --gpu reads"),
+                              ("h100-sxm", table, "would be a table among the measurements")):
+        rc = main(["calibrate", "--from-measurements", str(synthetic_gemms), "--gpu", gpu,
+                   "--out", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+    assert {p: p.read_bytes() for p in before} == before
 
 
 def test_fp8_kv_rows_faster_than_an_fp8_cache_explains_are_said_to_be_so():

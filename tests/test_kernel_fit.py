@@ -17,7 +17,7 @@ from _gpu_tables import real_measurements
 
 from servelab.outputs import BatchShape
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import CalibrationProfile, packaged, profile_for, resolve
+from servelab.simulator.calibration import CalibrationProfile, bare_roofline, packaged, profile_for, resolve
 from servelab.simulator.cost_model import CostModel
 from servelab.simulator.gpus import get_gpu
 from servelab.validation.kernel_fit import (
@@ -324,6 +324,18 @@ def test_a_gpu_file_outside_the_catalog_is_calibrated_and_priced_by_its_own_prof
     assert model.profile.kernels.gemm == profile.kernels.gemm
     chosen, line = profile_for(str(gpu_file), "0.24.0")
     assert chosen.kernels.gemm == profile.kernels.gemm and str(profile_file) in line
+    # a copy of the GPU file elsewhere, its profile not beside it: a profile given
+    # explicitly still prices it (the file's own is never read), and leaving it out names
+    # the missing file
+    moved = tmp_path / "elsewhere" / "my-h100.json"
+    moved.parent.mkdir()
+    moved.write_text(gpu_file.read_text())
+    assert CostModel("llama-3.1-8b", str(moved), calibration="none").profile.kernels.gemm \
+        == bare_roofline("my-h100").kernels.gemm
+    given = CostModel("llama-3.1-8b", str(moved), calibration=str(profile_file))
+    assert given.profile.kernels.gemm == profile.kernels.gemm
+    with pytest.raises(ValueError, match="cannot read calibration profile .*elsewhere/my-h100.profile.json"):
+        CostModel("llama-3.1-8b", str(moved))
 
 
 # --- the real H100 tables ---------------------------------------------------------------------

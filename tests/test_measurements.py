@@ -369,6 +369,40 @@ def test_tables_of_several_engine_versions_are_never_pooled(tmp_path):
         load_measurements([tmp_path], "h100-sxm", engine_version="0.14")
 
 
+def test_a_table_without_a_version_is_not_pooled_with_versioned_ones(tmp_path):
+    """A user's table with its version column left out, beside vLLM 0.19 tables: it was
+    pooled with them (the profile said 0.19.0, its source "VLLM ?"); an error naming it.
+    Tables that all lack the column are still read, as one engine's."""
+    gemm_file(tmp_path / "versioned", GEMMS)
+    gemm_file(tmp_path / "bare", GEMMS, drop=("version",))
+    with pytest.raises(MeasurementError, match=r"bare/h100_sxm/gemm_perf\.parquet: no version "
+                                               r"column, beside tables measured inside vLLM "
+                                               r"0\.14\.0: .*never pooled"):
+        load_measurements([tmp_path], "h100-sxm")
+    alone = load_measurements([tmp_path / "bare"], "h100-sxm")
+    assert len(alone.table("gemm")) == len(GEMMS) and alone.engine_version is None
+
+
+def test_a_table_in_seconds_is_refused_not_fitted_a_thousandfold_off(tmp_path):
+    """aiconfigurator's latency column is in milliseconds: a table written in seconds was
+    fitted (held-out MAPE 66,149%) and written as a profile, exit 0."""
+    gemm_file(tmp_path, [{**row, "latency": row["latency"] / 1000} for row in GEMMS])
+    with pytest.raises(MeasurementError, match=r"gemm_perf\.parquet: its median kernel time "
+                                               r"reads .* ms, below any kernel launch .*in "
+                                               r"milliseconds \(a table in seconds\?\)"):
+        load_measurements([tmp_path], "h100-sxm")
+
+
+def test_tables_no_family_reads_are_named_beside_the_ones_read(tmp_path):
+    """A folder's MLA module tables (the whole attention module) are not read: calibrate
+    said "no measurements" for MLA. They are named; another GPU's folder is not looked at."""
+    gemm_file(tmp_path, GEMMS)
+    (tmp_path / "h100_sxm" / "mla_context_module_perf.parquet").write_bytes(b"x")
+    (tmp_path / "b200_sxm").mkdir()
+    (tmp_path / "b200_sxm" / "mla_bmm_perf.parquet").write_bytes(b"x")
+    assert load_measurements([tmp_path], "h100-sxm").unread == ("mla_context_module_perf.parquet",)
+
+
 def test_a_table_of_several_engine_versions_is_an_error(tmp_path):
     gemm_file(tmp_path, [GEMMS[0], {**GEMMS[1], "version": "0.24.0"}])
     with pytest.raises(MeasurementError, match=r"gemm_perf\.parquet: rows measured inside several "

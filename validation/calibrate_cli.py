@@ -97,6 +97,23 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+TABLE_SUFFIXES = (".parquet", ".csv")
+"""What a measurement table may be named (`validation.measurements`)."""
+
+
+def _check_out_is_not_an_input(out: Path, args: argparse.Namespace) -> None:
+    """Refuse an --out that would replace what the fit reads: the GPU file, or a table in
+    a measurement folder (the profile is JSON, whatever the name says)."""
+    where = out.resolve()
+    if str(args.gpu).endswith(".json") and where == Path(args.gpu).resolve():
+        raise CLIError(f"--out {out} is the GPU file --gpu reads: write the profile beside it "
+                       f"(e.g. {out.with_suffix('.profile.json')})")
+    if out.suffix.lower() in TABLE_SUFFIXES and any(
+            where.is_relative_to(Path(folder).resolve()) for folder in args.from_measurements):
+        raise CLIError(f"--out {out} would be a table among the measurements --from-measurements "
+                       "reads: write the profile (JSON) elsewhere")
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from servelab.simulator.calibration import load_profile
     from servelab.simulator.gpus import get_gpu
@@ -106,6 +123,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise CLIError(f"--out {out} is a folder: name the profile file to write (e.g. {out / 'my-gpu.json'})")
+    _check_out_is_not_an_input(out, args)
     try:   # before the fit, which takes minutes: a folder that cannot be made fails now
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -120,9 +138,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if ms.dropped:
         print("dropped: " + ", ".join(f"{n} {why}" for why, n in sorted(ms.dropped.items())),
               file=sys.stderr)
-    result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
-                       data_version=args.data_version, max_points=args.max_points,
-                       progress=lambda line: print(line, file=sys.stderr), gpu=gpu)
+    if ms.unread:
+        print(f"not read (no kernel family reads them): {', '.join(ms.unread)}", file=sys.stderr)
+    try:
+        result = calibrate(ms, seed=args.seed, holdout=args.holdout, fallback=fallback,
+                           data_version=args.data_version, max_points=args.max_points,
+                           progress=lambda line: print(line, file=sys.stderr), gpu=gpu)
+    except ValueError as exc:   # e.g. a family left too few points to fit: nothing written
+        raise CLIError(str(exc)) from None
     try:
         path = result.profile.save(out)
     except OSError as exc:

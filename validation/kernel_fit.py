@@ -177,6 +177,12 @@ def fit_family(fam: Family, table: Table, gpu: GPUSpec, heldout: np.ndarray,
     y = np.log(train["latency_s"])
     best, best_params = None, None
     untold = fam.untold(table)
+    free = [n for n in fam.fitted if n not in {**fam.fixed(gpu), **untold}]
+    if len(train) < len(free):
+        raise ValueError(f"{fam.name}: {len(train)} training points for {len(free)} parameters "
+                         f"({int(heldout.sum())} of {len(table)} held out, "
+                         f"{int((~heldout & glitch).sum())} glitches): hold fewer out "
+                         "(--holdout) or measure more shapes")
     for fixed in (fam.fixed(gpu), *fam.alternatives(gpu)):
         fixed = {**fixed, **untold}
         names = [n for n in fam.fitted if n not in fixed]

@@ -100,6 +100,9 @@ class MeasurementSet:
     engine_version: str | None = None
     """The engine version the aiconfigurator tables were measured inside (one at most: they
     are never pooled); None where no table says (Vidur's tables)."""
+    unread: tuple[str, ...] = ()
+    """Table files found that no kernel family reads (e.g. aiconfigurator's MLA module
+    tables, which time the whole attention module), by name."""
 
     def table(self, family: str) -> Table:
         return self.tables.get(family) or Table(family, {}, [])
@@ -128,6 +131,11 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
     sources: dict[str, list[str]] = {}
     dropped: dict[str, int] = {}
     versions: dict[str, list[Path]] = {}
+    unread: set[Path] = set()
+    read_in: set[Path] = set()
+    """Folders a table of this GPU was read from: the unread files beside them are noted."""
+    unversioned: list[Path] = []
+    """aiconfigurator tables without a version column: pooled only with their own kind."""
     skipped: set[str] = set()
     seen_any = False
     for folder in folders:
@@ -137,6 +145,8 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
         for path in sorted(root.rglob("*")):
             family, reader = _recognise(path)
             if family is None:
+                if path.suffix in (".parquet", ".csv") and path.is_file():
+                    unread.add(path)
                 continue
             seen_any = True
             version = _engine_version(path) if reader is _read_aiconfigurator else None
@@ -146,9 +156,13 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
             table, project = reader(path, spec, drop_bad_rows, dropped)
             if table is None:
                 continue
+            _check_latency_unit(path, table)
             if version is not None:
                 versions.setdefault(version, []).append(path.parent)
+            elif reader is _read_aiconfigurator:
+                unversioned.append(path)
             parts.setdefault(family, []).append(table)
+            read_in.add(path.parent)
             where = Path(root.resolve().name) / path.relative_to(root)
             sources.setdefault(family, []).append(f"{project}: {where}")
     if len(versions) > 1:
@@ -158,6 +172,11 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
                                f"({found}); they are never pooled: choose one with "
                                f"--engine-version (packaged profiles exist for "
                                f"{', '.join(ENGINE_VERSIONS)})")
+    if versions and unversioned:
+        raise MeasurementError(f"{unversioned[0]}: no version column, beside tables measured "
+                               f"inside vLLM {', '.join(sorted(versions))}: tables of several "
+                               "engine versions are never pooled; give it the version column of "
+                               "the engine that measured it, or keep it in another folder")
     if not seen_any:
         raise MeasurementError(f"no measurement tables found under {', '.join(map(str, folders))} "
                                f"(expected aiconfigurator *_perf.parquet or Vidur *.mlp.csv / "
@@ -171,7 +190,24 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
         raise MeasurementError(f"no measurements for {spec.name} under "
                                f"{', '.join(map(str, folders))} (the tables found name other GPUs)")
     return MeasurementSet(spec.name, tables, {k: "; ".join(v) for k, v in sources.items()}, dropped,
-                          next(iter(versions), None))
+                          next(iter(versions), None),
+                          tuple(sorted(p.name for p in unread if p.parent in read_in)))
+
+
+SLOWEST_MEDIAN_S = 1e-6
+"""No table's median kernel time is under a microsecond (a launch alone takes a few: the
+shared tables' medians are 6 µs and up, their fastest rows 1.7 µs)."""
+
+
+def _check_latency_unit(path: Path, table: Table) -> None:
+    """A table whose median time is below `SLOWEST_MEDIAN_S` holds another unit (seconds
+    where the format says milliseconds): an error, not a fit 1,000x off."""
+    if "latency_s" in table.columns and len(table) \
+            and float(np.median(table["latency_s"])) < SLOWEST_MEDIAN_S:
+        median_ms = float(np.median(table["latency_s"])) * 1e3
+        raise MeasurementError(f"{path}: its median kernel time reads {median_ms:.3g} ms, below "
+                               f"any kernel launch (~{SLOWEST_MEDIAN_S * 1e6:g} µs): the latency "
+                               "column is in milliseconds (a table in seconds?)")
 
 
 def _engine_version(path: Path) -> str | None:
