@@ -85,6 +85,12 @@ OPTIONAL_RUN_FILES = ("disaggregation.json", "handoffs.csv", "handoffs.parquet",
 outputs saved): `clear_optional_files` removes an earlier run's before a new one is written."""
 
 
+RUN_FILES = ("config.json", "summary.json", *(f"{name}{suffix}" for name in ("requests", "steps")
+                                              for suffix in SUFFIXES.values()),
+             *OPTIONAL_RUN_FILES)
+"""Every file a run directory may hold: what a new run written there replaces."""
+
+
 def clear_optional_files(out_dir: PathLike) -> None:
     """Remove what an earlier run wrote into `out_dir` beside the tables that this one may
     not write (`OPTIONAL_RUN_FILES`): a run replaced with --force leaves none of them."""

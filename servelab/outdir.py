@@ -15,9 +15,17 @@ need `--force`:
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
+
+RUN_LOCK = ".run.lock"
+"""Held (flock) inside a run directory while a command moves its files in."""
+STAGING_PREFIX = ".staging-"
+"""A run's files are written into DIR/.staging-<pid> first (`staged_run_dir`)."""
 
 
 def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
@@ -27,7 +35,7 @@ def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    if not any(out.iterdir()):
+    if not any(not _ours(p) for p in out.iterdir()):
         return
     try:
         earlier = json.loads((out / "config.json").read_text(encoding="utf-8"))["config"]
@@ -42,6 +50,76 @@ def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
                 f"differ{'s' if len(differ) == 1 else ''})") if differ else ""
         raise ValueError(f"--out {out} holds another run{what}: use another --out, or --force "
                          "to replace it")
+
+
+def _ours(path: Path) -> bool:
+    """The lock and staging folders a run directory holds while (or after) it is written."""
+    return path.name == RUN_LOCK or path.name.startswith(STAGING_PREFIX)
+
+
+@contextlib.contextmanager
+def staged_run_dir(out: Path, replaces: Iterable[str],
+                   check: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """A folder inside `out` to write a run's files into; leaving the block moves them into
+    `out` together, so that `out` holds one run's files, never a mix of two. `replaces`
+    names the files an earlier run may have left there: those this run does not write go.
+
+    The move runs under a lock on `out` (`RUN_LOCK`), after `check(out)` (which may raise:
+    another command may have written `out` since it was first checked); a second command
+    moving its files in at that moment is refused (ValueError). Until the move, `out` is as
+    it was: an error or an interrupt while the files are written leaves it so (the staging
+    folder is removed, or by the next write if the process was killed). config.json goes
+    first and comes back last, so a move cut short leaves no run to mistake for another."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f"{STAGING_PREFIX}{os.getpid()}"
+    for stale in out.glob(f"{STAGING_PREFIX}*"):   # ours from an earlier crash, or a live one's
+        if stale == staging or not _alive(stale.name[len(STAGING_PREFIX):]):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        with _run_lock(out):
+            if check is not None:
+                check(out)
+            written = {p.name for p in staging.iterdir()}
+            (out / "config.json").unlink(missing_ok=True)
+            for name in set(replaces) - written:
+                (out / name).unlink(missing_ok=True)
+            for name in sorted(written - {"config.json"}) + ["config.json"] * ("config.json" in written):
+                os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether process `pid` (a staging folder's) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: no lock
+        yield
+        return
+    lock = out / RUN_LOCK
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another command is writing {out} (locked: {lock})") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 SWEEP_REPORTS = (("plan", "plan.json"), ("capacity", "capacity.json"), ("compare", "sweep.json"))

@@ -43,7 +43,7 @@ class RequestProgress:
             self._bar = tqdm(total=total, desc=command, unit="req", file=stream, mininterval=min_interval_s,
                              dynamic_ncols=True, leave=True,
                              bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} requests "
-                                        "[{elapsed}<{remaining}, {rate_fmt}] {postfix}")
+                                        "[{elapsed}<{remaining}, {rate_fmt}]{postfix}")
 
     def update(self, done: int, clock_s: float, extra: str = "") -> None:
         """`done` requests finished (or rejected) at `clock_s` on the run's clock."""

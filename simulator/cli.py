@@ -355,10 +355,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     out = Path(args.out)
-    try:
-        write_run_dir(result, out, args.output_format)
+    try:   # --out checked again as the files go in: another command may have written it since
+        write_run_dir(result, out, args.output_format,
+                      check=lambda d: check_out_dir(d, config.to_dict(), force=args.force))
     except OSError as exc:
         raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise CLIError(f"{exc} (written while this run ran: its results are not written)") \
+            from exc
     if problem is not None:
         print(f"servelab simulate: error: {describe_check_failure(problem, out)}", file=sys.stderr)
         return 1
@@ -395,7 +399,8 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
         and np.isnan(floats(result.requests, "slo_tpot_ms")).all())
     goodput = (f"goodput {s['request_goodput']:.2f} req/s ({slo_attainment(s):.1%} of requests within "
                "their SLOs)" if has_slo else "goodput n/a (no SLO: give --slo-ttft-ms / --slo-tpot-ms)")
-    lines = [f"{s['completed']} requests finished, {s['rejected']} rejected, "
+    lines = [f"{s['completed']} request{'' if s['completed'] == 1 else 's'} finished, "
+             f"{s['rejected']} rejected, "
              f"{s['num_preemptions']} preemptions in {s['duration']:.1f} simulated s",
              f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} output tok/s; {goodput}",
              f"TTFT mean {_ms(s['mean_ttft_ms'], 1)}, p99 {_ms(s['p99_ttft_ms'], 1)}; "

@@ -664,23 +664,24 @@ def run_simulation(config: SimulationConfig, out_dir: Path | None = None,
     return result
 
 
-def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = "csv") -> None:
-    """config.json, summary.json (unless the result has none: a stale one is removed),
-    then requests and steps (.csv or .parquet)."""
-    from servelab.reports.runio import clear_optional_files, write_json, write_records
+def write_run_dir(result: SimulationResult, out_dir: Path, output_format: str = "csv",
+                  check=None) -> None:
+    """config.json, summary.json (unless the result has none: a stale one goes), requests
+    and steps (.csv or .parquet), moved into `out_dir` together (`outdir.staged_run_dir`:
+    an earlier run's files are replaced as a whole, never mixed with these; `check(out_dir)`
+    runs just before, under the directory's lock)."""
+    from servelab.outdir import staged_run_dir
+    from servelab.reports.runio import RUN_FILES, write_json, write_records
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clear_optional_files(out_dir)
-    write_json(out_dir / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
-                                         "config": result.config.to_dict(),
-                                         "derived": result.derived})
-    if result.summary is None:
-        (out_dir / "summary.json").unlink(missing_ok=True)
-    else:
-        write_json(out_dir / "summary.json", result.summary)
-    write_records(out_dir, result.requests, result.steps, output_format)
-    if result.disaggregation is not None:   # disaggregation.json, handoffs.<format>
-        result.disaggregation.write(out_dir, output_format)
+    with staged_run_dir(out_dir, RUN_FILES, check) as staging:
+        write_json(staging / "config.json", {"format": CONFIG_FORMAT, "servelab_version": __version__,
+                                             "config": result.config.to_dict(),
+                                             "derived": result.derived})
+        if result.summary is not None:
+            write_json(staging / "summary.json", result.summary)
+        write_records(staging, result.requests, result.steps, output_format)
+        if result.disaggregation is not None:   # disaggregation.json, handoffs.<format>
+            result.disaggregation.write(staging, output_format)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,7 +710,12 @@ def main(argv: list[str] | None = None) -> int:
         result, problem = sim.run(), None
     except RunCheckError as exc:
         result, problem = exc.result, exc
-    write_run_dir(result, Path(args.out), args.output_format)
+    try:
+        write_run_dir(result, Path(args.out), args.output_format,
+                      check=lambda d: check_out_dir(d, config.to_dict(), force=args.force))
+    except ValueError as exc:   # another command wrote --out while this one ran
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if problem is not None:
         print(f"error: {describe_check_failure(problem, args.out)}", file=sys.stderr)
         return 1

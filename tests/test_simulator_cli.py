@@ -456,6 +456,53 @@ def test_a_rerun_from_config_json_guards_out_as_simulate_does(tmp_path, trace_fi
     assert rerun([config, "--out", str(other), "--force"]) == 0
 
 
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_run_directory_is_replaced_whole_or_not_at_all(tmp_path, trace_file, monkeypatch):
+    """An interrupt while a run's files are written left the new config.json beside the
+    old run's summary and tables; now the files go in together, so the folder keeps the
+    earlier run, and no staging folder is left behind."""
+    import servelab.reports.runio as runio
+
+    out = tmp_path / "run"
+    assert simulate("--trace", str(trace_file), "--num-requests", "5", "--out", str(out)) == 0
+    before = _files(out)
+    real = runio.write_steps
+
+    def interrupted(path, records):
+        real(path, records)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runio, "write_steps", interrupted)
+    assert simulate("--trace", str(trace_file), "--num-requests", "6", "--out", str(out),
+                    "--force") == 130     # "interrupted", as at Ctrl-C
+    assert _files(out) == before
+
+
+def test_a_run_written_into_its_out_meanwhile_is_not_mixed_with_nor_replaced(tmp_path, trace_file):
+    """Two commands into one --out at once both passed the first check and both wrote: one
+    run's tables could end up beside the other's config. At the move, --out is checked
+    again, under a lock."""
+    from servelab.outdir import RUN_LOCK, check_out_dir
+    from servelab.simulator.run import SimulationConfig, run_simulation, write_run_dir
+
+    out = tmp_path / "run"
+    first = run_simulation(SimulationConfig(trace=str(trace_file), num_requests=5), out)
+    before = _files(out)
+    second = run_simulation(SimulationConfig(trace=str(trace_file), num_requests=6))
+    with pytest.raises(ValueError, match="holds another run"):
+        write_run_dir(second, out, check=lambda d: check_out_dir(d, second.config.to_dict(),
+                                                                  force=False))
+    assert _files(out) == before
+    import fcntl
+    with open(out / RUN_LOCK, "a") as held:   # another command moving its files in now
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match="another command is writing"):
+            write_run_dir(first, out)
+    assert _files(out) == {**before, RUN_LOCK: b""} and not list(out.glob(".staging-*"))
+
+
 def test_a_max_model_len_past_the_models_context_is_refused_as_vllm_does(tmp_path, capsys):
     """vLLM's _get_and_verify_max_len refuses it (positions past the context give wrong
     outputs); a 200k-token prompt on Llama-3.1-8B (131,072) used to be priced silently."""
