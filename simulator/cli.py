@@ -410,6 +410,14 @@ def format_summary(result, out: Path, output_format: str = "csv") -> str:
     sign = overload(result.requests)
     if sign is not None:
         lines.append(f"warning: {sign.describe()}")
+    limit = config.scheduler.max_model_len
+    done = np.asarray(column(result.requests, "status")) == "finished"
+    reached = int(((floats(result.requests, "prompt_tokens") + floats(result.requests, "output_tokens")
+                    >= limit) & done).sum())
+    if reached:
+        lines.append(f"note: {reached:,} request{'' if reached == 1 else 's'} reached "
+                     f"--max-model-len {limit:,} (prompt + output): an output the trace asks "
+                     "to run longer stops there, as vLLM stops it")
     dropped = (result.derived.get("trace") or {}).get("dropped_rows", 0)
     if dropped:
         lines.append(f"note: --on-bad-row drop left out {dropped:,} of the trace's rows "

@@ -415,6 +415,18 @@ def test_rows_dropped_from_the_trace_are_noted_on_the_console(tmp_path, capsys):
             "counts them)") in capsys.readouterr().out
 
 
+def test_requests_stopped_at_max_model_len_are_noted(tmp_path, capsys):
+    """A 2,040-token prompt asking for 20 tokens under a 2,048-token limit stops after 8,
+    as vLLM stops it: requests.csv says 8, and the console now says why."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,2040,20\n0.1,100,5\n")
+    assert simulate("--trace", str(trace), "--max-model-len", "2048", "--out", str(tmp_path / "r")) == 0
+    assert ("note: 1 request reached --max-model-len 2,048 (prompt + output): an output the "
+            "trace asks to run longer stops there, as vLLM stops it") in capsys.readouterr().out
+    assert (tmp_path / "r" / "requests.csv").read_text().splitlines()[1].split(",")[2:4] == \
+        ["2040", "8"]
+
+
 def test_a_prefix_router_without_a_prefix_cache_is_noted(tmp_path, trace_file, capsys):
     note = ("servelab simulate: note: --router prefix-affinity routes for prefix-cache hits, "
             "and this run keeps no prefix cache: nothing is reused (give --prefix-caching)")
