@@ -214,8 +214,11 @@ def _run_length(groups, out_dir: Path, data: Mapping[str, Any]) -> list:
     if spans:
         counts = sorted({n for n, _ in spans})
         low, high = min(s for _, s in spans), max(s for _, s in spans)
+        digits = 0 if f"{low:,.0f}" != f"{high:,.0f}" else 1
+        span = f"{low:,.{digits}f} to {high:,.{digits}f}" if f"{low:,.{digits}f}" != f"{high:,.{digits}f}" \
+            else f"{low:,.{digits}f}"
         doc.append(Text(
-            f"Each run replays {', '.join(f'{n:,}' for n in counts)} requests: {low:,.0f} to {high:,.0f} s of "
+            f"Each run replays {', '.join(f'{n:,}' for n in counts)} requests: {span} s of "
             "arrivals at the capacities found. A run answers whether the SLOs hold for that long: an overload "
             "so slight that its queue needs longer to push latencies past the SLOs goes unseen, so a capacity "
             f"from a short run is an upper bound, and a longer run ({_longer(data, counts)}) gives an equal "

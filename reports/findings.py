@@ -219,7 +219,7 @@ def _winner_table(group: Group) -> Table:
                 row.append("all break")
             elif len(at) == 1:
                 row.append(f"{at[0].policy} (the only one holding)")
-            elif len(shown) == 1 and len(won) == len(at):
+            elif len(set(values.values())) == 1:   # equal, not merely equal when rounded
                 row.append(f"all equal ({shown[0]})")
             elif not clear:
                 row.append(f"no clear winner (within {WIN_MARGIN:.0%})")

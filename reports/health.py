@@ -103,7 +103,8 @@ class Overload:
         parts = []
         if self.queue_floor is not None:
             parts.append(f"the waiting queue never emptied over the last quarter of the arrivals (at least "
-                         f"{self.queue_floor:,} requests waited throughout)")
+                         f"{self.queue_floor:,} requests waited throughout, counted from each request's "
+                         "arrival to its first step)")
         if self.backlog_s is not None:
             parts.append(f"{MIN_QUEUE_FLOOR} or more requests waited without a break for "
                          f"{_secs(self.backlog_s)} s of the {_secs(self.arrival_span_s)} s of arrivals "

@@ -16,16 +16,19 @@ need `--force`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-RUN_LOCK = ".run.lock"
-"""Held (flock) inside a run directory while a command moves its files in."""
 STAGING_PREFIX = ".staging-"
-"""A run's files are written into DIR/.staging-<pid> first (`staged_run_dir`)."""
+"""A run's files are written into a DIR/.staging-* folder first (`staged_run_dir`)."""
+STALE_STAGING_S = 86_400.0
+"""A staging folder this old was left by a killed process: the next write removes it."""
 
 
 def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
@@ -53,8 +56,44 @@ def check_out_dir(out: Path, config: dict[str, Any], *, force: bool) -> None:
 
 
 def _ours(path: Path) -> bool:
-    """The lock and staging folders a run directory holds while (or after) it is written."""
-    return path.name == RUN_LOCK or path.name.startswith(STAGING_PREFIX)
+    """A staging folder a run directory holds while (or, killed, after) it is written."""
+    return path.name.startswith(STAGING_PREFIX)
+
+
+class OutDirTaken(ValueError):
+    """Another command holds, or wrote meanwhile, the directory a run was to move into."""
+
+
+@contextlib.contextmanager
+def exclusive_lock(target: Path, busy: Callable[[], Exception]) -> Iterator[None]:
+    """Hold an exclusive lock (flock) on `target`, a directory or a lock file (made if
+    missing), for the block, or raise `busy()` at once when another process holds it. The
+    kernel releases the lock of a process that dies. Where locks are not to be had (not
+    POSIX, or a file system without them: NFS without lockd, some FUSE mounts) the block
+    runs unlocked, as it did before locks were taken."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    flags = os.O_RDONLY if target.is_dir() else os.O_RDWR | os.O_CREAT
+    fd = os.open(target, flags, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy() from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -64,62 +103,36 @@ def staged_run_dir(out: Path, replaces: Iterable[str],
     `out` together, so that `out` holds one run's files, never a mix of two. `replaces`
     names the files an earlier run may have left there: those this run does not write go.
 
-    The move runs under a lock on `out` (`RUN_LOCK`), after `check(out)` (which may raise:
+    The move runs under a lock on the directory `out` itself, after `check(out)` (which may raise;
     another command may have written `out` since it was first checked); a second command
-    moving its files in at that moment is refused (ValueError). Until the move, `out` is as
-    it was: an error or an interrupt while the files are written leaves it so (the staging
-    folder is removed, or by the next write if the process was killed). config.json goes
-    first and comes back last, so a move cut short leaves no run to mistake for another."""
+    moving its files in at that moment is refused (`OutDirTaken`). Until the move, `out` is
+    as it was: an error or an interrupt while the files are written leaves it so (the
+    staging folder is removed; one a killed process left is removed by the next write into
+    `out` that finds it older than a day). config.json goes first and comes back last, so a
+    move cut short leaves no run to mistake for another."""
     out.mkdir(parents=True, exist_ok=True)
-    staging = out / f"{STAGING_PREFIX}{os.getpid()}"
-    for stale in out.glob(f"{STAGING_PREFIX}*"):   # ours from an earlier crash, or a live one's
-        if stale == staging or not _alive(stale.name[len(STAGING_PREFIX):]):
-            shutil.rmtree(stale, ignore_errors=True)
-    staging.mkdir()
+    for stale in out.glob(f"{STAGING_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > STALE_STAGING_S:
+                shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
     try:
         yield staging
-        with _run_lock(out):
+        with exclusive_lock(out, lambda: OutDirTaken(f"another command is writing {out}")):
             if check is not None:
-                check(out)
+                try:
+                    check(out)
+                except ValueError as exc:
+                    raise OutDirTaken(str(exc)) from exc
             written = {p.name for p in staging.iterdir()}
             (out / "config.json").unlink(missing_ok=True)
             for name in set(replaces) - written:
                 (out / name).unlink(missing_ok=True)
-            for name in sorted(written - {"config.json"}) + ["config.json"] * ("config.json" in written):
+            last = ["config.json"] if "config.json" in written else []
+            for name in sorted(written - {"config.json"}) + last:
                 os.replace(staging / name, out / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _alive(pid: str) -> bool:
-    """Whether process `pid` (a staging folder's) still runs."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def _run_lock(out: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:   # not POSIX: no lock
-        yield
-        return
-    lock = out / RUN_LOCK
-    with open(lock, "a") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another command is writing {out} (locked: {lock})") from None
-        try:
-            yield
-        finally:
-            lock.unlink(missing_ok=True)
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 SWEEP_REPORTS = (("plan", "plan.json"), ("capacity", "capacity.json"), ("compare", "sweep.json"))

@@ -317,7 +317,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from servelab.progress import RequestProgress
     from servelab.simulator.run import RunCheckError, build_simulation, describe_check_failure, write_run_dir
 
-    from servelab.outdir import check_out_dir
+    from servelab.outdir import OutDirTaken, check_out_dir
 
     notes = []
     if args.vllm_args:   # read once: its values replace the flags', its notes are printed
@@ -360,7 +360,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                       check=lambda d: check_out_dir(d, config.to_dict(), force=args.force))
     except OSError as exc:
         raise CLIError(f"cannot write the run directory {out}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
+    except OutDirTaken as exc:
         raise CLIError(f"{exc} (written while this run ran: its results are not written)") \
             from exc
     if problem is not None:

@@ -609,13 +609,16 @@ def check_host_tier(config: SimulationConfig) -> None:
     from servelab.simulator.gpus import get_gpu
 
     c = config
-    if not c.kv_offload_gb:
+    if not (c.kv_offload_gb or c.cpu_kv_blocks):
         return
     cost = CostModel(load_model_spec(c.model), get_gpu(c.gpu), tp=c.tp, weight_dtype=c.weight_dtype,
                      kv_dtype=c.kv_dtype, calibration=c.calibration, block_size=c.block_size,
                      ep=c.ep, expert_load=c.expert_load)
-    host_tier_blocks(c.kv_offload_gb, cost.block_bytes * c.tp)
-    check_host_memory(cost.gpu, c.tp, c.kv_offload_gb, c.cpu_kv_blocks * cost.block_bytes * c.tp)
+    if c.kv_offload_gb:
+        host_tier_blocks(c.kv_offload_gb, cost.block_bytes * c.tp)
+    # a replica's blocks span its tp x pp GPUs, as `build_simulation` counts them
+    check_host_memory(cost.gpu, c.tp * c.pp, c.kv_offload_gb,
+                      c.cpu_kv_blocks * cost.block_bytes * c.tp)
 
 
 def build_simulation(config: SimulationConfig) -> Simulation:
@@ -698,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     add_output_options(parser)
     args = parser.parse_args(argv)
     try:
-        from servelab.outdir import check_out_dir
+        from servelab.outdir import OutDirTaken, check_out_dir
 
         config = load_config(args.config)
         check_out_dir(Path(args.out), config.to_dict(), force=args.force)
@@ -713,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_run_dir(result, Path(args.out), args.output_format,
                       check=lambda d: check_out_dir(d, config.to_dict(), force=args.force))
-    except ValueError as exc:   # another command wrote --out while this one ran
+    except OutDirTaken as exc:   # another command wrote --out while this one ran
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if problem is not None:

@@ -29,7 +29,6 @@ Running the points (a process pool or Ray) is `sweeps/runner.py`: `run_sweep` fo
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -37,7 +36,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -245,23 +244,12 @@ def commit_point(point: SweepPoint, runs_dir: Path, write: Callable[[Path], None
     return final
 
 
-@contextlib.contextmanager
-def sweep_lock(out_dir: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, one sweep per DIR is up to the user
-        yield
-        return
-    with open(out_dir / LOCK_FILE, "a") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SweepError(f"another sweep is writing {out_dir} (locked: {out_dir / LOCK_FILE})") \
-                from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+def sweep_lock(out_dir: Path):
+    """Hold DIR/.sweep.lock while a sweep writes DIR (`outdir.exclusive_lock`)."""
+    from servelab.outdir import exclusive_lock
+
+    return exclusive_lock(out_dir / LOCK_FILE, lambda: SweepError(
+        f"another sweep is writing {out_dir} (locked: {out_dir / LOCK_FILE})"))
 
 
 def write_sweep_file(out_dir: Path, points: Sequence[SweepPoint],

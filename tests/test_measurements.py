@@ -383,6 +383,21 @@ def test_a_table_without_a_version_is_not_pooled_with_versioned_ones(tmp_path):
     assert len(alone.table("gemm")) == len(GEMMS) and alone.engine_version is None
 
 
+def test_a_real_gpu_folder_copied_elsewhere_still_loads(tmp_path):
+    """NCCL's table takes its engine version from its aiconfigurator-vllm-X folder: copied
+    out of it, it is no unversioned table to refuse beside the versioned ones."""
+    import shutil
+
+    from _gpu_tables import real_measurements
+
+    release = real_measurements() / "aiconfigurator-vllm-0.14.0"
+    shutil.copytree(release / "a100_sxm", tmp_path / "mine" / "a100_sxm")
+    copied = load_measurements([tmp_path / "mine"], "a100-80gb", drop_bad_rows=True)
+    in_place = load_measurements([release], "a100-80gb", drop_bad_rows=True)
+    assert {f: len(t) for f, t in copied.tables.items()} == \
+        {f: len(t) for f, t in in_place.tables.items()}
+
+
 def test_a_table_in_seconds_is_refused_not_fitted_a_thousandfold_off(tmp_path):
     """aiconfigurator's latency column is in milliseconds: a table written in seconds was
     fitted (held-out MAPE 66,149%) and written as a profile, exit 0."""

@@ -496,7 +496,7 @@ def test_a_run_written_into_its_out_meanwhile_is_not_mixed_with_nor_replaced(tmp
     """Two commands into one --out at once both passed the first check and both wrote: one
     run's tables could end up beside the other's config. At the move, --out is checked
     again, under a lock."""
-    from servelab.outdir import RUN_LOCK, check_out_dir
+    from servelab.outdir import check_out_dir
     from servelab.simulator.run import SimulationConfig, run_simulation, write_run_dir
 
     out = tmp_path / "run"
@@ -507,12 +507,17 @@ def test_a_run_written_into_its_out_meanwhile_is_not_mixed_with_nor_replaced(tmp
         write_run_dir(second, out, check=lambda d: check_out_dir(d, second.config.to_dict(),
                                                                   force=False))
     assert _files(out) == before
-    import fcntl
-    with open(out / RUN_LOCK, "a") as held:   # another command moving its files in now
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+    import fcntl                               # POSIX: where runs lock their directory
+    held = os.open(out, os.O_RDONLY)           # another command moving its files in now
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(ValueError, match="another command is writing"):
             write_run_dir(first, out)
-    assert _files(out) == {**before, RUN_LOCK: b""} and not list(out.glob(".staging-*"))
+    finally:
+        os.close(held)
+    assert _files(out) == before and not list(out.glob(".staging-*"))
+    write_run_dir(first, out)                  # the lock released: written, nothing left over
+    assert _files(out) == before
 
 
 def test_a_max_model_len_past_the_models_context_is_refused_as_vllm_does(tmp_path, capsys):

@@ -159,8 +159,8 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
             _check_latency_unit(path, table)
             if version is not None:
                 versions.setdefault(version, []).append(path.parent)
-            elif reader is _read_aiconfigurator:
-                unversioned.append(path)
+            elif reader is _read_aiconfigurator and path.name != "nccl_perf.parquet":
+                unversioned.append(path)   # (NCCL's table is versioned by its folder, if at all)
             parts.setdefault(family, []).append(table)
             read_in.add(path.parent)
             where = Path(root.resolve().name) / path.relative_to(root)
