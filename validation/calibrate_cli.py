@@ -97,13 +97,11 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-TABLE_SUFFIXES = (".parquet", ".csv")
-"""What a measurement table may be named (`validation.measurements`)."""
-
-
 def _check_out_is_not_an_input(out: Path, args: argparse.Namespace) -> None:
     """Refuse an --out that would replace what the fit reads: the GPU file, or a table in
     a measurement folder (the profile is JSON, whatever the name says)."""
+    from servelab.validation.measurements import TABLE_SUFFIXES
+
     where = out.resolve()
     if str(args.gpu).endswith(".json") and where == Path(args.gpu).resolve():
         raise CLIError(f"--out {out} is the GPU file --gpu reads: write the profile beside it "

@@ -145,7 +145,7 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
         for path in sorted(root.rglob("*")):
             family, reader = _recognise(path)
             if family is None:
-                if path.suffix in (".parquet", ".csv") and path.is_file():
+                if path.suffix.lower() in TABLE_SUFFIXES and path.is_file():
                     unread.add(path)
                 continue
             seen_any = True
@@ -194,6 +194,8 @@ def load_measurements(folders: list[str | Path], gpu: GPUSpec | str,
                           tuple(sorted(p.name for p in unread if p.parent in read_in)))
 
 
+TABLE_SUFFIXES = (".parquet", ".csv")
+"""What a measurement table file is named (aiconfigurator's Parquet, Vidur's CSV)."""
 SLOWEST_MEDIAN_S = 1e-6
 """No table's median kernel time is under a microsecond (a launch alone takes a few: the
 shared tables' medians are 6 µs and up, their fastest rows 1.7 µs)."""
