@@ -226,32 +226,46 @@ def test_decode_attention_costs_more_per_token_at_short_context():
 def test_flash_attention_2_decode_floors_follow_its_copies_and_its_splits():
     """FlashAttention 2's grouped-query decode copies the query and output when the batch
     and the KV heads are both above one (a transpose PyTorch cannot view), and launches
-    its split-KV merge only where it splits: more than one 128-token KV block of context,
-    and fewer sequence x KV-head items than 80% of the SMs. The A100 tables show both:
+    its split-KV merge only where it splits (`fa2_num_splits`). The A100 tables show both:
     12.3 us for one sequence or one KV head at a short context, 18.3-19.5 us from two of
-    each; one KV head's merge gone between 64 and 128 sequences."""
-    a100 = get_gpu("a100-80gb")     # 108 SMs: splits while batch x kv_heads < 86.4
+    each; one KV head at 255 tokens (two KV blocks) keeps its merge at 64 sequences and
+    drops it at 128, where splitting no longer fills more of the GPU's wave slots."""
+    a100 = get_gpu("a100-80gb")     # 108 SMs: 216 wave slots
     p = K.DecodeAttentionParams(floor_s=10e-6, split_floor_s=3e-6, gqa_copy_s=5e-6)
 
     def floor(batch, heads, kv_heads, context=None):
         return float(K.decode_attention_lines(batch, heads, kv_heads, 128, a100, p,
                                               seq_context=context)[0])
 
-    # short contexts (one KV block): no split; the copies only from 2 sequences x 2 KV heads
+    # one KV block (contexts up to 127): no split; the copies only from 2 sequences x 2 KV heads
     assert floor(1, 8, 2, 127) == floor(8, 8, 1, 127) == pytest.approx(10e-6)
     assert floor(2, 8, 2, 127) == floor(8, 32, 8, 1) == pytest.approx(15e-6)
-    # past one block the merge joins, until the items fill the GPU
+    # past one block the merge joins, while splitting fills more of the GPU
     assert floor(1, 8, 1, 128) == pytest.approx(13e-6)
     assert floor(2, 8, 2, 255) == pytest.approx(18e-6)
     assert floor(64, 8, 1, 255) == pytest.approx(13e-6)
-    assert floor(128, 8, 1, 255) == pytest.approx(10e-6)
-    assert floor(16, 64, 8, 4096) == pytest.approx(15e-6)     # 128 items: copies, no merge
+    assert floor(128, 8, 1, 255) == pytest.approx(10e-6)       # two blocks: nothing to gain
+    assert floor(16, 64, 8, 4096) == pytest.approx(18e-6)      # 128 items, 33 blocks: splits
+    assert floor(32, 64, 8, 4096) == pytest.approx(15e-6)      # 256 items fill the slots
     # equal query and KV heads take neither (no groups to fold, and no split path)
     mha = dataclasses.replace(p, mha_block_gbps=25.0)
     assert float(K.decode_attention_lines(4, 32, 32, 128, a100, mha, seq_context=4096)[0]) \
         == pytest.approx(10e-6)
-    # the simulator's tables know no per-sequence context: a served prompt spans blocks
-    assert floor(4, 32, 8) == floor(4, 32, 8, 4096) == pytest.approx(18e-6)
+    # the simulator's tables know no per-sequence context: taken as long, the batch decides
+    assert floor(4, 32, 8) == floor(4, 32, 8, 1 << 20) == pytest.approx(18e-6)
+    assert floor(32, 64, 8) == pytest.approx(15e-6)
+
+
+def test_flash_attention_2_splits_as_its_heuristic_does():
+    """`num_splits_heuristic` with vLLM's 2 x SMs wave slots (A100: 216): the fewest splits
+    within 85% of the best wave efficiency, counting only split counts that change the
+    blocks per split; none once the items fill 80% of the slots, none over one block."""
+    assert K.fa2_num_splits(64, 2, 108) == 2            # 0.30 of the slots; two do 0.59
+    assert K.fa2_num_splits(128, 2, 108) == 1           # 0.59 either way
+    assert K.fa2_num_splits(150, 128, 108) == 4         # 0.69, 0.69, 0.69, then 0.93
+    assert K.fa2_num_splits(173, 128, 108) == 1         # past 0.8 x 216
+    assert K.fa2_num_splits(8, 1, 108) == 1             # one block
+    assert K.fa2_num_splits(1, 128, 108) == 128         # 64 blocks a split at 64: 0.30 < 0.85 x 0.59
 
 
 def test_warm_l2_raises_the_bandwidth_ceiling_not_a_few_blocks_streaming():

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from servelab.simulator.kernels.attention import (
     TILE_ROWS, DecodeAttentionParams, PrefillAttentionParams, decode_attention_lines,
-    decode_attention_time, prefill_attention_coefficients, prefill_attention_time)
+    decode_attention_time, fa2_num_splits, prefill_attention_coefficients, prefill_attention_time)
 from servelab.simulator.kernels.base import INF
 from servelab.simulator.kernels.gemm import BENCH_LAYERS, TILE_M, TILE_N, GemmParams, gemm_time
 from servelab.simulator.kernels.mla import (
@@ -43,6 +43,7 @@ __all__ = ["BENCH_LAYERS", "INF", "TILE_M", "TILE_N", "TILE_ROWS", "AllToAllPara
            "HostLinkParams", "KernelParams", "MLADecodeParams", "MLAPrefillParams", "MoEParams",
            "PrefillAttentionParams", "allreduce_route", "allreduce_time", "alltoall_time",
            "decode_attention_lines", "decode_attention_time", "elementwise_time", "expert_load",
+           "fa2_num_splits",
            "fused_moe_time", "gemm_time", "host_copy_time", "mla_decode_lines", "mla_decode_time",
            "mla_prefill_coefficients", "mla_prefill_time", "moe_experts_time", "moe_layer_time",
            "parse_expert_load", "prefill_attention_coefficients", "prefill_attention_time"]

@@ -133,10 +133,8 @@ class DecodeAttentionParams(_Params):
     """Seconds no decode launch beats (the cache write and the attention kernel)."""
     split_floor_s: float = 0.0
     """Extra floor of the split-KV path's merge kernel, where it is a second launch
-    (FlashAttention 2 with grouped-query attention); 0 where it is not. FlashAttention 2
-    splits only where it pays (`num_splits_heuristic` in flash_api.cpp): not over a
-    single KV block of context (`FA2_SPLIT_BLOCK`), nor once the sequences' KV heads
-    fill `FA2_FULL_GPU` of the SMs; the merge is charged where it splits."""
+    (FlashAttention 2 with grouped-query attention); 0 where it is not. It is charged
+    where FlashAttention 2 splits (`fa2_num_splits`)."""
     gqa_copy_s: float = 0.0
     """Extra floor of FlashAttention 2's grouped-query decode where it copies the query
     in and the output out. It folds each KV head's query group into the query length
@@ -188,15 +186,47 @@ class DecodeAttentionParams(_Params):
                              f"got {self.batch_saturation!r}")
 
 
-FA2_SPLIT_BLOCK = 128
-"""Tokens per KV block of FlashAttention 2's split-KV decode at head_dim <= 128
-(`set_params_splitkv`: 256 up to head_dim 64, 128 up to 128, 64 above); the decoded
-token is in the cache, so a context of C tokens spans ceil((C + 1) / block) blocks, and
-one block is never split."""
 FA2_FULL_GPU = 0.8
-"""FlashAttention 2 does not split KV once batch × KV heads reaches this share of the
-SMs (`num_splits_heuristic`). Measured inside vLLM 0.14 on A100 (108 SMs) at 255 tokens
-of context, one KV head: 23.5 µs at 64 sequences, 21.7 µs at 128 (the merge gone)."""
+"""FlashAttention 2 never splits once its work items fill this share of its wave slots."""
+FA2_MAX_SPLITS = 128
+FA2_EFFICIENCY = 0.85
+"""It takes the fewest splits whose wave efficiency is within this share of the best."""
+
+
+def fa2_kv_block(head_dim) -> np.ndarray:
+    """Tokens per KV block of FlashAttention 2's split-KV decode (`set_params_splitkv`:
+    256 up to head_dim 64, 128 up to 128, 64 above)."""
+    head_dim = np.asarray(head_dim, dtype=np.float64)
+    return np.where(head_dim <= 64, 256.0, np.where(head_dim <= 128, 128.0, 64.0))
+
+
+def fa2_num_splits(items, kv_blocks, sm_count: int) -> np.ndarray:
+    """How many splits FlashAttention 2's decode takes (`num_splits_heuristic` in
+    flash_api.cpp, which vLLM's build calls with twice the SMs as its wave slots): one
+    once the `items` (sequences × KV heads × query blocks) fill `FA2_FULL_GPU` of the
+    slots; else, of the split counts up to the KV blocks, `FA2_MAX_SPLITS` and the slots
+    (a count counting only where it changes the blocks per split), the fewest whose wave
+    efficiency (waves / whole waves) is within `FA2_EFFICIENCY` of the best. One KV block
+    is never split. Elementwise."""
+    items, kv_blocks = np.broadcast_arrays(np.asarray(items, dtype=np.float64),
+                                           np.asarray(kv_blocks, dtype=np.float64))
+    slots = 2.0 * sm_count
+    cap = np.minimum(min(FA2_MAX_SPLITS, slots), kv_blocks)
+    effs = []
+    for n in range(1, FA2_MAX_SPLITS + 1):
+        eligible = n <= cap
+        if n > 1:
+            eligible = eligible & (np.ceil(kv_blocks / n) != np.ceil(kv_blocks / (n - 1)))
+        waves = items * n / slots
+        effs.append(np.where(eligible & (items > 0), waves / np.maximum(np.ceil(waves), 1.0), -1.0))
+    best = np.max(effs, axis=0)
+    chosen = np.ones(items.shape)
+    open_ = np.ones(items.shape, dtype=bool)
+    for n, eff in enumerate(effs, 1):
+        pick = open_ & (eff >= FA2_EFFICIENCY * best)
+        chosen = np.where(pick, n, chosen)
+        open_ &= ~pick
+    return np.where(items >= FA2_FULL_GPU * slots, 1.0, chosen)
 
 
 def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
@@ -210,9 +240,11 @@ def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
     whose L2 residency depends on C.) Decode is bandwidth-bound for any grouped-query
     ratio a model uses (a few FLOPs per KV byte against a ridge in the hundreds).
     `seq_context`, each sequence's context where the caller knows it (a kernel table),
-    says whether FlashAttention 2 splits at all; without it (the simulator's per-batch
-    tables) every sequence is taken to span more than one KV block (128 tokens), as a
-    served prompt does."""
+    says how many KV blocks FlashAttention 2 may split; without it (the simulator's
+    per-batch tables) every sequence is taken to span `FA2_MAX_SPLITS` blocks or more (16k
+    tokens at head_dim 128), where the split depends on the batch alone: below
+    `FA2_FULL_GPU` of the wave slots it splits. A served batch of shorter contexts splits
+    as often or less, so the merge's few microseconds may be charged where it is not run."""
     batch = np.asarray(batch, dtype=np.float64)
     heads, kv_heads = np.asarray(heads, np.float64), np.asarray(kv_heads, np.float64)
     kv_row = 2.0 * kv_heads * head_dim * kv_bytes
@@ -223,10 +255,13 @@ def decode_attention_lines(batch, heads, kv_heads, head_dim, gpu: GPUSpec,
     split = hbm if not p.head_stream_gbps else np.minimum(
         hbm, p.head_stream_gbps * 1e9 * kv_heads * np.maximum(1.0, batch / p.batch_saturation))
     rate = np.where(mha, np.minimum(hbm, p.mha_block_gbps * 1e9 * batch * kv_heads), split)
-    splits = ~mha & (batch * kv_heads < FA2_FULL_GPU * gpu.sm_count)
-    if seq_context is not None:
-        splits = splits & (np.asarray(seq_context) + 1 > FA2_SPLIT_BLOCK)
-    floor = p.floor_s + np.where(splits, p.split_floor_s, 0.0)
+    floor = p.floor_s
+    if p.split_floor_s:
+        blocks = FA2_MAX_SPLITS if seq_context is None else \
+            np.ceil((np.asarray(seq_context, dtype=np.float64) + 1) / fa2_kv_block(head_dim))
+        items = batch * kv_heads * np.ceil(heads / np.maximum(kv_heads, 1.0) / 64.0)
+        splits = ~mha & (fa2_num_splits(items, blocks, gpu.sm_count) > 1)
+        floor = floor + np.where(splits, p.split_floor_s, 0.0)
     if p.gqa_copy_s:
         floor = floor + np.where(~mha & (heads > kv_heads) & (batch >= 2) & (kv_heads >= 2),
                                  p.gqa_copy_s, 0.0)
