@@ -352,6 +352,19 @@ def packaged_choice(spec: GPUSpec | str, engine_version: str) -> tuple[str, str]
     return NONE, f"the bare roofline: no measured kernels for {spec.name}"
 
 
+def carried_over(spec: GPUSpec | str, engine_version: str) -> bool:
+    """Whether `packaged_choice` prices `spec` under vLLM `engine_version` with kernels
+    measured on another GPU or inside another engine version."""
+    spec = get_gpu(spec) if isinstance(spec, str) else spec
+    name = packaged_choice(spec, engine_version)[0]
+    if name == NONE:
+        return False
+    profile = load_profile(name)
+    return profile.device != spec.name or (
+        profile.engine_version is not None
+        and version_key(profile.engine_version) != version_key(engine_version))
+
+
 def profile_for(spec: GPUSpec | str, engine_version: str) -> tuple[CalibrationProfile, str]:
     """The packaged profile that prices `spec` under vLLM `engine_version`, and one line
     saying where it comes from. A GPU file outside the package that names a profile file

@@ -13,7 +13,7 @@ from pathlib import Path
 from servelab._validate import check_bounded
 from servelab.models import load_model_spec
 from servelab.simulator import kernels as K
-from servelab.simulator.calibration import packaged_choice, resolve, version_key
+from servelab.simulator.calibration import carried_over, packaged_choice, resolve, version_key
 from servelab.simulator.footprint import ACT_BYTES
 from servelab.simulator.gpus import DTYPE_BYTES, get_gpu
 from servelab.simulator.kernels.movement import ONE_STAGE, RING, SYMM_MEM, TWO_STAGE
@@ -72,8 +72,7 @@ def carried_over_note(opts: dict) -> str | None:
         return None
     gpu = get_gpu(opts["gpu"])
     if opts.get("calibration") is None:
-        line = packaged_choice(gpu, version)[1]
-        return line if "carried over" in line else None
+        return packaged_choice(gpu, version)[1] if carried_over(gpu, version) else None
     if str(opts["calibration"]) == "none":
         return None
     profile = resolve(gpu, opts["calibration"], version, engine_flag="--engine-version {version}")
