@@ -31,7 +31,8 @@ from servelab.reports.findings import analyse, constant, findings, summary_cells
 from servelab.reports.prefix_report import prefix_section
 from servelab.reports.repeats import repeated_policies, repeats_text
 from servelab.reports.report_figures import figures, memory_figure
-from servelab.reports.slo import MIN_ATTAINMENT, describe_tier, slo_attainment, slo_tiers
+from servelab.reports.slo import (MIN_ATTAINMENT, describe_tier, slo_attainment, slo_tiers,
+                                  unused_global_slos)
 
 #: Summary table: (header, summary.json key, decimals).
 TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
@@ -197,10 +198,13 @@ def _slo_text(c: Comparison, run_targets: str | None) -> str:
     own = any(t.tenant is not None for t in tiers)
     where = "per tenant, the requests' own SLOs taking precedence over the global ones" if own \
         else "for every request"
-    return (f"SLOs ({where}): " + "; ".join(describe_tier(t) for t in tiers) + ". A policy breaks at "
-            f"the first rate where fewer than {MIN_ATTAINMENT:.0%} of the requests meet their SLOs "
-            "(rejected ones count as misses), or its p99 TTFT or TPOT exceeds a global SLO that "
-            "applies to some request.")
+    unused = unused_global_slos(first.config, first.requests)
+    ignored = (f" {' and '.join(unused)} applied to no request: each request carries its own."
+               if unused else "")
+    return (f"SLOs ({where}): " + "; ".join(describe_tier(t) for t in tiers) + f".{ignored} A policy "
+            f"breaks at the first rate where fewer than {MIN_ATTAINMENT:.0%} of the requests meet "
+            "their SLOs (rejected ones count as misses), or its p99 TTFT or TPOT exceeds a global "
+            "SLO that applies to some request.")
 
 
 def summary_table(c: Comparison) -> list:

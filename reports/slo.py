@@ -46,6 +46,18 @@ class Tier:
     slo_ms: float
 
 
+def unused_global_slos(config: Mapping[str, Any], requests: Sequence[RequestRecord]) -> list[str]:
+    """The global SLO flags a run was given that apply to no request, every request
+    carrying its own ("--slo-ttft-ms 500"): a reader would take them as applied."""
+    unused = []
+    for metric, _ in SLO_METRICS:
+        value = config.get(f"slo_{metric}_ms")
+        if value is not None and requests and all(getattr(r, f"slo_{metric}_ms") is not None
+                                                  for r in requests):
+            unused.append(f"--slo-{metric}-ms {float(value):g}")
+    return unused
+
+
 def slo_tiers(config: Mapping[str, Any], requests: Sequence[RequestRecord]) -> list[Tier]:
     """Every SLO that applies to some request, per tenant when requests carry their own
     (a tenant without its own gets the global one), else the global SLOs for everyone."""

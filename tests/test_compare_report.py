@@ -299,6 +299,19 @@ def test_slo_tiers_are_the_tenants_own_and_the_global_one_for_the_rest():
     assert slo_tiers({"slo_ttft_ms": None, "slo_tpot_ms": None}, own[1:]) == []
 
 
+def test_a_global_slo_that_no_request_takes_is_said_to_be_unused():
+    """--slo-ttft-ms 500 over a trace whose every request has its own TTFT SLO changed
+    nothing, and the report's SLO paragraph did not say so."""
+    from servelab.reports.slo import unused_global_slos
+
+    own = [RequestRecord(0, 0.0, 5, 5, "finished", 0.0, 0.1, 0.5, tenant="chat", slo_ttft_ms=1000.0,
+                         slo_tpot_ms=100.0),
+           RequestRecord(1, 0.0, 5, 5, "finished", 0.0, 2.0, 2.5, tenant="batch", slo_ttft_ms=1e4)]
+    given = {"slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0}
+    assert unused_global_slos(given, own) == ["--slo-ttft-ms 500"]   # batch takes the TPOT one
+    assert unused_global_slos({"slo_ttft_ms": None, "slo_tpot_ms": None}, own) == []
+
+
 def test_a_point_without_its_marker_is_listed_as_missing(sweep, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(sweep, copy)
