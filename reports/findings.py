@@ -175,7 +175,15 @@ def _verdict(group: Group) -> str:
         return (f"Every policy breaks at {last:g} req/s; there {' and '.join(ahead)} keeps the most "
                 f"requests within SLO ({', '.join(f'{at_top[p]:.0%}' for p in ahead)}).")
     how = "never breaks at the rates run" if last == math.inf else f"breaks last, at {last:g} req/s"
-    return f"Most load within SLO: {' and '.join(best)} ({how}{'; ' + shares if shares else ''})."
+    held_over = sorted({p.rate for pol in best for p in group.series[pol]
+                        if group.overloaded[p.name] is not None
+                        and (last == math.inf or p.rate < last)})
+    one = len(best) == 1
+    bound = (f" {'It holds' if one else 'They hold'} while overloaded at "
+             f"{', '.join(f'{r:g}' for r in held_over)} req/s, where latencies grow with the run's "
+             f"length: a longer run may break {'it' if one else 'them'} sooner."
+             if held_over else "")
+    return f"Most load within SLO: {' and '.join(best)} ({how}{'; ' + shares if shares else ''}).{bound}"
 
 
 def _health(group: Group) -> list:

@@ -412,3 +412,26 @@ def test_the_report_names_the_engine_and_the_kernels_that_priced_it(sweep, tmp_p
                  "--workers", "1", "--out", str(out)]) == 0
     assert ("engine vllm-0.24 (kernels: h100-sxm.vllm-0.24, measured inside vLLM 0.24.0)"
             in (out / "report.md").read_text())
+
+
+def test_the_policy_that_holds_longest_is_qualified_where_it_held_overloaded(document):
+    """"Most load within SLO: priority (never breaks ...)" at rates where its queue never
+    emptied read as capacity; the verdict now says where it held only while overloaded."""
+    from dataclasses import replace
+
+    from servelab.reports.findings import _verdict
+
+    comparison, _ = document
+    group = _group(comparison, MANAGERS[0])
+    assert all(b is not None for b in group.breaks.values())   # every policy breaks here
+    best = sorted(group.breaks)[0]   # made the one policy that holds at every rate run
+    calm = replace(group, overloaded=dict.fromkeys(group.overloaded),
+                   breaks={**group.breaks, best: None})
+    verdict = _verdict(calm)
+    assert verdict.startswith(f"Most load within SLO: {best} (never breaks at the rates run")
+    assert "while overloaded" not in verdict
+    top = group.series[best][-1]
+    marked = replace(calm, overloaded={**calm.overloaded, top.name: object()})
+    assert _verdict(marked).endswith(f"It holds while overloaded at {top.rate:g} req/s, where "
+                                     "latencies grow with the run's length: a longer run may "
+                                     "break it sooner.")
