@@ -76,7 +76,7 @@ def build_capacity_document(data: Mapping[str, Any], out_dir: Path) -> list:
         doc += [Heading(2, title),
                 Text(f"No run at the capacities succeeded ({unstored}); rerun the same command to retry them.")]
     else:
-        doc += build_document(comparison, title=title, level=2)
+        doc += build_document(comparison, title=title, level=2, run_targets=data.get("criterion"))
     return doc
 
 

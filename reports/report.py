@@ -201,6 +201,10 @@ def _slo_text(c: Comparison, run_targets: str | None) -> str:
     unused = unused_global_slos(first.config, first.requests)
     ignored = (f" {' and '.join(unused)} applied to no request: each request carries its own."
                if unused else "")
+    if run_targets:   # an embedding search judged its rates by whole-run targets
+        ignored += (f" This section judges each run by those SLOs, as compare does; the search "
+                    f"above judged its runs by {run_targets}, so a run may hold here and not "
+                    "there.")
     return (f"SLOs ({where}): " + "; ".join(describe_tier(t) for t in tiers) + f".{ignored} A policy "
             f"breaks at the first rate where fewer than {MIN_ATTAINMENT:.0%} of the requests meet "
             "their SLOs (rejected ones count as misses), or its p99 TTFT or TPOT exceeds a global "

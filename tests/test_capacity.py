@@ -317,3 +317,7 @@ def test_a_capacity_whose_run_held_few_of_the_requests_asked_says_so(tmp_path, c
                  "--weight-dtype", "fp8", "--out", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "  few requests: its run held 19 of the 300 requests asked (the trace ends first at" in out
+    # the embedded comparison judges runs by the requests' SLOs, and says the search did not
+    report = (tmp_path / "c" / "report.md").read_text()
+    assert ("the search above judged its runs by p99 TTFT <= 3000 ms and p99 TPOT <= 150 ms, so a "
+            "run may hold here and not there") in " ".join(report.split())
