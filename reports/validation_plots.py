@@ -69,7 +69,7 @@ def plot_step_errors(predicted_s: Sequence[float], measured_s: Sequence[float],
     ax.hist([err[kinds == k] for k in present], bins=30, stacked=True,
             color=[_COLOURS[k] for k in present], label=present)
     med = float(np.median(err))
-    ax.axvline(med, color="k", lw=1, ls="--", label=f"median {med:+.1f}%")
+    ax.axvline(med, color="k", lw=1, ls="--", label=f"signed median {med:+.1f}%")
     ax.axvline(0, color="0.5", lw=0.8)
     ax.set(xlabel="step-time error (%)  [(predicted − measured) / measured]",
            ylabel="steps", title=f"{title}\nMAPE {np.abs(err).mean():.1f}%" if title

@@ -198,7 +198,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _errors(e: dict) -> str:
-    return (f"MAPE {e['mape_pct']:.1f}%, median {e['median_ape_pct']:.1f}%, "
+    return (f"MAPE {e['mape_pct']:.1f}%, median APE {e['median_ape_pct']:.1f}%, "
             f"p90 {e['p90_ape_pct']:.1f}%, bias {e['bias_pct']:+.1f}% ({e['steps']} steps)")
 
 
