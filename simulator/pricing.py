@@ -35,11 +35,11 @@ _REQUIRED = {"gemm": ("m", "n", "k"), "attention": ("phase", "batch", "heads", "
              "mla": ("phase", "batch", "heads")}
 
 
-
 def ep_disagrees_with_dp(ep: int, dp: int, tp: int) -> str:
     """The one line for --ep given beside a --dp it does not match (`simulate`, `cost`)."""
     return (f"--ep {ep} disagrees with --dp {dp} x --tp {tp}: vLLM's expert-parallel group "
             f"is the TP x DP GPUs of a deployment (leave --ep out: --dp {dp} sets it to {dp * tp})")
+
 
 def _setup(opts: dict):
     gpu = get_gpu(opts["gpu"])
@@ -511,7 +511,7 @@ def describe(kind: str, r: dict) -> str:
                 f"{r['bus_gbps']} GB/s")
     experts = f", ep={r['ep']}, {r['expert_load']} expert load" if "ep" in r else ""
     pp = f", pp={r['pp']}" if "pp" in r else ""
-    dtypes = f", {r['weight_dtype']} weights, {r['kv_dtype']} KV" if "weight_dtype" in r else ""
+    dtypes = f", {r['weight_dtype']} weights, {r['kv_dtype']} KV"
     lines = [f"{head}  one step of {r['model']} (tp={r['tp']}{pp}{experts}{dtypes}, "
              f"{r['layers']} layers, {r['tokens']} tokens) {where}; mean layer "
              f"{r['per_layer_ms']:.4f} ms"]

@@ -183,7 +183,6 @@ class MLADecodeParams(_Params):
     32 heads (two blocks) 27.5 ms; 128 heads at 64 sequences of 1k tokens read the latents
     about once. A GPU file without an L2 size: every re-read from HBM. Fitted values:
     docs/moe-mla.md. Unused when `head_block` is 0."""
-
     reread_seqs: float = 0.0
     """Sequences below which a block of heads' programs run alongside the next block's (the
     grid runs sequences fastest, so they are that many programs apart) and share their
@@ -191,7 +190,6 @@ class MLADecodeParams(_Params):
     it. L40S: 16-32 sequences of 16k-128k tokens with 32-128 heads read the latents about
     once, 64 sequences about four times at 128 heads, 128 and more up to eight times.
     0: no such overlap."""
-
     partials_l2_fraction: float = 0.0
     """Share of L2 the split results may fill and still pass from the kernel's first stage
     to its second through L2: stage 1 writes, for every (sequence, head, KV split), the
